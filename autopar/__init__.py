@@ -1,0 +1,24 @@
+"""autopar: automatic intra-operator parallelism for stock JAX.
+
+    >>> import autopar
+    >>> step = autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,))
+    >>> state, loss = step(state, batch)
+    >>> print(autopar.dump(step.get_plan(state, batch)))
+"""
+from .api import ParallelizedFunction, parallelize, plan
+from .cluster import ClusterSpec, LogicalMesh
+from .cost import CostModel
+from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
+                     UnsupportedError)
+from .inspect import dump
+from .options import (DataParallel, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
+                      Zero3Parallel)
+from .plan import ParallelPlan
+
+__all__ = [
+    "parallelize", "plan", "dump", "ParallelizedFunction", "ParallelPlan",
+    "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel", "MethodKind",
+    "SolverBackend", "ClusterSpec", "LogicalMesh", "CostModel",
+    "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
+    "UnsupportedError",
+]

@@ -1,0 +1,55 @@
+"""The one place autopar reaches into JAX internals or version-dependent names."""
+from __future__ import annotations
+
+import jax
+import jax.extend.core as jcore
+from jax.extend import source_info_util
+from jax.extend.core import primitives as prims
+
+Var = jcore.Var
+Literal = jcore.Literal
+DropVar = jcore.DropVar
+Jaxpr = jcore.Jaxpr
+ClosedJaxpr = jcore.ClosedJaxpr
+
+# Call-like primitives whose body is inlined by the trace pass, and the param holding the body.
+INLINE_BODY_PARAM = {
+    prims.jit_p.name: "jaxpr",
+    prims.custom_jvp_call_p.name: "call_jaxpr",
+    prims.custom_vjp_call_p.name: "call_jaxpr",
+    prims.remat_p.name: "jaxpr",
+}
+CONTROL_FLOW = frozenset({prims.scan_p.name, prims.while_p.name, prims.cond_p.name})
+SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
+
+
+def source_summary(source_info, depth: int = 12) -> str:
+    """`file:line:col (function)` of the innermost frame that created an equation and is not
+    inside an installed library (flax, optax, ...): the model or step code a user wrote."""
+    try:
+        frames = source_info_util.summarize(source_info, num_frames=depth).splitlines()
+    except Exception:  # source info is best-effort metadata
+        return "<unknown>"
+    for frame in reversed(frames):  # innermost last
+        if "site-packages" not in frame and "dist-packages" not in frame:
+            return frame
+    return frames[-1] if frames else "<unknown>"
+
+
+def name_stack(source_info) -> str:
+    return str(getattr(source_info, "name_stack", "") or "")
+
+
+def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The same devices and axis names with every axis typed Auto.
+
+    `jax.make_mesh` defaults to Explicit axes, where a matmul over a sharded contracting
+    dimension raises unless given `out_sharding`; autopar's lowering places shardings itself
+    with `with_sharding_constraint`, which needs Auto axes.
+    """
+    AxisType = jax.sharding.AxisType
+    types = getattr(mesh, "axis_types", None)
+    if types is not None and all(t == AxisType.Auto for t in types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(AxisType.Auto,) * len(mesh.axis_names))

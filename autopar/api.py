@@ -1,0 +1,230 @@
+"""The driver: `parallelize` and `plan`. It reads like a table of contents: one call per pass.
+
+Example:
+    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+    >>> @autopar.parallelize(mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
+    ... def train_step(state, batch):
+    ...     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    ...     return state.apply_gradients(grads=grads), loss
+    >>> state, loss = train_step(state, batch)
+    >>> print(autopar.dump(train_step.get_plan(state, batch)))
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .cluster import ClusterSpec
+from .cost import CostModel
+from .errors import InvalidArgumentError, PlanMismatchError
+from .graph import OpGraph
+from .intra_op import solve_intra_op
+from .lower import Lowered, lower
+from .options import ShardParallel
+from .plan import ParallelPlan, graph_fingerprint
+from .planner import build_plan
+from .trace import check_argnums, trace
+
+log = logging.getLogger(__name__)
+
+
+def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
+                device_ids) -> ParallelPlan:
+    t0 = time.perf_counter()
+    logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
+    cost = CostModel(mesh=logical)
+    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs)
+    budget = method.memory_budget_bytes or logical.memory_bytes
+    timings = {"trace": graph.trace_time_s, "intra_op": time.perf_counter() - t0}
+    return build_plan(graph, assignment, method=method.kind.value, cluster=cluster.name,
+                      device_ids=tuple(device_ids), memory_budget_bytes=budget,
+                      timings_s=timings)
+
+
+def _check_batch(graph: OpGraph) -> None:
+    """Every leaf of a batch argument must share one leading (batch) dimension."""
+    sizes = {}
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        if t.role is not None and t.role.value == "batch":
+            if t.rank == 0:
+                raise InvalidArgumentError(
+                    f"batch_argnums: leaf `{t.path}` is a scalar, so it has no batch dimension. "
+                    f"Fix: list only arguments whose leaves are [batch, ...] arrays in "
+                    f"batch_argnums (static or scalar arguments belong elsewhere).")
+            sizes[t.path] = t.shape[0]
+    if len(set(sizes.values())) > 1:
+        raise InvalidArgumentError(
+            f"batch_argnums: the leaves of the batch argument(s) disagree on the batch "
+            f"(leading) dimension: {sizes}. Fix: pass in batch_argnums only arguments whose "
+            f"leaves all start with the same batch size.")
+
+
+def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
+         mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
+         batch_argnums: Sequence[int] = (1,), static_argnums: Sequence[int] = (),
+         donate_argnums: Sequence[int] = ()) -> ParallelPlan:
+    """Plan `fun(*args)` for a cluster this machine need not have.
+
+    `args` may be abstract (`jax.ShapeDtypeStruct`, e.g. from `jax.eval_shape`), so a large
+    model is planned without allocating it. The logical mesh defaults to
+    (num_hosts, devices_per_host).
+
+    Example:
+        >>> cluster = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
+        >>> abstract_state = jax.eval_shape(create_state)
+        >>> p = autopar.plan(train_step, abstract_state, batch_spec, cluster=cluster)
+    """
+    method = method or ShardParallel()
+    if mesh_shape is None:
+        mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
+    axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
+    graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                  donate_argnums=donate_argnums)
+    _check_batch(graph)
+    return _plan_graph(graph, cluster, mesh_shape, axis_names, method,
+                       tuple(range(cluster.num_devices)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Entry:
+    graph: OpGraph
+    plan: ParallelPlan
+    lowered: Lowered
+
+
+class ParallelizedFunction:
+    """What `parallelize` returns: call it like the original function."""
+
+    def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
+                 plan, cluster):
+        functools.update_wrapper(self, fun)
+        self._fun = fun
+        self._mesh = mesh
+        self._method = method or ShardParallel()
+        self._static = tuple(static_argnums)
+        self._donate = tuple(donate_argnums)
+        self._batch = tuple(batch_argnums)
+        self._saved_plan = plan
+        self._cluster = cluster
+        self._cache: dict[Any, _Entry] = {}
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        if self._mesh is None:
+            devices = np.array(jax.devices())
+            self._mesh = jax.sharding.Mesh(devices.reshape(1, -1), ("data", "model"))
+        return self._mesh
+
+    def _key(self, args) -> Any:
+        check_argnums("static_argnums", self._static, len(args))
+        parts = []
+        for i, a in enumerate(args):
+            if i in self._static:
+                parts.append(("static", a))
+            else:
+                leaves, treedef = jax.tree_util.tree_flatten(a)
+                parts.append((treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
+                                             for x in leaves)))
+        return tuple(parts)
+
+    def _entry(self, args) -> _Entry:
+        key = self._key(args)
+        entry = self._cache.get(key)
+        if entry is not None:
+            return entry
+        graph = trace(self._fun, args, static_argnums=self._static,
+                      batch_argnums=self._batch, donate_argnums=self._donate)
+        _check_batch(graph)
+        mesh = self.mesh
+        if self._saved_plan is not None:
+            plan_ = self._saved_plan
+            if plan_.graph_fingerprint != graph_fingerprint(graph):
+                raise PlanMismatchError(
+                    "the saved plan was made for a different function or argument shapes "
+                    f"(plan fingerprint {plan_.graph_fingerprint}, this call "
+                    f"{graph_fingerprint(graph)}). Fix: re-plan, or call with the shapes the "
+                    "plan was made for.")
+        else:
+            cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
+            log.info("autopar: planning %s on mesh %s", getattr(self._fun, "__name__", "fn"),
+                     dict(zip(mesh.axis_names, mesh.devices.shape)))
+            plan_ = _plan_graph(graph, cluster, mesh.devices.shape, mesh.axis_names,
+                                self._method, tuple(int(d.id) for d in mesh.devices.flat))
+        entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
+        self._cache[key] = entry
+        return entry
+
+    def _flat_args(self, args, entry: _Entry):
+        dyn = tuple(a for i, a in enumerate(args) if i not in self._static)
+        leaves = jax.tree_util.tree_leaves(dyn)
+        return [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                for x, s in zip(leaves, entry.lowered.in_shardings)]
+
+    def __call__(self, *args):
+        entry = self._entry(args)
+        out = entry.lowered.jitted(*self._flat_args(args, entry))
+        return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
+
+    def get_plan(self, *args) -> ParallelPlan:
+        """The plan used for these arguments (planned now if not yet)."""
+        return self._entry(args).plan
+
+    def get_graph(self, *args) -> OpGraph:
+        return self._entry(args).graph
+
+    def get_compiled(self, *args):
+        """The compiled XLA executable (`.as_text()` gives the HLO)."""
+        entry = self._entry(args)
+        abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
+                    for x, s in zip(jax.tree_util.tree_leaves(
+                        tuple(a for i, a in enumerate(args) if i not in self._static)),
+                        entry.lowered.in_shardings)]
+        return entry.lowered.jitted.lower(*abstract).compile()
+
+
+def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
+                method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
+                donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
+                plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None):
+    """Parallelize a training step over a device mesh.
+
+    Args:
+      fun: the step, e.g. `train_step(state, batch) -> (state, loss)`.
+      mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None uses every device as a
+        1 x N mesh.
+      method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()` or
+        `Zero3Parallel()`.
+      static_argnums, donate_argnums: as in `jax.jit`.
+      batch_argnums: positional arguments whose leaves carry the batch as dimension 0.
+      plan: a saved `ParallelPlan` (e.g. `ParallelPlan.from_json(text)`): skip the search.
+      cluster: a `ClusterSpec` to cost plans with instead of the one read off the devices.
+
+    Plans and executables are cached per abstract signature of the arguments (tree
+    structure, shapes, dtypes, static values); a new shape re-plans.
+
+    Example:
+        >>> @autopar.parallelize(mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
+        ... def train_step(state, batch): ...
+    """
+    if fun is None:
+        return functools.partial(parallelize, mesh=mesh, method=method,
+                                 static_argnums=static_argnums, donate_argnums=donate_argnums,
+                                 batch_argnums=batch_argnums, plan=plan, cluster=cluster)
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise InvalidArgumentError(
+            f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
+            f"jax.make_mesh((2, 4), ('data', 'model')).")
+    if method is not None and not isinstance(method, ShardParallel):
+        raise InvalidArgumentError(
+            f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
+            f"DataParallel(), Zero2Parallel() or Zero3Parallel().")
+    return ParallelizedFunction(fun, mesh=mesh, method=method, static_argnums=static_argnums,
+                                donate_argnums=donate_argnums, batch_argnums=batch_argnums,
+                                plan=plan, cluster=cluster)

@@ -1,0 +1,34 @@
+"""Errors raised by autopar. Every message names the rule, the offending value, where it came
+from, and how to fix it."""
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises."""
+
+
+class InvalidArgumentError(AutoparError, ValueError):
+    """An argument to the public API breaks a rule (wrong `batch_argnums`, a mesh that does not
+    match the devices, a batch that does not divide the mesh, ...)."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No sharding plan fits the per-device memory budget.
+
+    Attributes:
+      needed_bytes: peak bytes per device of the best plan found (the minimum-memory plan).
+      budget_bytes: the per-device budget the plan had to fit.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = int(needed_bytes)
+        self.budget_bytes = int(budget_bytes)
+
+
+class UnsupportedError(AutoparError):
+    """A construct autopar cannot plan or lower (a primitive, an effect, a mesh shape)."""
+
+
+class PlanMismatchError(AutoparError):
+    """A saved plan does not match the function or arguments it is applied to."""

@@ -1,0 +1,110 @@
+"""The operator graph: the value the trace pass produces and every later pass reads.
+
+Nodes are jaxpr equations with call-like primitives (`jit`, `custom_jvp_call`,
+`custom_vjp_call`, `remat`) inlined; tensors are the values between them. The graph keeps the
+original equation of every node so that the lowering can re-emit it.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class TensorKind(enum.Enum):
+    INPUT = "input"          # a leaf of the function's (non-static) arguments
+    CONST = "const"          # a literal or a closed-over array
+    INTERMEDIATE = "value"   # produced by a node
+
+
+class InputRole(enum.Enum):
+    PARAM = "param"          # model parameters (float leaves of non-batch arguments)
+    OPT_STATE = "opt_state"  # optimizer state (float leaves under an optimizer-like path)
+    BATCH = "batch"          # leaves of the arguments named in `batch_argnums`
+    OTHER = "other"          # integer / boolean state such as a step counter
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tensor:
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: TensorKind
+    producer: int | None = None        # node id for INTERMEDIATE
+    input_index: int | None = None     # flat argument index for INPUT
+    path: str = ""                     # for INPUT: e.g. "state.params['Dense_0']['kernel']"
+    role: InputRole | None = None      # for INPUT
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize if self.dtype != "key" else 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Node:
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]            # tensor ids
+    outputs: tuple[int, ...]           # tensor ids
+    flops: float
+    source: str                        # "file:line:col (function)"
+    name_stack: str                    # e.g. "transpose(jvp(GPT))/block_0/attn"
+    eqn: Any = field(repr=False)       # the jaxpr equation, for params and re-emission
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class OpGraph:
+    nodes: tuple[Node, ...]
+    tensors: tuple[Tensor, ...]
+    inputs: tuple[int, ...]                    # tensor id of each flat argument leaf
+    outputs: tuple[int, ...]                   # tensor id of each flat result leaf
+    const_values: dict[int, Any] = field(repr=False)   # CONST tensor id -> value
+    in_tree: Any = field(repr=False)           # treedef of the (non-static) argument tuple
+    out_tree: Any = field(repr=False)
+    arg_of_input: tuple[int, ...]              # positional argument index of each flat input
+    donated_inputs: frozenset[int]             # flat input positions donated by the user
+    carried_outputs: dict[int, int]            # flat output position -> flat input position of
+                                               # the argument leaf it replaces (e.g. new state)
+    trace_time_s: float = 0.0
+
+    def consumers(self) -> list[list[int]]:
+        """For every tensor, the ids of nodes that read it (in order, without repeats)."""
+        out: list[list[int]] = [[] for _ in self.tensors]
+        for node in self.nodes:
+            for t in dict.fromkeys(node.inputs):
+                out[t].append(node.id)
+        return out
+
+    def last_use(self) -> list[int]:
+        """For every tensor, the index of the last node reading it; len(nodes) if it is a
+        result or an undonated input (it outlives the step), -1 if never read."""
+        end = len(self.nodes)
+        last = [-1] * len(self.tensors)
+        for node in self.nodes:
+            for t in node.inputs:
+                last[t] = node.id
+        for t in self.outputs:
+            last[t] = end
+        for pos, t in enumerate(self.inputs):
+            if pos not in self.donated_inputs:
+                last[t] = end
+        return last
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(n.flops for n in self.nodes))

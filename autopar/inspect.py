@@ -1,0 +1,86 @@
+"""Inspect pass: a human-readable text dump of a `ParallelPlan`.
+
+Example:
+    >>> print(autopar.dump(train_step.get_plan(state, batch)))
+"""
+from __future__ import annotations
+
+from .plan import ParallelPlan
+from .spec import format_spec
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + \
+           [fmt.format(*map(str, r)) for r in rows]
+
+
+def dump(plan: ParallelPlan, *, max_operators: int | None = None) -> str:
+    """Text description of a plan: mesh, state shardings, heavy-operator strategies with
+    their source lines, predicted costs, ILP statistics and every fallback applied."""
+    names = plan.axis_names
+    lines = [f"autopar plan  method={plan.method}  cluster={plan.cluster}",
+             "mesh: " + " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
+             + f"  devices={list(plan.device_ids)}", ""]
+    lines.append("predicted per step (per device):")
+    lines.append(f"  compute {_time(plan.predicted_compute_s)}   communication "
+                 f"{_time(plan.predicted_comm_s)}   resharding {_time(plan.predicted_reshard_s)}"
+                 f"   total {_time(plan.predicted_step_s)}")
+    lines.append(f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
+                 f"{_bytes(plan.memory_budget_bytes)}")
+    ilp = plan.ilp
+    if ilp:
+        lines.append(f"ILP: {ilp['num_groups']} strategy groups, {ilp['num_edges']} edges, "
+                     f"{ilp['num_memory_points']} memory points -> {ilp['num_variables']} "
+                     f"variables, {ilp['num_constraints']} constraints; backend {ilp['backend']}, "
+                     f"status {ilp['status']}, build {_time(ilp['build_time_s'])}, solve "
+                     f"{_time(ilp['solve_time_s'])}")
+        if ilp["status"] not in ("optimal", "trivial"):
+            lines.append(f"  NOTE: {ilp['message']}")
+    if plan.timings_s:
+        lines.append("timings: " + ", ".join(f"{k} {_time(v)}" for k, v in plan.timings_s.items()))
+    lines.append("")
+    lines.append("state and inputs:")
+    rows = [(t.path, t.role, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+             format_spec(t.spec, names)) for t in plan.inputs]
+    lines += ["  " + r for r in _table(rows, ("leaf", "role", "shape", "dtype", "sharding"))]
+    lines.append("")
+    lines.append("results:")
+    rows = [(t.path, "x".join(map(str, t.shape)) or "scalar", format_spec(t.spec, names))
+            for t in plan.outputs]
+    lines += ["  " + r for r in _table(rows, ("result", "shape", "sharding"))]
+    lines.append("")
+    ops = plan.operators if max_operators is None else plan.operators[:max_operators]
+    lines.append(f"heavy operators ({len(plan.operators)}):")
+    rows = [(o.node, o.primitive, "x".join(map(str, o.out_shape)), o.strategy,
+             format_spec(o.out_spec, names), o.communication or "-", _time(o.compute_s),
+             o.name_stack or "-", o.source) for o in ops]
+    lines += ["  " + r for r in _table(rows, ("node", "op", "out shape", "strategy", "out",
+                                               "collective", "compute", "scope", "source"))]
+    if len(ops) < len(plan.operators):
+        lines.append(f"  ... {len(plan.operators) - len(ops)} more")
+    lines.append("")
+    if plan.fallbacks:
+        lines.append(f"fallbacks ({len(plan.fallbacks)}):")
+        for f in plan.fallbacks:
+            lines.append(f"  node {f.node} {f.primitive} at {f.source}: {f.reason}")
+    else:
+        lines.append("fallbacks: none (every operator had a sharding rule)")
+    return "\n".join(lines)

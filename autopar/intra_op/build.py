@@ -1,0 +1,253 @@
+"""Assemble the intra-op ILP from an OpGraph: variable groups, follow relations, resharding
+edges and liveness memory points.
+
+Every tensor belongs to one *group* (an ILP variable) and has one spec per option of that
+group. Leaders (inputs, dot_general, conv, gather, scatter, fallbacks) open a group; cheap nodes
+follow an operand's group and add their outputs to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..graph import InputRole, OpGraph, TensorKind
+from ..spec import Spec, enumerate_specs, num_shards, replicated
+from .follow import FOLLOW_RULES, main_operand
+from .ilp import IlpEdge, IlpProblem, MemoryPoint
+from .rules import HEAVY, LEADER_RULES, RuleContext, Strategy, replicated_rule
+
+# Nodes whose results are not constants even when their operands are.
+_NOT_FOLDABLE = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator",
+                           "rng_uniform", "while", "scan", "cond"})
+_CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fallback:
+    node: int
+    primitive: str
+    source: str
+    reason: str
+
+
+@dataclass(slots=True)
+class Built:
+    """The ILP and everything needed to read its solution back."""
+    problem: IlpProblem
+    tensor_group: list[int]
+    tensor_specs: list[list[Spec]]          # tensor -> spec per option of its group
+    node_group: list[int]
+    node_strategies: list[list[Strategy]]   # node -> strategy per option of its group
+    group_size: list[int]
+    reshard_diag: list[np.ndarray]          # group -> reshard cost charged inside the group
+    edges: list[IlpEdge]
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+
+def deferred_nodes(graph: OpGraph) -> frozenset[int]:
+    """Nodes from which no heavy operator is reachable (e.g. gradient reductions feeding only
+    the optimizer): XLA combines their independent collectives, so the ILP charges only the
+    bandwidth term of each."""
+    consumers = graph.consumers()
+    feeds_heavy = [False] * len(graph.nodes)   # some later heavy op reads what v computes
+    for node in reversed(graph.nodes):
+        feeds_heavy[node.id] = any(graph.nodes[c].primitive in HEAVY or feeds_heavy[c]
+                                   for t in node.outputs for c in consumers[t])
+    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
+
+
+def cheap_source_tensors(graph: OpGraph) -> list[bool]:
+    """Tensors computed from constants alone (iota, broadcast zeros, a scaled literal...)."""
+    cheap = [t.kind == TensorKind.CONST for t in graph.tensors]
+    for node in graph.nodes:
+        if node.primitive not in _NOT_FOLDABLE and all(cheap[i] for i in node.inputs):
+            for o in node.outputs:
+                cheap[o] = True
+    return cheap
+
+
+class _Builder:
+    def __init__(self, graph: OpGraph, ctx: RuleContext,
+                 input_options: Callable[[int], list[Spec]]):
+        self.g, self.ctx = graph, ctx
+        self.input_options = input_options
+        n_t = len(graph.tensors)
+        self.tensor_group = [-1] * n_t
+        self.tensor_specs: list[list[Spec]] = [[] for _ in range(n_t)]
+        self.node_group = [-1] * len(graph.nodes)
+        self.node_strategies: list[list[Strategy]] = [[] for _ in graph.nodes]
+        self.costs: list[np.ndarray] = []
+        self.diag: list[np.ndarray] = []
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.fallbacks: list[Fallback] = []
+        self._reshard_cache: dict = {}
+
+    def new_group(self, k: int) -> int:
+        self.costs.append(np.zeros(k))
+        self.diag.append(np.zeros(k))
+        return len(self.costs) - 1
+
+    def reshard(self, tid: int, src: Spec, dst: Spec | None) -> float:
+        if dst is None or src == dst:
+            return 0.0
+        t = self.g.tensors[tid]
+        key = (t.shape, t.itemsize, src, dst)
+        val = self._reshard_cache.get(key)
+        if val is None:
+            val = self._reshard_cache[key] = self.ctx.cost.reshard_s(t.shape, t.itemsize, src, dst)
+        return val
+
+    def connect(self, tid: int, group: int, wanted: list[Spec | None]) -> None:
+        """Charge moving tensor `tid` into the spec `wanted[a]` for option a of `group`."""
+        if all(w is None for w in wanted):
+            return
+        gu = self.tensor_group[tid]
+        specs = self.tensor_specs[tid]
+        if gu == group:
+            self.diag[group] += np.array([self.reshard(tid, specs[a], w)
+                                          for a, w in enumerate(wanted)])
+            return
+        mat = np.array([[self.reshard(tid, s, w) for w in wanted] for s in specs])
+        if not mat.any():
+            return
+        key = (gu, group)
+        self.edges[key] = self.edges.get(key, 0) + mat
+
+    # ------------------------------------------------------------------------- tensors
+    def add_sources(self) -> None:
+        for tid, t in enumerate(self.g.tensors):
+            if t.kind == TensorKind.CONST:
+                g = self.new_group(1)
+                self.tensor_group[tid], self.tensor_specs[tid] = g, [replicated(t.rank)]
+        for tid in self.g.inputs:
+            opts = self.input_options(tid)
+            g = self.new_group(len(opts))
+            self.tensor_group[tid], self.tensor_specs[tid] = g, list(opts)
+
+    # --------------------------------------------------------------------------- nodes
+    def add_node(self, node, cheap: list[bool]) -> None:
+        name = node.primitive
+        follow = FOLLOW_RULES.get(name)
+        if follow is not None and node.inputs and node.outputs:
+            pos = main_operand(self.ctx, node, lambda t: (
+                len(self.tensor_specs[t]) > 1, not cheap[t]))
+            if pos is not None:
+                return self._add_follower(node, follow, pos)
+        rule = LEADER_RULES.get(name)
+        strategies = rule(self.ctx, node) if rule is not None else []
+        if not strategies:
+            strategies = replicated_rule(self.ctx, node)
+            if node.inputs and name not in ("iota",):
+                reason = ("control flow treated conservatively: operands gathered, results "
+                          "replicated" if name in _CONTROL_FLOW else
+                          f"no sharding rule for primitive '{name}': operands gathered, "
+                          f"results replicated")
+                self.fallbacks.append(Fallback(node=node.id, primitive=name,
+                                               source=node.source, reason=reason))
+        self._add_leader(node, strategies)
+
+    def _objective(self, node, s: Strategy) -> float:
+        return (s.compute_s if node.primitive in HEAVY else 0.0) + s.comm_s
+
+    def _add_leader(self, node, strategies: list[Strategy]) -> None:
+        g = self.new_group(len(strategies))
+        self.costs[g] += [self._objective(node, s) for s in strategies]
+        self._finish(node, g, strategies)
+
+    def _add_follower(self, node, follow, pos: int) -> None:
+        tid = node.inputs[pos]
+        g = self.tensor_group[tid]
+        strategies = [follow(self.ctx, node, pos, spec) for spec in self.tensor_specs[tid]]
+        self.costs[g] += [self._objective(node, s) for s in strategies]
+        self._finish(node, g, strategies)
+
+    def _finish(self, node, g: int, strategies: list[Strategy]) -> None:
+        self.node_group[node.id] = g
+        self.node_strategies[node.id] = strategies
+        for i, tid in enumerate(node.inputs):
+            self.connect(tid, g, [s.in_specs[i] for s in strategies])
+        for j, tid in enumerate(node.outputs):
+            self.tensor_group[tid] = g
+            self.tensor_specs[tid] = [s.out_specs[j] for s in strategies]
+
+    # -------------------------------------------------------------------------- memory
+    def memory_points(self, budget: float | None) -> list[MemoryPoint]:
+        if budget is None:
+            return []
+        g = self.g
+        last = g.last_use()
+        born = [0] * len(g.tensors)
+        for t in g.tensors:
+            if t.producer is not None:
+                born[t.id] = t.producer
+        bytes_of = []
+        for t in g.tensors:
+            mesh = self.ctx.mesh_shape
+            bytes_of.append(np.array([t.nbytes / num_shards(s, mesh) for s in self.tensor_specs[t.id]]))
+        dies_at: dict[int, list[int]] = {}
+        for t in g.tensors:
+            if last[t.id] >= 0 and t.kind != TensorKind.CONST:
+                dies_at.setdefault(last[t.id], []).append(t.id)
+        points = []
+        live: set[int] = {t for t in g.inputs if last[t] >= 0}
+        n = len(g.nodes)
+        for i in range(n + 1):
+            if i < n:
+                live.update(o for o in g.nodes[i].outputs if last[o] >= 0)
+            if i in dies_at or i == n:
+                worst = sum(bytes_of[t].max() for t in live)
+                if worst > budget:
+                    points.append(self._point(live, bytes_of))
+                live.difference_update(dies_at.get(i, ()))
+        return points
+
+    def _point(self, live, bytes_of) -> MemoryPoint:
+        terms: dict[int, np.ndarray] = {}
+        const = 0.0
+        for t in live:
+            grp = self.tensor_group[t]
+            if len(self.costs[grp]) == 1:
+                const += float(bytes_of[t][0])
+            else:
+                terms[grp] = terms.get(grp, 0) + bytes_of[t]
+        return MemoryPoint(terms=tuple(terms.items()), constant_bytes=const)
+
+
+def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
+              output_targets: dict[int, int], budget: float | None) -> Built:
+    """Build the ILP. `output_targets` maps a flat output position to the input tensor it
+    replaces next step (a loop-carried state): the output is charged for moving into that
+    input's sharding."""
+    b = _Builder(graph, ctx, input_options)
+    b.add_sources()
+    cheap = cheap_source_tensors(graph)
+    for node in graph.nodes:
+        b.add_node(node, cheap)
+    for pos, in_tid in output_targets.items():
+        out_tid = graph.outputs[pos]
+        g_in = b.tensor_group[in_tid]
+        b.connect(out_tid, g_in, list(b.tensor_specs[in_tid]))
+    node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
+    edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]
+    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
+                         memory_points=tuple(b.memory_points(budget)),
+                         memory_budget_bytes=budget)
+    return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
+                 node_group=b.node_group, node_strategies=b.node_strategies,
+                 group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
+                 fallbacks=b.fallbacks)
+
+
+def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Spec]]:
+    def options(tid: int) -> list[Spec]:
+        t = graph.tensors[tid]
+        if t.dtype in ("key", "token"):
+            return [replicated(t.rank)]
+        return enumerate_specs(t.shape, mesh_shape)
+    return options
+
+
+__all__ = ["Built", "Fallback", "build_ilp", "deferred_nodes", "cheap_source_tensors",
+           "default_input_options", "InputRole"]

@@ -1,0 +1,214 @@
+"""Follow rules: cheap nodes take the sharding of one operand and share its ILP variable.
+
+`follow_strategy(ctx, node, pos, spec)` returns the node's strategy when its operand at
+position `pos` has sharding `spec`. Dimensions the primitive cannot keep split (the axis of a
+sort, a sliced dimension, the non-major side of a reshape merge) are gathered: the wanted
+input spec drops those axes and the reshard cost is charged to the node.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..graph import Node
+from ..spec import Spec, num_shards, replicated, used_axes, without_axes
+from .rules import RuleContext, Strategy, _fmt_bytes
+
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1",
+    "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
+    "erf", "erfc", "erf_inv", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "atan2", "select_n", "clamp", "add_any", "rem", "floor", "ceil",
+    "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "convert_element_type", "copy", "copy_p", "reduce_precision", "nextafter", "imag", "real",
+    "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+    "sharding_constraint", "optimization_barrier", "stop_gradient", "lgamma", "digamma",
+    "igamma", "square", "logaddexp",
+})
+REDUCE_SUM_LIKE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                             "reduce_and", "reduce_or", "reduce_xor"})
+GATHER_ON_AXIS = frozenset({"argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+                            "cumlogsumexp", "sort", "top_k"})
+
+
+def _drop_dims(spec: Spec, dims) -> Spec:
+    dims = set(dims)
+    axes = [a for d in dims for a in spec[d]]
+    return without_axes(spec, axes)
+
+
+def _strategy(ctx: RuleContext, node: Node, in_specs, out_specs, name: str,
+              comm_s: float = 0.0, comm: str = "") -> Strategy:
+    shards = num_shards(out_specs[0], ctx.mesh_shape) if out_specs else 1
+    compute = ctx.compute(node, shards) if node.outputs else 0.0
+    return Strategy(name=name, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
+                    compute_s=compute, comm_s=comm_s, comm=comm)
+
+
+def _same_shape_inputs(ctx, node, spec):
+    out_shape = ctx.t(node.outputs[0]).shape
+    return [spec if ctx.t(t).shape == out_shape else
+            (replicated(ctx.t(t).rank) if ctx.t(t).rank else None) for t in node.inputs]
+
+
+def elementwise(ctx, node, pos, spec):
+    outs = [spec for _ in node.outputs]
+    return _strategy(ctx, node, _same_shape_inputs(ctx, node, spec), outs, "follow")
+
+
+def broadcast_in_dim(ctx, node, pos, spec):
+    out = ctx.t(node.outputs[0])
+    operand = ctx.t(node.inputs[0])
+    bdims = node.eqn.params["broadcast_dimensions"]
+    want = list(spec)
+    assign = [()] * out.rank
+    for i, d in enumerate(bdims):
+        if operand.shape[i] == out.shape[d]:
+            assign[d] = spec[i]
+        else:
+            want[i] = ()
+    ins = [tuple(want)] + [None] * (len(node.inputs) - 1)
+    return _strategy(ctx, node, ins, [tuple(assign)], "follow")
+
+
+def transpose(ctx, node, pos, spec):
+    perm = node.eqn.params["permutation"]
+    return _strategy(ctx, node, [spec], [tuple(spec[p] for p in perm)], "follow")
+
+
+def squeeze(ctx, node, pos, spec):
+    dims = set(node.eqn.params["dimensions"])
+    return _strategy(ctx, node, [spec], [tuple(s for d, s in enumerate(spec) if d not in dims)],
+                     "follow")
+
+
+def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]):
+    """Pairs of (src dims, dst dims) whose element counts match, major to minor."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        gi, gj, ps, pd = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd and (i < len(src) or j < len(dst)):
+            if (ps < pd and i < len(src)) or j >= len(dst):
+                ps, i = ps * src[i], i + 1
+                gi.append(i - 1)
+            else:
+                pd, j = pd * dst[j], j + 1
+                gj.append(j - 1)
+        groups.append((gi, gj))
+    if groups:  # trailing size-1 dims
+        groups[-1][0].extend(range(i, len(src)))
+        groups[-1][1].extend(range(j, len(dst)))
+    return groups
+
+
+def reshape(ctx, node, pos, spec):
+    src = ctx.t(node.inputs[0]).shape
+    dst = ctx.t(node.outputs[0]).shape
+    assign: list[tuple[int, ...]] = [()] * len(dst)
+    drop: list[int] = []
+    for gi, gj in _reshape_groups(src, dst):
+        major_in = next((d for d in gi if src[d] != 1), None)
+        major_out = next((d for d in gj if dst[d] != 1), None)
+        for d in gi:
+            if not spec[d]:
+                continue
+            n = 1
+            for a in spec[d]:
+                n *= ctx.mesh_shape[a]
+            if d == major_in and major_out is not None and dst[major_out] % n == 0:
+                assign[major_out] = spec[d]
+            else:
+                drop.extend(spec[d])
+    want = without_axes(spec, drop)
+    ins = [want] + [None] * (len(node.inputs) - 1)
+    return _strategy(ctx, node, ins, [tuple(assign)], "follow")
+
+
+def reduce(ctx, node, pos, spec):
+    axes = set(node.eqn.params["axes"])
+    out_spec = tuple(s for d, s in enumerate(spec) if d not in axes)
+    red = [a for d in axes for a in spec[d]]
+    out = ctx.t(node.outputs[0])
+    nbytes = out.nbytes / num_shards(out_spec, ctx.mesh_shape)
+    comm_s = ctx.all_reduce(node, nbytes, red)
+    comm = f"all-reduce({ctx.axis_label(red)}) {_fmt_bytes(nbytes)}" if red else ""
+    return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm)
+
+
+def gather_on_axis(ctx, node, pos, spec):
+    p = node.eqn.params
+    if "axes" in p:
+        dims = list(p["axes"])
+    elif "dimension" in p:
+        dims = [p["dimension"]]
+    elif "axis" in p:
+        dims = [p["axis"]]
+    else:
+        dims = [len(spec) - 1]
+    dims = [d % max(len(spec), 1) for d in dims]
+    want = _drop_dims(spec, dims)
+    if node.primitive in ("argmax", "argmin"):
+        outs = [tuple(s for d, s in enumerate(want) if d not in dims)]
+    else:
+        outs = [want for _ in node.outputs]
+    ins = [want if ctx.t(t).shape == ctx.t(node.inputs[0]).shape else None for t in node.inputs]
+    return _strategy(ctx, node, ins, outs, "follow")
+
+
+def slicing(ctx, node, pos, spec):
+    """slice / dynamic_slice / pad / rev: dims whose extent changes are gathered."""
+    src = ctx.t(node.inputs[0])
+    out = ctx.t(node.outputs[0])
+    changed = [d for d in range(src.rank) if src.shape[d] != out.shape[d]]
+    if node.primitive == "pad":
+        changed = [d for d, (lo, hi, it) in enumerate(node.eqn.params["padding_config"])
+                   if lo or hi or it]
+    if node.primitive == "rev":
+        changed = list(node.eqn.params["dimensions"])
+    want = _drop_dims(spec, changed)
+    ins = [want] + [None] * (len(node.inputs) - 1)
+    return _strategy(ctx, node, ins, [want], "follow")
+
+
+def dynamic_update_slice(ctx, node, pos, spec):
+    operand, update = ctx.t(node.inputs[0]), ctx.t(node.inputs[1])
+    changed = [d for d in range(operand.rank) if operand.shape[d] != update.shape[d]]
+    want = _drop_dims(spec, changed)
+    ins = [want, want] + [None] * (len(node.inputs) - 2)
+    return _strategy(ctx, node, ins, [want], "follow")
+
+
+def concatenate(ctx, node, pos, spec):
+    want = _drop_dims(spec, [node.eqn.params["dimension"]])
+    return _strategy(ctx, node, [want] * len(node.inputs), [want], "follow")
+
+
+def split(ctx, node, pos, spec):
+    want = _drop_dims(spec, [node.eqn.params["axis"]])
+    return _strategy(ctx, node, [want], [want] * len(node.outputs), "follow")
+
+
+FOLLOW_RULES: dict[str, Callable] = {name: elementwise for name in ELEMENTWISE}
+FOLLOW_RULES.update({name: reduce for name in REDUCE_SUM_LIKE})
+FOLLOW_RULES.update({name: gather_on_axis for name in GATHER_ON_AXIS})
+FOLLOW_RULES.update({
+    "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "squeeze": squeeze,
+    "reshape": reshape, "slice": slicing, "dynamic_slice": slicing, "pad": slicing,
+    "rev": slicing, "dynamic_update_slice": dynamic_update_slice,
+    "concatenate": concatenate, "split": split,
+})
+
+
+def main_operand(ctx: RuleContext, node: Node, preference) -> int | None:
+    """Position of the operand a follower follows: the largest non-scalar operand, preferring
+    the one `preference(tensor)` ranks highest (e.g. one with a choice of shardings over one
+    computed from constants)."""
+    best, best_key = None, None
+    for pos, t in enumerate(node.inputs):
+        tensor = ctx.t(t)
+        if node.primitive in ("dynamic_slice", "dynamic_update_slice", "pad") and pos > 1:
+            break
+        key = (tensor.rank > 0, preference(t), tensor.size, -pos)
+        if best_key is None or key > best_key:
+            best, best_key = pos, key
+    return best

@@ -1,0 +1,540 @@
+"""The intra-op ILP (Alpa §4) over *variable groups*: presolve, HiGHS / CBC, greedy fallback.
+
+Each group g picks one of k_g strategies (binary one-hot s_g). Each edge (u, v) carries a
+resharding-cost matrix R (k_u x k_v) linearized through continuous e_uv in [0, 1] whose row sums
+equal s_u and column sums equal s_v (exact because s is binary). Memory points bound the bytes
+per device of the chosen strategies. This module imports no `jax`: it is numbers only.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autopar.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+_SEPARABLE_RTOL = 1e-12   # R[i,j] = a[i] + b[j] up to this fraction of max|R| counts as separable
+_MIP_REL_GAP = 1e-9       # on the reduced, shifted objective (normalized to max cost 1)
+_MIP_ABS_GAP = 1e-10
+_BRUTE_FORCE_LIMIT = 200_000
+_IMPROVE_PASSES = 2
+
+
+class SolverBackend(enum.Enum):
+    """Which MIP solver runs the reduced model."""
+    HIGHS = "highs"   # highspy, model passed as numpy arrays (fast); the default
+    CBC = "cbc"       # pulp.PULP_CBC_CMD
+
+
+class SolveStatus(enum.Enum):
+    """How a solution was obtained."""
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"        # the solver stopped early (time limit); its best incumbent is used
+    FALLBACK = "fallback"        # the solver stopped with no incumbent or failed; greedy plan used
+    INFEASIBLE = "infeasible"    # the memory constraints cannot be met
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IlpEdge:
+    """Resharding cost between groups u and v: `cost[i, j]` seconds if u picks i and v picks j."""
+    u: int
+    v: int
+    cost: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryPoint:
+    """Bytes per device live at one program point: `constant_bytes` plus, for each (group,
+    bytes-vector) term, the bytes of the strategy that group picks."""
+    terms: tuple[tuple[int, np.ndarray], ...]
+    constant_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IlpProblem:
+    """Node costs per group, edge cost matrices, and optional memory points with a budget.
+    Validated at construction."""
+    node_costs: tuple[np.ndarray, ...]
+    edges: tuple[IlpEdge, ...]
+    memory_points: tuple[MemoryPoint, ...] = ()
+    memory_budget_bytes: float | None = None
+
+    def __post_init__(self):
+        ks = self.num_strategies
+        for g, c in enumerate(self.node_costs):
+            _require(np.ndim(c) == 1 and ks[g] >= 1 and np.all(np.isfinite(c)),
+                     f"node_costs[{g}] must be a non-empty 1-D vector of finite seconds; got shape "
+                     f"{np.shape(c)}. Forbid a strategy with a large finite cost, not inf.")
+        for n, e in enumerate(self.edges):
+            _require(0 <= e.u < len(ks) and 0 <= e.v < len(ks) and e.u != e.v,
+                     f"edges[{n}] joins groups ({e.u}, {e.v}); it needs two different groups of "
+                     f"the {len(ks)} (fold a self-edge's diagonal into the node cost).")
+            _require(np.shape(e.cost) == (ks[e.u], ks[e.v]) and np.all(np.isfinite(e.cost)),
+                     f"edges[{n}].cost must be finite with shape (k_u, k_v) = "
+                     f"{(ks[e.u], ks[e.v])}; got shape {np.shape(e.cost)}.")
+        for n, p in enumerate(self.memory_points):
+            for g, b in p.terms:
+                _require(0 <= g < len(ks) and np.shape(b) == (ks[g],) and np.all(np.isfinite(b)),
+                         f"memory_points[{n}] has a term for group {g} with shape {np.shape(b)}; "
+                         f"it needs finite bytes, one per strategy of an existing group.")
+        _require(self.memory_budget_bytes is None or math.isfinite(self.memory_budget_bytes),
+                 f"memory_budget_bytes must be finite or None; got {self.memory_budget_bytes}.")
+
+    @property
+    def num_strategies(self) -> tuple[int, ...]:
+        """k_g per group."""
+        return tuple(int(np.size(c)) for c in self.node_costs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IlpSolution:
+    """A strategy per group, its exact objective (`evaluate`), and how it was found."""
+    choice: tuple[int, ...]
+    objective: float
+    status: SolveStatus
+    backend: SolverBackend | None      # None: no solver ran (trivial problem, brute force)
+    solve_time_s: float
+    num_variables: int                 # of the model given to the solver, after presolve
+    num_constraints: int
+    message: str
+
+
+def evaluate(problem: IlpProblem, choice) -> float:
+    """Sum of chosen node costs and chosen edge costs, in seconds."""
+    c = _check_choice(problem, choice)
+    total = math.fsum(float(problem.node_costs[g][c[g]]) for g in range(len(c)))
+    return total + math.fsum(float(e.cost[c[e.u], c[e.v]]) for e in problem.edges)
+
+
+def peak_memory_bytes(problem: IlpProblem, choice) -> float:
+    """Max over memory points of the bytes per device under `choice` (0 without memory points)."""
+    c = _check_choice(problem, choice)
+    return max((p.constant_bytes + math.fsum(float(b[c[g]]) for g, b in p.terms)
+                for p in problem.memory_points), default=0.0)
+
+
+def _require(ok, message: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(message)
+
+
+def _check_choice(problem: IlpProblem, choice) -> tuple[int, ...]:
+    c, ks = tuple(int(i) for i in choice), problem.num_strategies
+    _require(len(c) == len(ks) and all(0 <= i < k for i, k in zip(c, ks)),
+             f"choice {c} must give one index in [0, k_g) per group; the groups have k = {ks}.")
+    return c
+
+
+# ----------------------------------------------------------------------------- presolve
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Reduced:
+    """The problem after presolve. Groups with `choice[g] >= 0` are fixed; `var_groups` keep
+    variables. Memory rows are (terms with bytes shifted to min 0, rhs = budget - constant)."""
+    choice: np.ndarray
+    var_groups: tuple[int, ...]
+    node_costs: tuple[np.ndarray, ...]
+    edges: tuple[tuple[int, int, np.ndarray], ...]
+    mem_rows: tuple[tuple[tuple[tuple[int, np.ndarray], ...], float], ...]
+    infeasible: bool
+
+
+def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
+    """Sum repeated groups; fold single-strategy groups and per-term minimums into the constant."""
+    merged: dict[int, np.ndarray] = {}
+    for g, b in p.terms:
+        merged[g] = merged[g] + np.asarray(b, float) if g in merged else np.array(b, float)
+    const, terms = float(p.constant_bytes), {}
+    for g, b in merged.items():
+        const += float(b.min())
+        if ks[g] > 1 and b.max() > b.min():
+            terms[g] = b - b.min()
+    return const, terms
+
+
+def _presolve(problem: IlpProblem) -> _Reduced:
+    """Apply the presolve rules: fold single-strategy groups (1), sum parallel edges (2), fold
+    separable edges (3), drop memory points that always fit (5), fix isolated groups (6)."""
+    ks = problem.num_strategies
+    nc = [np.array(c, float) for c in problem.node_costs]
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    for e in problem.edges:
+        u, v, r = e.u, e.v, np.asarray(e.cost, float)
+        if u > v:
+            u, v, r = v, u, r.T
+        merged[(u, v)] = merged[(u, v)] + r if (u, v) in merged else r.copy()
+    edges = []
+    for (u, v), r in merged.items():
+        if ks[u] == 1:
+            nc[v] += r[0, :]
+            continue
+        if ks[v] == 1:
+            nc[u] += r[:, 0]
+            continue
+        d = r - r[:, :1] - r[:1, :] + r[0, 0]
+        if np.abs(d).max() <= _SEPARABLE_RTOL * np.abs(r).max():
+            nc[u] += r[:, 0] - r[0, 0]
+            nc[v] += r[0, :]
+            continue
+        edges.append((u, v, r))
+    mem_rows, infeasible = [], False
+    budget = problem.memory_budget_bytes
+    if budget is not None:
+        for p in problem.memory_points:
+            const, terms = _fold_point(p, ks)
+            if const + sum(float(b.max()) for b in terms.values()) <= budget:
+                continue
+            infeasible |= const > budget
+            mem_rows.append((tuple(terms.items()), budget - const))
+    linked = {g for u, v, _ in edges for g in (u, v)}
+    linked |= {g for terms, _ in mem_rows for g, _ in terms}
+    choice = np.full(len(ks), -1, dtype=np.int64)
+    for g, k in enumerate(ks):
+        if k == 1 or g not in linked:
+            choice[g] = int(np.argmin(nc[g]))
+    var_groups = tuple(g for g in range(len(ks)) if choice[g] < 0)
+    return _Reduced(choice=choice, var_groups=var_groups, node_costs=tuple(nc), edges=tuple(edges),
+                    mem_rows=tuple(mem_rows), infeasible=infeasible)
+
+
+# ----------------------------------------------------------------------------- the MIP model
+
+class _Mip:
+    """min cost.x s.t. row_lower <= A x <= row_upper, lower <= x <= upper (A in COO form), built
+    from numpy chunks; local and mutable until `freeze()` concatenates them into arrays."""
+
+    def __init__(self):
+        self._cols, self._rows, self._nz, self.num_cols, self.num_rows = [], [], [], 0, 0
+        self.group_cols: list[tuple[int, int, int]] = []    # (group, first column, k)
+
+    def add_cols(self, cost, *, integer: bool, lower: float = 0.0, upper: float = 1.0) -> int:
+        n = np.size(cost)
+        self._cols.append((np.asarray(cost, float), np.full(n, lower), np.full(n, upper),
+                           np.full(n, integer)))
+        self.num_cols += n
+        return self.num_cols - n
+
+    def add_rows(self, n: int, lower: float, upper: float) -> int:
+        self._rows.append((np.full(n, lower), np.full(n, upper)))
+        self.num_rows += n
+        return self.num_rows - n
+
+    def add_entries(self, rows, cols, vals) -> None:
+        rows = np.broadcast_to(rows, np.shape(cols))
+        self._nz.append((rows, np.asarray(cols), np.broadcast_to(np.asarray(vals, float), rows.shape)))
+
+    def add_groups(self, groups, costs: dict[int, np.ndarray]) -> dict[int, int]:
+        """Binary one-hot columns (sum = 1) per group; returns each group's first column."""
+        off = {}
+        for g in groups:
+            off[g] = self.add_cols(costs[g], integer=True)
+            self.group_cols.append((g, off[g], costs[g].size))
+            self.add_entries(self.add_rows(1, 1.0, 1.0), off[g] + np.arange(costs[g].size), 1.0)
+        return off
+
+    def add_bytes(self, row: int, terms, off: dict[int, int], scale: float) -> None:
+        for g, v in terms:
+            nz = np.flatnonzero(v)
+            self.add_entries(row, off[g] + nz, v[nz] / scale)
+
+    def freeze(self) -> _Mip:
+        self.cost, self.lower, self.upper, self.integer = map(np.concatenate, zip(*self._cols))
+        self.row_lower, self.row_upper = map(np.concatenate, zip(*self._rows))
+        self.rows, self.cols, self.vals = map(np.concatenate, zip(*self._nz))
+        self.rows, self.cols = self.rows.astype(np.int64), self.cols.astype(np.int64)
+        return self
+
+
+def _build_ilp(red: _Reduced) -> _Mip:
+    """The reduced ILP, with node and edge costs shifted to min 0 and normalized to max 1."""
+    costs = {g: red.node_costs[g] - red.node_costs[g].min() for g in red.var_groups}
+    mats = [r - r.min() for _, _, r in red.edges]
+    scale = max([float(c.max()) for c in costs.values()] + [float(m.max()) for m in mats] + [0.0])
+    scale = scale if scale > 0 else 1.0
+    mip = _Mip()
+    off = mip.add_groups(red.var_groups, {g: c / scale for g, c in costs.items()})
+    for (u, v, _), m in zip(red.edges, mats):
+        ku, kv = m.shape
+        e0 = mip.add_cols(m.ravel() / scale, integer=False)
+        i_idx, j_idx = np.divmod(np.arange(ku * kv), kv)
+        r0 = mip.add_rows(ku + kv - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
+        mip.add_entries(r0 + i_idx, e0 + np.arange(ku * kv), 1.0)
+        mip.add_entries(r0 + np.arange(ku), off[u] + np.arange(ku), -1.0)
+        keep = j_idx < kv - 1
+        mip.add_entries(r0 + ku + j_idx[keep], e0 + np.flatnonzero(keep), 1.0)
+        mip.add_entries(r0 + ku + np.arange(kv - 1), off[v] + np.arange(kv - 1), -1.0)
+    for terms, rhs in red.mem_rows:
+        s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
+        mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
+    return mip.freeze()
+
+
+# ----------------------------------------------------------------------------- backends
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _MipResult:
+    kind: SolveStatus          # OPTIMAL, FEASIBLE, FALLBACK (no solution) or INFEASIBLE
+    x: np.ndarray | None
+    reason: str                # why it stopped early ("" when optimal)
+    gap: float | None = None
+
+
+def _solve_highs(mip: _Mip, time_limit_s: float) -> _MipResult:
+    import highspy
+    h = highspy.Highs()
+    for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
+                        ("mip_rel_gap", _MIP_REL_GAP), ("mip_abs_gap", _MIP_ABS_GAP)):
+        h.setOptionValue(name, value)
+    n, m = mip.cost.size, mip.row_lower.size
+    order = np.lexsort((mip.rows, mip.cols))
+    start = np.zeros(n + 1, dtype=np.int32)
+    start[1:] = np.cumsum(np.bincount(mip.cols, minlength=n))
+    status = h.passModel(n, m, len(order), int(highspy.MatrixFormat.kColwise),
+                         int(highspy.ObjSense.kMinimize), 0.0, mip.cost, mip.lower, mip.upper,
+                         mip.row_lower, mip.row_upper, start, mip.rows[order].astype(np.int32),
+                         mip.vals[order], mip.integer.astype(np.int32))
+    if status == highspy.HighsStatus.kError:
+        raise RuntimeError("HiGHS rejected the model (passModel returned kError)")
+    h.run()
+    ms, info = h.getModelStatus(), h.getInfo()
+    if ms == highspy.HighsModelStatus.kOptimal:
+        return _MipResult(kind=SolveStatus.OPTIMAL, x=np.asarray(h.getSolution().col_value), reason="")
+    if ms in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+        return _MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
+    reason = (f"time limit {time_limit_s:g} s hit" if ms == highspy.HighsModelStatus.kTimeLimit
+              else f"HiGHS stopped early ({h.modelStatusToString(ms)})")
+    if info.primal_solution_status == int(highspy.SolutionStatus.kSolutionStatusFeasible):
+        return _MipResult(kind=SolveStatus.FEASIBLE, x=np.asarray(h.getSolution().col_value),
+                          reason=reason, gap=float(info.mip_gap))
+    return _MipResult(kind=SolveStatus.FALLBACK, x=None, reason=reason)
+
+
+def _solve_cbc(mip: _Mip, time_limit_s: float) -> _MipResult:
+    import pulp
+    prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
+    xs = [prob.add_variable(f"x{i}", None if lo == -np.inf else lo, None if hi == np.inf else hi,
+                            cat=pulp.LpInteger if integer else pulp.LpContinuous)
+          for i, (lo, hi, integer) in enumerate(zip(mip.lower, mip.upper, mip.integer))]
+    prob += pulp.LpAffineExpression([(xs[i], float(mip.cost[i])) for i in np.flatnonzero(mip.cost)])
+    order = np.argsort(mip.rows, kind="stable")
+    bounds = np.cumsum(np.bincount(mip.rows, minlength=mip.row_lower.size))[:-1]
+    for r, (cols, vals) in enumerate(zip(np.split(mip.cols[order], bounds),
+                                         np.split(mip.vals[order], bounds))):
+        expr = pulp.LpAffineExpression([(xs[c], float(v)) for c, v in zip(cols, vals)])
+        eq = mip.row_lower[r] == mip.row_upper[r]
+        prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ if eq else pulp.LpConstraintLE,
+                                  rhs=float(mip.row_upper[r]))
+    with warnings.catch_warnings():   # PuLP 3.3 deprecates PULP_CBC_CMD (its bundled CBC) for 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=_MIP_REL_GAP,
+                                gapAbs=_MIP_ABS_GAP)
+    prob.solve(cmd)
+    x = lambda: np.array([v.varValue or 0.0 for v in xs])  # noqa: E731
+    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        return _MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return _MipResult(kind=SolveStatus.OPTIMAL, x=x(), reason="")
+    reason = f"time limit {time_limit_s:g} s hit"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return _MipResult(kind=SolveStatus.FEASIBLE, x=x(), reason=reason)
+    return _MipResult(kind=SolveStatus.FALLBACK, x=None,
+                      reason=f"{reason} (CBC status {pulp.LpStatus.get(prob.status, prob.status)})")
+
+
+def _run(mip: _Mip, backend: SolverBackend, time_limit_s: float) -> _MipResult:
+    """Run a backend; any exception becomes a FALLBACK result (logged), never propagates."""
+    try:
+        solve = _solve_highs if backend is SolverBackend.HIGHS else _solve_cbc
+        return solve(mip, time_limit_s)
+    except Exception as exc:  # noqa: BLE001 -- a solver failure must not kill the compile
+        logger.warning("%s solver failed (%s: %s); using a greedy plan", backend.value,
+                       type(exc).__name__, exc)
+        return _MipResult(kind=SolveStatus.FALLBACK, x=None,
+                          reason=f"{backend.value} failed ({type(exc).__name__}: {exc})")
+
+
+def _round(mip: _Mip, x: np.ndarray, choice: np.ndarray) -> np.ndarray:
+    """Argmax per group of the solver's column values, written into a copy of `choice`."""
+    choice = choice.copy()
+    for g, start, k in mip.group_cols:
+        choice[g] = int(np.argmax(x[start:start + k]))
+    return choice
+
+
+# ----------------------------------------------------------------------------- greedy
+
+def _greedy(red: _Reduced, choice: np.ndarray | None = None, *, movable=None) -> np.ndarray:
+    """Visit unset (-1) variable groups in index order; pick the cheapest strategy (node cost plus
+    edges to chosen neighbours) that keeps memory rows within budget assuming unvisited groups
+    take their smallest bytes; then a few passes of single-group local improvement over
+    `movable` (default: the groups that were unset)."""
+    choice = red.choice.copy() if choice is None else choice.copy()
+    adj: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in red.var_groups}
+    for u, v, r in red.edges:
+        adj[u].append((v, r))
+        adj[v].append((u, r.T))
+    mem_of: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in red.var_groups}
+    for row, (terms, _) in enumerate(red.mem_rows):
+        for g, b in terms:
+            mem_of[g].append((row, b))
+    rhs = np.array([r for _, r in red.mem_rows], float)
+    load = np.zeros(rhs.size)
+    for row, (terms, _) in enumerate(red.mem_rows):   # groups fixed by the caller
+        load[row] += sum(float(b[choice[g]]) for g, b in terms if choice[g] >= 0)
+
+    def cost_of(g: int) -> np.ndarray:
+        return red.node_costs[g] + sum((m[:, choice[n]] for n, m in adj[g] if choice[n] >= 0),
+                                       np.zeros(red.node_costs[g].size))
+
+    free = [g for g in red.var_groups if choice[g] < 0]
+    for g in free:
+        cost, over = cost_of(g), np.full(red.node_costs[g].size, -np.inf)
+        for row, b in mem_of[g]:
+            over = np.maximum(over, load[row] + b - rhs[row])
+        i = int(np.argmin(np.where(over <= 0, cost, np.inf))) if (over <= 0).any() \
+            else int(np.argmin(over))
+        choice[g] = i
+        for row, b in mem_of[g]:
+            load[row] += b[i]
+    for _ in range(_IMPROVE_PASSES):
+        changed = False
+        for g in free if movable is None else movable:
+            cost, cur = cost_of(g), choice[g]
+            for i in np.argsort(cost, kind="stable"):
+                if cost[i] >= cost[cur]:
+                    break
+                if all(load[row] + b[i] - b[cur] <= max(rhs[row], load[row]) for row, b in mem_of[g]):
+                    for row, b in mem_of[g]:
+                        load[row] += b[i] - b[cur]
+                    choice[g], changed = int(i), True
+                    break
+        if not changed:
+            break
+    return choice
+
+
+# ----------------------------------------------------------------------------- public solvers
+
+def _check_args(backend, time_limit_s) -> None:
+    _require(isinstance(backend, SolverBackend),
+             f"backend must be a SolverBackend (HIGHS or CBC); got {backend!r}.")
+    _require(time_limit_s > 0, f"time_limit_s must be > 0; got {time_limit_s}.")
+
+
+def _rank(problem: IlpProblem, choice) -> tuple[bool, float]:
+    """Sort key for candidate plans: within budget first, then cheaper."""
+    budget = problem.memory_budget_bytes
+    over = budget is not None and peak_memory_bytes(problem, choice) > budget
+    return over, evaluate(problem, choice)
+
+
+def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
+              time_limit_s: float = 60.0) -> IlpSolution:
+    """Presolve, then solve the reduced ILP with `backend` within `time_limit_s` (solvers may
+    overshoot). An infeasible budget gives status INFEASIBLE with the minimum-peak-memory choice
+    (this costs a second solve); the caller decides what to raise."""
+    _check_args(backend, time_limit_s)
+    t0 = time.perf_counter()
+    red = _presolve(problem)
+    mip = _build_ilp(red) if red.var_groups and not red.infeasible else None
+    n_var, n_con = (0, 0) if mip is None else (mip.cost.size, mip.row_lower.size)
+    res = _MipResult(kind=SolveStatus.INFEASIBLE if red.infeasible else SolveStatus.OPTIMAL,
+                     x=None, reason="") if mip is None else _run(mip, backend, time_limit_s)
+    if res.kind is SolveStatus.INFEASIBLE:
+        need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
+        choice = np.asarray(choice)
+        msg = (f"memory budget {problem.memory_budget_bytes:.6g} bytes per device cannot be met; "
+               f"the minimum-peak-memory plan needs {need:.6g} bytes")
+    elif res.kind is SolveStatus.FALLBACK:
+        choice = _greedy(red)
+        msg = f"{res.reason}; the solver stopped without a solution and a greedy plan was used"
+    elif res.kind is SolveStatus.FEASIBLE:
+        choice = _greedy(red, _round(mip, res.x, red.choice), movable=red.var_groups)
+        gap = "unknown" if res.gap is None else f"{100 * res.gap:.3g}%"
+        msg = f"{res.reason}; used the best incumbent (gap {gap})"
+        greedy = _greedy(red)
+        if _rank(problem, greedy) < _rank(problem, choice):
+            choice = greedy
+            msg = f"{res.reason}; a greedy plan beat the best incumbent (gap {gap}) and was used"
+    elif mip is None:
+        choice, msg = red.choice, "presolve fixed every group; no solver needed"
+    else:
+        choice = _round(mip, res.x, red.choice)
+        msg = f"optimal ({backend.value}, {n_var} variables, {n_con} constraints)"
+    choice_t = tuple(int(i) for i in choice)
+    sol = IlpSolution(choice=choice_t, objective=evaluate(problem, choice_t), status=res.kind,
+                      backend=None if mip is None else backend, num_variables=int(n_var),
+                      solve_time_s=time.perf_counter() - t0, num_constraints=int(n_con), message=msg)
+    logger.info("intra-op ILP: %s in %.3f s (%d groups -> %d variables, %d constraints)",
+                sol.status.value, sol.solve_time_s, len(problem.node_costs), n_var, n_con)
+    return sol
+
+
+def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
+                    time_limit_s: float = 60.0) -> tuple[float, tuple[int, ...]]:
+    """Minimize M subject to every memory point <= M, ignoring costs. Returns (M recomputed
+    exactly, a choice attaining it); groups outside every memory point get a greedy cheap plan."""
+    _check_args(backend, time_limit_s)
+    ks = problem.num_strategies
+    points = [_fold_point(p, ks) for p in problem.memory_points]
+    groups = sorted({g for _, terms in points for g in terms})
+    free = _presolve(replace(problem, memory_budget_bytes=None))
+    fixed = free.choice.copy()
+    if groups:
+        scale = max([abs(c) for c, _ in points] + [float(b.max()) for _, t in points
+                                                   for b in t.values()] + [1.0])
+        mip = _Mip()
+        off = mip.add_groups(groups, {g: np.zeros(ks[g]) for g in groups})
+        m_col = mip.add_cols([1.0], integer=False, lower=-np.inf, upper=np.inf)
+        for const, terms in points:
+            row = mip.add_rows(1, -np.inf, -const / scale)
+            mip.add_entries(row, [m_col], -1.0)
+            mip.add_bytes(row, terms.items(), off, scale)
+        mip.freeze()
+        res = _run(mip, backend, time_limit_s)
+        if res.x is not None:
+            fixed = _round(mip, res.x, fixed)
+        else:
+            logger.warning("min_peak_memory: %s; choosing the smallest strategy per group", res.reason)
+            for g in groups:
+                fixed[g] = int(np.argmin(sum(t[g] for _, t in points if g in t)))
+    choice = _greedy(free, fixed)
+    return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
+
+
+def brute_force(problem: IlpProblem) -> IlpSolution:
+    """Exhaustive search (for tests). Feasible choices minimize the objective; if none fits the
+    budget the status is INFEASIBLE and the choice minimizes peak memory, then cost."""
+    t0, ks = time.perf_counter(), problem.num_strategies
+    total = math.prod(ks)
+    _require(total <= _BRUTE_FORCE_LIMIT, f"brute_force would enumerate {total} combinations "
+             f"(limit {_BRUTE_FORCE_LIMIT}); use solve_ilp for problems this large.")
+    grid = np.indices(ks).reshape(len(ks), -1).T if ks else np.zeros((1, 0), dtype=np.int64)
+    obj = np.zeros(total)
+    for g, c in enumerate(problem.node_costs):
+        obj += np.asarray(c, float)[grid[:, g]]
+    for e in problem.edges:
+        obj += np.asarray(e.cost, float)[grid[:, e.u], grid[:, e.v]]
+    peak = np.zeros(total) if not problem.memory_points else np.full(total, -np.inf)
+    for p in problem.memory_points:
+        live = np.full(total, float(p.constant_bytes))
+        for g, b in p.terms:
+            live += np.asarray(b, float)[grid[:, g]]
+        peak = np.maximum(peak, live)
+    budget = problem.memory_budget_bytes
+    ok = np.ones(total, bool) if budget is None else peak <= budget
+    if ok.any():
+        best, status = int(np.argmin(np.where(ok, obj, np.inf))), SolveStatus.OPTIMAL
+    else:
+        best, status = int(np.lexsort((obj, peak))[0]), SolveStatus.INFEASIBLE
+    choice = tuple(int(i) for i in grid[best])
+    return IlpSolution(choice=choice, objective=evaluate(problem, choice), status=status,
+                       backend=None, solve_time_s=time.perf_counter() - t0, num_variables=0,
+                       num_constraints=0, message=f"brute force over {total} combinations")

@@ -1,0 +1,245 @@
+"""Sharding strategies per primitive.
+
+Two kinds of rule:
+- A *leader* rule enumerates every strategy of a node (dot_general, conv, gather, scatter):
+  the node gets an ILP variable of its own.
+- A *follow* rule maps the spec of one operand (the one the node follows) to the node's
+  strategy; the node shares that operand's ILP variable, so it costs the ILP nothing.
+
+A strategy fixes the spec the node wants for each input (None: any, e.g. a scalar) and the spec
+of each output, with a compute time and the time of the collective the strategy implies (e.g.
+the all-reduce after a matmul whose contracting dimension is split).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..cost import CostModel
+from ..graph import Node, OpGraph, Tensor
+from ..spec import Spec, is_valid, num_shards, replicated, without_axes
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    in_specs: tuple[Spec | None, ...]
+    out_specs: tuple[Spec, ...]
+    compute_s: float
+    comm_s: float
+    comm: str = ""            # e.g. "all-reduce(model) 32.0 KiB"
+
+
+@dataclass(frozen=True, slots=True)
+class RuleContext:
+    graph: OpGraph
+    cost: CostModel
+    deferred: frozenset[int]   # nodes whose results reach no heavy op: their collectives are
+                               # combined by XLA, so only the bandwidth term is charged
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return self.cost.mesh.shape
+
+    @property
+    def real_axes(self) -> list[int]:
+        return [a for a, n in enumerate(self.mesh_shape) if n > 1]
+
+    def t(self, tid: int) -> Tensor:
+        return self.graph.tensors[tid]
+
+    def compute(self, node: Node, shards: int) -> float:
+        out = self.t(node.outputs[0])
+        nbytes = sum(self.t(i).nbytes for i in node.inputs) + out.nbytes
+        return self.cost.compute_s(node.flops / shards, nbytes / shards, out.dtype)
+
+    def all_reduce(self, node: Node, nbytes: float, axes: Sequence[int]) -> float:
+        if not axes:
+            return 0.0
+        t = self.cost.all_reduce_s(nbytes, axes)
+        if node.id in self.deferred:
+            t -= self.cost.all_reduce_s(0.0, axes)
+        return t
+
+    def axis_label(self, axes: Sequence[int]) -> str:
+        return "*".join(self.cost.mesh.axis_names[a] for a in axes)
+
+
+def _spec_from(rank: int, assign: dict[int, list[int]]) -> Spec:
+    return tuple(tuple(assign.get(d, ())) for d in range(rank))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# ---------------------------------------------------------------------------------- leaders
+def _enumerate_loops(ctx: RuleContext, loops: list[tuple[str, dict[int, int]]],
+                     shapes: list[tuple[int, ...]]) -> list[dict[int, list[tuple[str, dict]]]]:
+    """Assign every real mesh axis to one loop (or none). A loop is (label, {operand: dim}),
+    with operand -1 for the output. Returns, per valid assignment, loop index -> axes."""
+    real = ctx.real_axes
+    out = []
+    for choice in itertools.product(range(-1, len(loops)), repeat=len(real)):
+        used: dict[int, list[int]] = {}
+        for axis, li in zip(real, choice):
+            if li >= 0:
+                used.setdefault(li, []).append(axis)
+        ok = True
+        for li, axes in used.items():
+            n = math.prod(ctx.mesh_shape[a] for a in axes)
+            for operand, dim in loops[li][1].items():
+                if shapes[operand][dim] % n:
+                    ok = False
+        if ok:
+            out.append(used)
+    return out
+
+
+def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int],
+                     reduce_kind: str = "all-reduce") -> list[Strategy]:
+    """Strategies of an einsum-like node from loops: operand dims that move together.
+    Axes on a loop in `reduce_loops` leave partial sums: an all-reduce of the output."""
+    operands = list(node.inputs) + [node.outputs[0]]
+    shapes = [ctx.t(t).shape for t in operands]
+    out_pos = len(operands) - 1
+    out_t = ctx.t(node.outputs[0])
+    strategies = []
+    for used in _enumerate_loops(ctx, [(lbl, {(out_pos if k == -1 else k): d for k, d in m.items()})
+                                       for lbl, m in loops], shapes):
+        assigns = [dict() for _ in operands]
+        red_axes: list[int] = []
+        names = []
+        for li, axes in sorted(used.items()):
+            label, mapping = loops[li]
+            names.append(f"{label}@{ctx.axis_label(axes)}")
+            for operand, dim in mapping.items():
+                assigns[out_pos if operand == -1 else operand].setdefault(dim, []).extend(axes)
+            if li in reduce_loops:
+                red_axes.extend(axes)
+        specs = [_spec_from(len(s), a) for s, a in zip(shapes, assigns)]
+        shards = math.prod(ctx.mesh_shape[a] for axes in used.values() for a in axes)
+        out_bytes = out_t.nbytes / num_shards(specs[-1], ctx.mesh_shape)
+        comm_s = ctx.all_reduce(node, out_bytes, red_axes)
+        comm = (f"{reduce_kind}({ctx.axis_label(red_axes)}) {_fmt_bytes(out_bytes)}"
+                if red_axes else "")
+        in_specs = tuple(specs[:-1]) + (None,) * (len(node.inputs) - len(specs[:-1]))
+        strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=in_specs,
+                                   out_specs=(specs[-1],), compute_s=ctx.compute(node, shards),
+                                   comm_s=comm_s, comm=comm))
+    return strategies
+
+
+def dot_general_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
+    lhs, rhs = ctx.t(node.inputs[0]), ctx.t(node.inputs[1])
+    lfree = [d for d in range(lhs.rank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.rank) if d not in rc and d not in rb]
+    loops, out = [], 0
+    for i, (a, b) in enumerate(zip(lb, rb)):
+        loops.append((f"b{i}", {0: a, 1: b, -1: out}))
+        out += 1
+    for d in lfree:
+        loops.append((f"i{d}", {0: d, -1: out}))
+        out += 1
+    for d in rfree:
+        loops.append((f"j{d}", {1: d, -1: out}))
+        out += 1
+    reduce = set()
+    for i, (a, b) in enumerate(zip(lc, rc)):
+        reduce.add(len(loops))
+        loops.append((f"k{i}", {0: a, 1: b}))
+    return _loop_strategies(ctx, node, loops, reduce)
+
+
+def conv_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    p = node.eqn.params
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    loops = [("n", {0: lhs_spec[0], -1: out_spec[0]})]
+    reduce = set()
+    if p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1:
+        loops.append(("o", {1: rhs_spec[0], -1: out_spec[1]}))
+        reduce.add(len(loops))
+        loops.append(("c", {0: lhs_spec[1], 1: rhs_spec[1]}))
+    elif p.get("batch_group_count", 1) != 1:
+        loops = []
+    return _loop_strategies(ctx, node, loops, reduce)
+
+
+def gather_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    dn = node.eqn.params["dimension_numbers"]
+    slice_sizes = node.eqn.params["slice_sizes"]
+    operand, indices = ctx.t(node.inputs[0]), ctx.t(node.inputs[1])
+    out = ctx.t(node.outputs[0])
+    offset_dims = tuple(dn.offset_dims)
+    batch_out = [d for d in range(out.rank) if d not in offset_dims]   # <-> indices dims [:-1]
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+    window = [d for d in range(operand.rank) if d not in dn.collapsed_slice_dims
+              and d not in op_batching]
+    loops, reduce = [], set()
+    for j in range(indices.rank - 1):
+        if j in idx_batching:
+            i = op_batching[idx_batching.index(j)]
+            loops.append((f"b{j}", {0: i, 1: j, -1: batch_out[j]}))
+        else:
+            loops.append((f"idx{j}", {1: j, -1: batch_out[j]}))
+    for k, d in enumerate(window):
+        if slice_sizes[d] == operand.shape[d] and d not in dn.start_index_map:
+            loops.append((f"w{d}", {0: d, -1: offset_dims[k]}))
+    for d in dn.start_index_map:
+        if d in dn.collapsed_slice_dims and slice_sizes[d] == 1:
+            reduce.add(len(loops))
+            loops.append((f"table{d}", {0: d}))
+    return _loop_strategies(ctx, node, loops, reduce)
+
+
+def scatter_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    dn = node.eqn.params["dimension_numbers"]
+    operand, indices, updates = (ctx.t(t) for t in node.inputs[:3])
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    upd_scatter = [d for d in range(updates.rank) if d not in dn.update_window_dims]
+    window_ops = [d for d in range(operand.rank) if d not in dn.inserted_window_dims
+                  and d not in op_batching]
+    loops, reduce = [], set()
+    additive = node.primitive == "scatter-add"
+    for j in range(indices.rank - 1):
+        u = upd_scatter[j]
+        if j in idx_batching:
+            i = op_batching[idx_batching.index(j)]
+            loops.append((f"b{j}", {0: i, 1: j, 2: u, -1: i}))
+        elif additive:
+            reduce.add(len(loops))
+            loops.append((f"upd{j}", {1: j, 2: u}))
+    for k, d in enumerate(window_ops):
+        u = dn.update_window_dims[k]
+        if updates.shape[u] == operand.shape[d] and d not in dn.scatter_dims_to_operand_dims:
+            loops.append((f"w{d}", {0: d, 2: u, -1: d}))
+    return _loop_strategies(ctx, node, loops, reduce)
+
+
+def replicated_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    """Conservative fallback: every input gathered, every output replicated."""
+    ins = tuple(replicated(ctx.t(t).rank) for t in node.inputs)
+    outs = tuple(replicated(ctx.t(t).rank) for t in node.outputs)
+    compute = ctx.compute(node, 1) if node.outputs else 0.0
+    return [Strategy(name="replicated", in_specs=ins, out_specs=outs, compute_s=compute,
+                     comm_s=0.0)]
+
+
+LEADER_RULES: dict[str, Callable[[RuleContext, Node], list[Strategy]]] = {
+    "dot_general": dot_general_rule,
+    "conv_general_dilated": conv_rule,
+    "gather": gather_rule,
+    "scatter-add": scatter_rule,
+    "scatter": scatter_rule,
+}
+HEAVY = frozenset({"dot_general", "conv_general_dilated"})

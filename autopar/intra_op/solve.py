@@ -1,0 +1,119 @@
+"""The intra-op pass: OpGraph + logical mesh + method -> ShardingAssignment."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost import CostModel
+from ..errors import InfeasiblePlanError
+from ..graph import OpGraph, TensorKind
+from ..options import ShardParallel
+from ..spec import Spec, num_shards
+from .build import Fallback, build_ilp, deferred_nodes
+from .constraints import method_input_options
+from .ilp import SolveStatus, evaluate, solve_ilp
+from .rules import RuleContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IlpStats:
+    num_groups: int              # strategy variables before presolve
+    num_edges: int
+    num_memory_points: int
+    num_variables: int           # of the model the solver saw
+    num_constraints: int
+    build_time_s: float
+    solve_time_s: float
+    status: str                  # SolveStatus value
+    backend: str
+    message: str
+    objective_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardingAssignment:
+    """One spec per tensor, one strategy per node, and the predicted costs of the choice."""
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    tensor_specs: tuple[Spec, ...]           # per tensor id
+    node_strategy: tuple[str, ...]           # per node id
+    node_comm: tuple[str, ...]               # per node id: collective it implies, "" if none
+    node_compute_s: tuple[float, ...]
+    node_comm_s: tuple[float, ...]
+    output_specs: tuple[Spec, ...]           # per flat output: the out_sharding
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    peak_memory_bytes: float
+    ilp: IlpStats
+    fallbacks: tuple[Fallback, ...]
+
+
+def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
+    """Max over the schedule (node order) of the bytes per device of live tensors."""
+    last = graph.last_use()
+    per = [t.nbytes / num_shards(specs[t.id], mesh_shape) if t.kind != TensorKind.CONST else 0.0
+           for t in graph.tensors]
+    dies: dict[int, float] = {}
+    for t in graph.tensors:
+        if last[t.id] >= 0:
+            dies[last[t.id]] = dies.get(last[t.id], 0.0) + per[t.id]
+    live = sum(per[t] for t in set(graph.inputs) if last[t] >= 0)
+    peak = live
+    for node in graph.nodes:
+        live += sum(per[o] for o in node.outputs if last[o] >= 0)
+        peak = max(peak, live)
+        live -= dies.get(node.id, 0.0)
+    return peak
+
+
+def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
+                   output_targets: dict[int, int]) -> ShardingAssignment:
+    mesh = cost.mesh
+    budget = method.memory_budget_bytes or mesh.memory_bytes
+    t0 = time.perf_counter()
+    ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
+    built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape),
+                      output_targets, float(budget))
+    build_s = time.perf_counter() - t0
+    sol = solve_ilp(built.problem, backend=method.solver, time_limit_s=method.solver_time_limit_s)
+    if sol.status == SolveStatus.INFEASIBLE:
+        specs = [built.tensor_specs[t][sol.choice[g]] for t, g in enumerate(built.tensor_group)]
+        needed = peak_memory(graph, specs, mesh.shape)
+        raise InfeasiblePlanError(
+            f"memory: no sharding of this step fits {budget:,} bytes per device on mesh "
+            f"{mesh.shape}; the plan with the least memory needs {needed:,.0f} bytes per "
+            f"device. Fix: raise memory_budget_bytes, use more devices, a smaller batch, or "
+            f"a sharded method (Zero3Parallel).", needed_bytes=int(needed), budget_bytes=int(budget))
+    if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
+        log.warning("autopar intra-op ILP: %s", sol.message)
+    choice = sol.choice
+    specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
+    strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
+    diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
+    edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
+    out_specs = []
+    for pos, tid in enumerate(graph.outputs):
+        target = output_targets.get(pos)
+        out_specs.append(specs[target] if target is not None else specs[tid])
+    stats = IlpStats(
+        num_groups=len(built.group_size), num_edges=len(built.edges),
+        num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,
+        num_constraints=sol.num_constraints, build_time_s=build_s,
+        solve_time_s=sol.solve_time_s, status=sol.status.value,
+        backend=sol.backend.value if sol.backend else "none", message=sol.message,
+        objective_s=float(evaluate(built.problem, choice)))
+    return ShardingAssignment(
+        mesh_shape=tuple(mesh.shape), axis_names=tuple(mesh.axis_names), tensor_specs=specs,
+        node_strategy=tuple(s.name for s in strat), node_comm=tuple(s.comm for s in strat),
+        node_compute_s=tuple(s.compute_s for s in strat),
+        node_comm_s=tuple(s.comm_s for s in strat), output_specs=tuple(out_specs),
+        compute_s=float(np.sum([s.compute_s for s in strat])),
+        comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
+        peak_memory_bytes=peak_memory(graph, specs, mesh.shape), ilp=stats,
+        fallbacks=tuple(built.fallbacks))

@@ -1,0 +1,154 @@
+"""`ParallelPlan`: plain data describing a parallel execution plan; JSON round-trip.
+
+A plan holds everything needed to lower a traced step again without searching (the spec of
+every input, output and constrained intermediate) and everything needed to explain it (the
+strategy per heavy operator with its source line, predicted costs, ILP statistics, fallbacks).
+
+Example:
+    >>> text = plan.to_json()
+    >>> same = autopar.ParallelPlan.from_json(text)
+    >>> step = autopar.parallelize(train_step, mesh=mesh, plan=same)   # skips the search
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .graph import OpGraph, TensorKind
+from .spec import Spec
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorPlan:
+    """Sharding of one flat argument or result leaf."""
+    index: int
+    path: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperatorPlan:
+    """The strategy chosen for one heavy operator (matmul, convolution, embedding)."""
+    node: int
+    primitive: str
+    strategy: str
+    communication: str
+    source: str
+    name_stack: str
+    out_shape: tuple[int, ...]
+    out_spec: Spec
+    flops: float
+    compute_s: float
+    comm_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FallbackPlan:
+    node: int
+    primitive: str
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: its devices, logical mesh and predicted costs. A ShardParallel plan
+    has a single stage covering the whole mesh."""
+    index: int
+    device_ids: tuple[int, ...]
+    logical_mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    peak_memory_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelPlan:
+    version: int = PLAN_FORMAT_VERSION
+    method: str
+    cluster: str                               # ClusterSpec name the costs were computed for
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device_ids: tuple[int, ...]
+    graph_fingerprint: str
+    inputs: tuple[TensorPlan, ...]
+    outputs: tuple[TensorPlan, ...]
+    constraints: tuple[tuple[int, Spec], ...]  # (tensor id, spec) of constrained intermediates
+    operators: tuple[OperatorPlan, ...]
+    fallbacks: tuple[FallbackPlan, ...]
+    stages: tuple[StagePlan, ...]
+    predicted_compute_s: float
+    predicted_comm_s: float
+    predicted_reshard_s: float
+    peak_memory_bytes: float
+    memory_budget_bytes: float
+    ilp: dict = field(default_factory=dict)    # IlpStats as a dict
+    timings_s: dict = field(default_factory=dict)
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.predicted_compute_s + self.predicted_comm_s + self.predicted_reshard_s
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ParallelPlan":
+        d = json.loads(text)
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            from .errors import PlanMismatchError
+            raise PlanMismatchError(
+                f"plan format version {d.get('version')!r} is not the supported version "
+                f"{PLAN_FORMAT_VERSION}. Fix: re-plan with this autopar version.")
+        spec = _spec
+        d["inputs"] = tuple(_tensor_plan(t) for t in d["inputs"])
+        d["outputs"] = tuple(_tensor_plan(t) for t in d["outputs"])
+        d["constraints"] = tuple((int(t), spec(s)) for t, s in d["constraints"])
+        d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
+                                               "out_spec": spec(o["out_spec"])})
+                               for o in d["operators"])
+        d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
+        d["stages"] = tuple(StagePlan(**{**s, "device_ids": tuple(s["device_ids"]),
+                                         "logical_mesh_shape": tuple(s["logical_mesh_shape"]),
+                                         "axis_names": tuple(s["axis_names"])})
+                            for s in d["stages"])
+        for k in ("mesh_shape", "axis_names", "device_ids"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def _spec(value: Any) -> Spec:
+    return tuple(tuple(int(a) for a in dim) for dim in value)
+
+
+def _tensor_plan(d: dict) -> TensorPlan:
+    return TensorPlan(**{**d, "shape": tuple(d["shape"]), "spec": _spec(d["spec"])})
+
+
+def graph_fingerprint(graph: OpGraph) -> str:
+    """Identifies a traced step: primitives, shapes and dtypes of every node and input."""
+    h = hashlib.sha256()
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        h.update(f"{t.shape}{t.dtype};".encode())
+    for node in graph.nodes:
+        outs = ",".join(f"{graph.tensors[o].shape}{graph.tensors[o].dtype}" for o in node.outputs)
+        h.update(f"{node.primitive}({','.join(map(str, node.inputs))})->{outs};".encode())
+    return h.hexdigest()[:16]
+
+
+def constrained_tensors(graph: OpGraph, cheap: list[bool]) -> list[int]:
+    """Intermediates whose sharding the lowering pins: every non-scalar value except those
+    computed from constants alone (XLA materializes those where they are needed)."""
+    return [t.id for t in graph.tensors
+            if t.kind == TensorKind.INTERMEDIATE and t.rank > 0 and not cheap[t.id]]

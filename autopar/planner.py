@@ -1,0 +1,68 @@
+"""Plan pass: a traced graph and its sharding assignment -> `ParallelPlan`."""
+from __future__ import annotations
+
+import math
+
+from .graph import OpGraph
+from .intra_op import ShardingAssignment
+from .intra_op.build import cheap_source_tensors
+from .plan import (FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
+                   constrained_tensors, graph_fingerprint)
+
+HEAVY_OPERATORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
+                             "scatter"})
+
+
+def _tensor_plans(graph: OpGraph, ids, specs, paths=None) -> tuple[TensorPlan, ...]:
+    out = []
+    for pos, tid in enumerate(ids):
+        t = graph.tensors[tid]
+        out.append(TensorPlan(index=pos, path=paths[pos] if paths else t.path,
+                              role=t.role.value if t.role else "result", shape=t.shape,
+                              dtype=t.dtype, spec=specs[pos]))
+    return tuple(out)
+
+
+def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, cluster: str,
+               device_ids: tuple[int, ...], memory_budget_bytes: float,
+               timings_s: dict | None = None) -> ParallelPlan:
+    specs = assignment.tensor_specs
+    in_specs = [specs[t] for t in graph.inputs]
+    out_paths = []
+    for pos in range(len(graph.outputs)):
+        src = graph.carried_outputs.get(pos)
+        out_paths.append(f"result[{pos}]" + (f" (next {graph.tensors[graph.inputs[src]].path})"
+                                             if src is not None else ""))
+    cheap = cheap_source_tensors(graph)
+    operators = []
+    for node in graph.nodes:
+        if node.primitive not in HEAVY_OPERATORS:
+            continue
+        out = graph.tensors[node.outputs[0]]
+        operators.append(OperatorPlan(
+            node=node.id, primitive=node.primitive, strategy=assignment.node_strategy[node.id],
+            communication=assignment.node_comm[node.id], source=node.source,
+            name_stack=node.name_stack, out_shape=out.shape, out_spec=specs[out.id],
+            flops=node.flops, compute_s=assignment.node_compute_s[node.id],
+            comm_s=assignment.node_comm_s[node.id]))
+    fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
+                                   reason=f.reason) for f in assignment.fallbacks)
+    stage = StagePlan(index=0, device_ids=tuple(device_ids),
+                      logical_mesh_shape=assignment.mesh_shape, axis_names=assignment.axis_names,
+                      compute_s=assignment.compute_s, comm_s=assignment.comm_s,
+                      reshard_s=assignment.reshard_s,
+                      peak_memory_bytes=assignment.peak_memory_bytes)
+    ilp = {k: getattr(assignment.ilp, k) for k in assignment.ilp.__slots__}
+    assert math.prod(assignment.mesh_shape) == len(device_ids)
+    return ParallelPlan(
+        method=method, cluster=cluster, mesh_shape=assignment.mesh_shape,
+        axis_names=assignment.axis_names, device_ids=tuple(device_ids),
+        graph_fingerprint=graph_fingerprint(graph),
+        inputs=_tensor_plans(graph, graph.inputs, in_specs),
+        outputs=_tensor_plans(graph, graph.outputs, assignment.output_specs, out_paths),
+        constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, cheap)),
+        operators=tuple(operators), fallbacks=fallbacks, stages=(stage,),
+        predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
+        predicted_reshard_s=assignment.reshard_s,
+        peak_memory_bytes=assignment.peak_memory_bytes,
+        memory_budget_bytes=float(memory_budget_bytes), ilp=ilp, timings_s=dict(timings_s or {}))

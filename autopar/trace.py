@@ -1,0 +1,250 @@
+"""Trace pass: a Python function and example arguments -> `OpGraph`.
+
+The function is traced once with `jax.make_jaxpr`; call-like primitives (`jit`,
+`custom_jvp_call`, `custom_vjp_call`, `remat`) are inlined so that every heavy operator is a
+node of one flat graph. Control flow (`scan`, `while`, `cond`) stays a single node.
+
+Example:
+    >>> graph = trace(lambda w, x: jnp.tanh(x @ w), (w, x), batch_argnums=(1,))
+    >>> [n.primitive for n in graph.nodes]
+    ['dot_general', 'tanh']
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import _compat
+from .errors import InvalidArgumentError
+from .graph import InputRole, Node, OpGraph, Tensor, TensorKind
+
+# Path components that mark optimizer state (optax's state names and common container names).
+_OPT_STATE_PATTERN = re.compile(
+    r"opt_state|\boptimizer\b|\.opt\b|\['opt'\]|\bmu\b|\bnu\b|momentum|\btrace\b|\bema\b|"
+    r"v_row|v_col|\bvr\b|\bvc\b|\bacc\b|accumulator", re.IGNORECASE)
+
+_ELEMENTWISE_FLOP_PRIMS = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1",
+    "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
+    "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "select_n", "clamp", "add_any",
+    "rem", "floor", "ceil", "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
+})
+_REDUCE_PRIMS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                           "argmax", "argmin", "reduce_and", "reduce_or", "cumsum", "cumprod",
+                           "cummax", "cummin", "cumlogsumexp"})
+
+
+def node_flops(primitive: str, eqn) -> float:
+    """Floating-point operations of one equation (2 per multiply-add)."""
+    outs = [v.aval for v in eqn.outvars]
+    ins = [v.aval for v in eqn.invars]
+    if primitive == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        contract = math.prod(ins[0].shape[d] for d in lc)
+        return 2.0 * math.prod(outs[0].shape) * contract
+    if primitive == "conv_general_dilated":
+        rhs = ins[1].shape
+        dn = eqn.params["dimension_numbers"]
+        rhs_spec = dn.rhs_spec  # (out_feature, in_feature, *spatial)
+        per_out = math.prod(rhs[d] for d in rhs_spec[1:])
+        return 2.0 * math.prod(outs[0].shape) * per_out
+    if primitive in _ELEMENTWISE_FLOP_PRIMS:
+        return float(math.prod(getattr(outs[0], "shape", ())))
+    if primitive in _REDUCE_PRIMS:
+        return float(math.prod(getattr(ins[0], "shape", ())))
+    return 0.0
+
+
+def _dtype_name(aval) -> str:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return "token"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # extended dtypes such as PRNG keys
+        return "key"
+
+
+def _arg_names(fun: Callable, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def classify_input(path: str, dtype: str, is_batch: bool) -> InputRole:
+    """Role of a flat input leaf, from its argument and tree path."""
+    if is_batch:
+        return InputRole.BATCH
+    if not (dtype.startswith("float") or dtype.startswith("bfloat") or dtype.startswith("complex")):
+        return InputRole.OTHER
+    if _OPT_STATE_PATTERN.search(path):
+        return InputRole.OPT_STATE
+    return InputRole.PARAM
+
+
+def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int, ...]:
+    out = []
+    for a in argnums:
+        if not isinstance(a, int) or not -num_args <= a < num_args:
+            raise InvalidArgumentError(
+                f"{name}={tuple(argnums)!r}: {a!r} is not a valid positional argument index for "
+                f"a call with {num_args} argument(s). Fix: pass indices in [0, {num_args}).")
+        out.append(a % num_args)
+    return tuple(sorted(set(out)))
+
+
+class _Builder:
+    """Accumulates tensors and nodes while walking (nested) jaxprs."""
+
+    def __init__(self):
+        self.tensors: list[Tensor] = []
+        self.nodes: list[Node] = []
+        self.const_values: dict[int, Any] = {}
+
+    def new_tensor(self, aval, kind: TensorKind, **kw) -> int:
+        tid = len(self.tensors)
+        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+        self.tensors.append(Tensor(id=tid, shape=shape, dtype=_dtype_name(aval), kind=kind, **kw))
+        return tid
+
+    def const(self, value, aval) -> int:
+        tid = self.new_tensor(aval, TensorKind.CONST)
+        self.const_values[tid] = value
+        return tid
+
+    def read(self, env: dict, atom) -> int:
+        if isinstance(atom, _compat.Literal):
+            return self.const(atom.val, atom.aval)
+        return env[atom]
+
+    def walk(self, jaxpr, env: dict) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            in_ids = [self.read(env, v) for v in eqn.invars]
+            body_param = _compat.INLINE_BODY_PARAM.get(name)
+            if body_param is not None:
+                body = eqn.params[body_param]
+                inner = getattr(body, "jaxpr", body)
+                consts = getattr(body, "consts", ())
+                inner_env = {}
+                for v, c in zip(inner.constvars, consts):
+                    inner_env[v] = self.const(c, v.aval)
+                inner_env.update(zip(inner.invars, in_ids))
+                self.walk(inner, inner_env)
+                for outer, inner_out in zip(eqn.outvars, inner.outvars):
+                    if not isinstance(outer, _compat.DropVar):
+                        env[outer] = self.read(inner_env, inner_out)
+                continue
+            node_id = len(self.nodes)
+            out_ids = []
+            for v in eqn.outvars:
+                tid = self.new_tensor(v.aval, TensorKind.INTERMEDIATE, producer=node_id)
+                out_ids.append(tid)
+                if not isinstance(v, _compat.DropVar):
+                    env[v] = tid
+            self.nodes.append(Node(
+                id=node_id, primitive=name, inputs=tuple(in_ids), outputs=tuple(out_ids),
+                flops=node_flops(name, eqn), source=_compat.source_summary(eqn.source_info),
+                name_stack=_compat.name_stack(eqn.source_info), eqn=eqn))
+
+
+def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
+          batch_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = ()) -> OpGraph:
+    """Trace `fun(*args)` into an `OpGraph`.
+
+    `args` may hold concrete arrays or `jax.ShapeDtypeStruct`s. Static arguments are closed
+    over; the graph's inputs are the leaves of the remaining arguments, in order.
+    """
+    start = time.perf_counter()
+    args = tuple(args)
+    static = check_argnums("static_argnums", static_argnums, len(args))
+    batch = check_argnums("batch_argnums", batch_argnums, len(args))
+    donate = check_argnums("donate_argnums", donate_argnums, len(args))
+    clash = set(static) & (set(batch) | set(donate))
+    if clash:
+        raise InvalidArgumentError(
+            f"argument(s) {sorted(clash)} are listed in static_argnums and also in batch_argnums "
+            f"or donate_argnums; a static argument is not an array. Fix: remove them from one.")
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    names = _arg_names(fun, len(args))
+
+    def flat_fun(*dyn_args):
+        full = list(args)
+        for i, a in zip(dyn_idx, dyn_args):
+            full[i] = a
+        return fun(*full)
+
+    dyn_args = tuple(args[i] for i in dyn_idx)
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn_args)
+    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    b = _Builder()
+    env: dict = {}
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        env[v] = b.const(c, v.aval)
+    input_ids, arg_of_input, donated = [], [], set()
+    for pos, ((path, _), var) in enumerate(zip(leaves_with_paths, closed.jaxpr.invars)):
+        arg = dyn_idx[path[0].idx]
+        path_str = names[arg] + jax.tree_util.keystr(path[1:])
+        dtype = _dtype_name(var.aval)
+        tid = b.new_tensor(var.aval, TensorKind.INPUT, input_index=pos, path=path_str,
+                           role=classify_input(path_str, dtype, arg in batch))
+        env[var] = tid
+        input_ids.append(tid)
+        arg_of_input.append(arg)
+        if arg in donate:
+            donated.add(pos)
+    b.walk(closed.jaxpr, env)
+    output_ids = [b.read(env, v) for v in closed.jaxpr.outvars]
+    carried = carried_outputs(dyn_args, out_shape, [dyn_idx.index(i) for i in dyn_idx
+                                                    if i not in batch])
+    return OpGraph(nodes=tuple(b.nodes), tensors=tuple(b.tensors), inputs=tuple(input_ids),
+                   outputs=tuple(output_ids), const_values=b.const_values, in_tree=in_tree,
+                   out_tree=out_tree, arg_of_input=tuple(arg_of_input),
+                   donated_inputs=frozenset(donated), carried_outputs=carried,
+                   trace_time_s=time.perf_counter() - start)
+
+
+def _leaf_sig(x) -> tuple:
+    return (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+
+
+def carried_outputs(dyn_args: tuple, out_shape, state_args: Sequence[int]) -> dict[int, int]:
+    """Pair result leaves with the argument leaves they replace: a result (or an element of a
+    tuple/list result) with the same tree structure, shapes and dtypes as a state argument is
+    that argument's next value (`state = step(state, batch)`)."""
+    tu = jax.tree_util
+    offsets, start = [], 0
+    for a in dyn_args:
+        n = len(tu.tree_leaves(a))
+        offsets.append(start)
+        start += n
+    candidates = [(out_shape, 0)]
+    if isinstance(out_shape, (tuple, list)):
+        pos = 0
+        for element in out_shape:
+            candidates.append((element, pos))
+            pos += len(tu.tree_leaves(element))
+    pairs: dict[int, int] = {}
+    for i in state_args:
+        arg = dyn_args[i]
+        in_def, in_leaves = tu.tree_structure(arg), tu.tree_leaves(arg)
+        if not in_leaves:
+            continue
+        for sub, out_off in candidates:
+            if (tu.tree_structure(sub) == in_def
+                    and [_leaf_sig(x) for x in tu.tree_leaves(sub)] == [_leaf_sig(x) for x in in_leaves]):
+                for k in range(len(in_leaves)):
+                    pairs.setdefault(out_off + k, offsets[i] + k)
+                break
+    return pairs

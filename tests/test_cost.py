@@ -1,0 +1,239 @@
+"""Tests for autopar.cost on numbers alone (no JAX)."""
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from autopar.cluster import LogicalMesh
+from autopar.cost import (CollectiveAlgorithm, CostModel, all_gather_options_s,
+                          all_reduce_options_s, all_to_all_options_s, reduce_scatter_options_s)
+from autopar.errors import InvalidArgumentError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+A_FAST, B_FAST = 1e-6, 1e-10  # axis 1 (and 2)
+A_SLOW, B_SLOW = 1e-5, 1e-9   # axis 0
+
+
+def make_mesh(shape=(2, 4), alpha=None, beta=None, **overrides) -> LogicalMesh:
+    rank = len(shape)
+    fields = dict(
+        shape=tuple(shape), axis_names=tuple(f"a{i}" for i in range(rank)),
+        alpha_s=alpha or (A_SLOW,) + (A_FAST,) * (rank - 1),
+        beta_s_per_byte=beta or (B_SLOW,) + (B_FAST,) * (rank - 1),
+        peak_flops_bf16_per_s=1e12, peak_flops_fp32_per_s=1e11,
+        hbm_bandwidth_bytes_per_s=1e10, memory_bytes=2**30)
+    fields.update(overrides)
+    return LogicalMesh(**fields)
+
+
+def model(**kw) -> CostModel:
+    return CostModel(mesh=make_mesh(**kw))
+
+
+def test_cost_module_does_not_import_jax():
+    code = "import sys, autopar.cost; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- formulas against hand-computed values --------------------------------------------------
+
+def test_all_reduce_formulas():
+    n, size, a, b = 8, 1e6, 1e-5, 1e-9
+    got = all_reduce_options_s(n, size, a, b)
+    assert got[CollectiveAlgorithm.RING] == pytest.approx(14 * a + 1.75 * size * b)
+    assert got[CollectiveAlgorithm.TREE] == pytest.approx(6 * (a + size * b))
+    assert got[CollectiveAlgorithm.BUTTERFLY] == pytest.approx(3 * (a + size * b))
+    assert got[CollectiveAlgorithm.RECURSIVE_HALVING] == pytest.approx(6 * a + 1.75 * size * b)
+
+
+def test_all_reduce_non_power_of_two_folds_into_power_of_two():
+    n, size, a, b = 6, 1e6, 1e-5, 1e-9
+    got = all_reduce_options_s(n, size, a, b)
+    fold = 2 * (a + size * b)
+    assert got[CollectiveAlgorithm.RECURSIVE_HALVING] == pytest.approx(
+        2 * 2 * a + 2 * 3 / 4 * size * b + fold)
+    assert got[CollectiveAlgorithm.BUTTERFLY] == pytest.approx(2 * (a + size * b) + fold)
+    assert got[CollectiveAlgorithm.TREE] == pytest.approx(2 * 3 * (a + size * b))
+    assert got[CollectiveAlgorithm.RING] == pytest.approx(10 * a + 10 / 6 * size * b)
+
+
+def test_gather_scatter_all_to_all_formulas():
+    n, size, a, b = 4, 8e6, 2e-5, 1e-9
+    ring = 3 * a + 0.75 * size * b
+    ag = all_gather_options_s(n, size, a, b)
+    assert ag[CollectiveAlgorithm.RING] == pytest.approx(ring)
+    assert ag[CollectiveAlgorithm.RECURSIVE_HALVING] == pytest.approx(2 * a + 0.75 * size * b)
+    rs = reduce_scatter_options_s(n, size, a, b)
+    assert rs[CollectiveAlgorithm.RING] == pytest.approx(ring)
+    assert rs[CollectiveAlgorithm.RECURSIVE_HALVING] == pytest.approx(2 * a + 0.75 * size * b)
+    assert all_to_all_options_s(n, size, a, b) == {CollectiveAlgorithm.RING: pytest.approx(ring)}
+    # recursive halving reduce-scatter needs a power of two
+    assert set(reduce_scatter_options_s(6, size, a, b)) == {CollectiveAlgorithm.RING}
+
+
+def test_all_reduce_is_reduce_scatter_plus_all_gather_for_ring():
+    n, size, a, b = 8, 3e6, 7e-6, 2e-10
+    ar = all_reduce_options_s(n, size, a, b)[CollectiveAlgorithm.RING]
+    rs = reduce_scatter_options_s(n, size, a, b)[CollectiveAlgorithm.RING]
+    ag = all_gather_options_s(n, size, a, b)[CollectiveAlgorithm.RING]
+    assert ar == pytest.approx(rs + ag)
+
+
+def test_cost_model_takes_the_cheapest_algorithm():
+    cm = model(shape=(2, 4))
+    size = 1e6
+    assert cm.all_reduce_s(size, [1]) == min(all_reduce_options_s(4, size, A_FAST, B_FAST).values())
+    assert cm.all_gather_s(size, [1]) == pytest.approx(2 * A_FAST + 0.75 * size * B_FAST)
+    assert cm.reduce_scatter_s(size, [1]) == pytest.approx(2 * A_FAST + 0.75 * size * B_FAST)
+    assert cm.all_to_all_s(size, [1]) == pytest.approx(3 * A_FAST + 0.75 * size * B_FAST)
+    assert cm.all_gather_s(size, [0]) == pytest.approx(A_SLOW + 0.5 * size * B_SLOW)
+
+
+def test_big_message_is_bandwidth_bound_and_ring_wins_off_powers_of_two():
+    size = 1e10
+    got = all_reduce_options_s(6, size, 1e-5, 1e-9)
+    best = min(got, key=got.get)
+    assert best is CollectiveAlgorithm.RING
+    assert got[best] == pytest.approx(2 * 5 / 6 * size * 1e-9, rel=1e-4)
+    # power of two: bandwidth-optimal (ring / recursive halving), not tree or butterfly
+    got = all_reduce_options_s(8, size, 1e-5, 1e-9)
+    assert min(got.values()) == pytest.approx(2 * 7 / 8 * size * 1e-9, rel=1e-4)
+    assert got[CollectiveAlgorithm.TREE] > 3 * min(got.values())
+
+
+def test_tiny_message_on_many_devices_prefers_log_latency():
+    got = all_reduce_options_s(256, 8.0, 1e-5, 1e-9)
+    best = min(got, key=got.get)
+    assert best in (CollectiveAlgorithm.BUTTERFLY, CollectiveAlgorithm.RECURSIVE_HALVING)
+    assert got[best] < got[CollectiveAlgorithm.RING] / 10
+    cm = CostModel(mesh=make_mesh(shape=(256,), alpha=(1e-5,), beta=(1e-9,)))
+    assert cm.all_reduce_s(8.0, [0]) == pytest.approx(got[best])
+    assert cm.all_gather_s(8.0, [0]) == pytest.approx(8 * 1e-5 + 255 / 256 * 8 * 1e-9)
+
+
+def test_single_device_groups_cost_nothing():
+    cm = model(shape=(1, 8))
+    for fn in (cm.all_reduce_s, cm.all_gather_s, cm.reduce_scatter_s, cm.all_to_all_s):
+        assert fn(1e9, [0]) == 0.0
+        assert fn(1e9, []) == 0.0
+        assert fn(1e9, [0, 1]) == fn(1e9, [1]) > 0.0  # size-1 axes are ignored
+    for options in (all_reduce_options_s, all_gather_options_s, reduce_scatter_options_s,
+                    all_to_all_options_s):
+        assert set(options(1, 1e9, 1.0, 1.0).values()) == {0.0}
+
+
+def test_multi_axis_group_uses_product_and_slowest_link():
+    cm = model(shape=(2, 4))
+    expected = min(all_reduce_options_s(8, 1e6, A_SLOW, B_SLOW).values())
+    assert cm.all_reduce_s(1e6, [0, 1]) == pytest.approx(expected)
+    assert cm.all_reduce_s(1e6, [1, 0]) == pytest.approx(expected)
+
+
+def test_bigger_beta_costs_more():
+    fast = model(beta=(1e-10, 1e-10))
+    slow = model(beta=(1e-9, 1e-9))
+    for name in ("all_reduce_s", "all_gather_s", "reduce_scatter_s", "all_to_all_s"):
+        assert getattr(slow, name)(1e6, [1]) > getattr(fast, name)(1e6, [1])
+    assert slow.reshard_s((8, 8), 4, ((0,), ()), ((), ())) > \
+        fast.reshard_s((8, 8), 4, ((0,), ()), ((), ()))
+
+
+def test_bad_axes_and_sizes_are_rejected():
+    cm = model()
+    with pytest.raises(InvalidArgumentError, match="axis 2"):
+        cm.all_reduce_s(1.0, [2])
+    with pytest.raises(InvalidArgumentError, match="repeat"):
+        cm.all_reduce_s(1.0, [1, 1])
+    with pytest.raises(InvalidArgumentError, match="nbytes"):
+        cm.all_gather_s(-1.0, [1])
+    with pytest.raises(InvalidArgumentError, match="LogicalMesh"):
+        CostModel(mesh=(2, 4))  # type: ignore[arg-type]
+
+
+# ---- compute --------------------------------------------------------------------------------
+
+def test_compute_roofline_both_regimes():
+    cm = model()  # bf16 1e12, fp32 1e11 flop/s; HBM 1e10 B/s
+    # compute bound: 1e12 flops over 1e6 bytes
+    assert cm.compute_s(1e12, 1e6, "float32") == pytest.approx(10.0)
+    assert cm.compute_s(1e12, 1e6, "bfloat16") == pytest.approx(1.0)
+    # memory bound: elementwise op, 1e6 flops over 1e9 bytes
+    assert cm.compute_s(1e6, 1e9, "float32") == pytest.approx(0.1)
+    assert cm.compute_s(0, 0, "float32") == 0.0
+    with pytest.raises(InvalidArgumentError, match="flops"):
+        cm.compute_s(-1, 0, "float32")
+
+
+# ---- resharding -----------------------------------------------------------------------------
+
+SHAPE, ITEM = (16, 32), 4
+TOTAL = 16 * 32 * 4
+
+
+def test_reshard_identical_specs_is_free():
+    cm = model()
+    for spec in [((), ()), ((0,), (1,)), ((0, 1), ()), ((), (1, 0))]:
+        assert cm.reshard_s(SHAPE, ITEM, spec, spec) == 0.0
+    assert cm.reshard_s((), ITEM, (), ()) == 0.0
+
+
+def test_reshard_replicated_to_sharded_is_a_local_slice():
+    cm = model()
+    assert cm.reshard_s(SHAPE, ITEM, ((), ()), ((0,), (1,))) == 0.0
+    assert cm.reshard_s(SHAPE, ITEM, ((0,), ()), ((0, 1), ())) == 0.0
+
+
+def test_reshard_sharded_to_replicated_is_an_all_gather():
+    cm = model()
+    assert cm.reshard_s(SHAPE, ITEM, ((1,), ()), ((), ())) == pytest.approx(
+        cm.all_gather_s(TOTAL, [1]))
+    assert cm.reshard_s(SHAPE, ITEM, ((0,), (1,)), ((0,), ())) == pytest.approx(
+        cm.all_gather_s(TOTAL / 2, [1]))  # result is still split 2 ways by axis 0
+
+
+def test_reshard_gathering_two_axes_runs_them_in_the_cheapest_order():
+    cm = model()
+    slow_first = cm.all_gather_s(TOTAL / 4, [0]) + cm.all_gather_s(TOTAL, [1])
+    fast_first = cm.all_gather_s(TOTAL / 2, [1]) + cm.all_gather_s(TOTAL, [0])
+    assert cm.reshard_s(SHAPE, ITEM, ((0,), (1,)), ((), ())) == pytest.approx(
+        min(slow_first, fast_first))
+
+
+def test_reshard_axis_moved_between_dims_is_an_all_to_all():
+    cm = model()
+    assert cm.reshard_s(SHAPE, ITEM, ((1,), ()), ((), (1,))) == pytest.approx(
+        cm.all_to_all_s(TOTAL / 4, [1]))
+    # moved axis plus a gathered axis: all-to-all on src bytes, then the gather
+    got = cm.reshard_s(SHAPE, ITEM, ((1,), (0,)), ((), (1,)))
+    assert got == pytest.approx(cm.all_to_all_s(TOTAL / 8, [1]) + cm.all_gather_s(TOTAL / 4, [0]))
+
+
+def test_reshard_reordered_axes_within_a_dim_is_an_all_to_all():
+    cm = model()
+    got = cm.reshard_s(SHAPE, ITEM, ((0, 1), ()), ((1, 0), ()))
+    assert got == pytest.approx(cm.all_to_all_s(TOTAL / 8, [0]) + cm.all_to_all_s(TOTAL / 8, [1]))
+    assert got > 0.0
+
+
+def test_reshard_ignores_size_one_axes():
+    cm = model(shape=(1, 8))
+    assert cm.reshard_s(SHAPE, ITEM, ((0,), ()), ((), ())) == 0.0
+
+
+def test_reshard_rejects_rank_mismatch_and_bad_axes():
+    cm = model()
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        cm.reshard_s(SHAPE, ITEM, ((),), ((), ()))
+    with pytest.raises(InvalidArgumentError, match="mesh axis 3"):
+        cm.reshard_s(SHAPE, ITEM, ((3,), ()), ((), ()))
+
+
+def test_reshard_scales_with_tensor_size():
+    cm = model()
+    small = cm.reshard_s((16, 32), 4, ((0,), ()), ((), ()))
+    big = cm.reshard_s((1024, 1024), 4, ((0,), ()), ((), ()))
+    assert big > small > 0 and math.isfinite(big)

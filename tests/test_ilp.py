@@ -1,0 +1,290 @@
+"""Tests for autopar.intra_op.ilp: against brute force, presolve rules, limits, fallbacks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autopar.errors import InvalidArgumentError
+from autopar.intra_op import ilp
+from autopar.intra_op.ilp import (IlpEdge, IlpProblem, MemoryPoint, SolveStatus, SolverBackend,
+                                  brute_force, evaluate, min_peak_memory, peak_memory_bytes,
+                                  solve_ilp)
+
+BACKENDS = [SolverBackend.HIGHS, SolverBackend.CBC]
+
+
+def _edge(u, v, cost):
+    return IlpEdge(u=u, v=v, cost=np.asarray(cost, float))
+
+
+def _random_problem(rng, *, with_memory: bool) -> IlpProblem:
+    num_groups = int(rng.integers(3, 8))
+    ks = rng.integers(1, 5, size=num_groups)
+    node_costs = tuple(rng.random(k) for k in ks)
+    edges = []
+    for _ in range(int(rng.integers(1, 2 * num_groups + 1))):
+        u, v = (int(g) for g in rng.choice(num_groups, 2, replace=False))
+        edges.append(_edge(u, v, rng.random((ks[u], ks[v]))))
+    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges))
+    if not with_memory:
+        return problem
+    points = []
+    for _ in range(int(rng.integers(1, 4))):
+        groups = rng.choice(num_groups, int(rng.integers(1, num_groups + 1)), replace=False)
+        terms = tuple((int(g), rng.integers(0, 1000, size=ks[g]).astype(float)) for g in groups)
+        points.append(MemoryPoint(terms=terms, constant_bytes=float(rng.integers(0, 500))))
+    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges), memory_points=tuple(points))
+    peaks = _all_peaks(problem)
+    budget = peaks.min() + rng.uniform(-0.2, 1.0) * (peaks.max() - peaks.min())
+    return IlpProblem(node_costs=node_costs, edges=tuple(edges), memory_points=tuple(points),
+                      memory_budget_bytes=float(budget))
+
+
+def _all_peaks(problem: IlpProblem) -> np.ndarray:
+    ks = problem.num_strategies
+    return np.array([peak_memory_bytes(problem, c) for c in np.indices(ks).reshape(len(ks), -1).T])
+
+
+def _assert_close(a: float, b: float) -> None:
+    assert abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-300), (a, b)
+
+
+def _random_big(num_groups: int, k: int, num_edges: int, seed: int = 0) -> IlpProblem:
+    rng = np.random.default_rng(seed)
+    edges = []
+    for _ in range(num_edges):
+        u, v = (int(g) for g in rng.choice(num_groups, 2, replace=False))
+        edges.append(_edge(u, v, rng.random((k, k))))
+    return IlpProblem(node_costs=tuple(rng.random(k) for _ in range(num_groups)),
+                      edges=tuple(edges))
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+def test_evaluate_and_peak_memory_hand_example():
+    problem = IlpProblem(
+        node_costs=(np.array([1.0, 2.0]), np.array([10.0, 20.0, 30.0]), np.array([5.0])),
+        edges=(_edge(0, 1, [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]), _edge(2, 1, [[7.0, 8.0, 9.0]])),
+        memory_points=(
+            MemoryPoint(terms=((0, np.array([100.0, 50.0])), (1, np.array([1.0, 2.0, 3.0]))),
+                        constant_bytes=1000.0),
+            MemoryPoint(terms=((2, np.array([2000.0])),), constant_bytes=0.0)),
+        memory_budget_bytes=5000.0)
+    # choice (1, 2, 0): nodes 2 + 30 + 5, edges 0.6 + 9.
+    assert evaluate(problem, (1, 2, 0)) == pytest.approx(46.6, rel=1e-15)
+    assert evaluate(problem, (0, 0, 0)) == pytest.approx(1 + 10 + 5 + 0.1 + 7, rel=1e-15)
+    assert peak_memory_bytes(problem, (1, 2, 0)) == 2000.0   # max(1000 + 50 + 3, 2000)
+    assert peak_memory_bytes(IlpProblem(node_costs=problem.node_costs, edges=()), (0, 0, 0)) == 0.0
+    with pytest.raises(InvalidArgumentError):
+        evaluate(problem, (2, 0, 0))
+    with pytest.raises(InvalidArgumentError):
+        evaluate(problem, (0, 0))
+
+
+def test_validation_errors():
+    with pytest.raises(InvalidArgumentError):
+        IlpProblem(node_costs=(np.array([]),), edges=())
+    with pytest.raises(InvalidArgumentError):
+        IlpProblem(node_costs=(np.ones(2), np.ones(3)), edges=(_edge(0, 1, np.ones((3, 2))),))
+    with pytest.raises(InvalidArgumentError):
+        IlpProblem(node_costs=(np.ones(2), np.ones(2)), edges=(_edge(1, 1, np.ones((2, 2))),))
+    with pytest.raises(InvalidArgumentError):
+        IlpProblem(node_costs=(np.ones(2),), edges=(),
+                   memory_points=(MemoryPoint(terms=((0, np.ones(3)),), constant_bytes=0.0),))
+    with pytest.raises(ValueError):
+        brute_force(IlpProblem(node_costs=tuple(np.ones(8) for _ in range(7)), edges=()))
+    with pytest.raises(InvalidArgumentError):
+        solve_ilp(IlpProblem(node_costs=(np.ones(2),), edges=()), time_limit_s=0.0)
+
+
+# ----------------------------------------------------------------------------- vs brute force
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_brute_force_on_random_problems(backend):
+    rng = np.random.default_rng(1234)
+    statuses = set()
+    for n in range(30):
+        problem = _random_problem(rng, with_memory=n % 3 != 0)
+        expected, got = brute_force(problem), solve_ilp(problem, backend=backend)
+        statuses.add(expected.status)
+        assert got.status is expected.status, (n, got, expected)
+        assert got.objective == evaluate(problem, got.choice)
+        if expected.status is SolveStatus.OPTIMAL:
+            _assert_close(got.objective, expected.objective)
+            budget = problem.memory_budget_bytes
+            assert budget is None or peak_memory_bytes(problem, got.choice) <= budget
+        else:
+            assert peak_memory_bytes(problem, got.choice) == _all_peaks(problem).min()
+    assert statuses == {SolveStatus.OPTIMAL, SolveStatus.INFEASIBLE}
+
+
+def test_backends_agree_on_random_problems():
+    rng = np.random.default_rng(99)
+    for n in range(10):
+        problem = _random_problem(rng, with_memory=n % 2 == 0)
+        objectives = {solve_ilp(problem, backend=b).objective for b in BACKENDS}
+        assert max(objectives) - min(objectives) <= 1e-9 * max(abs(o) for o in objectives)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infeasible_budget_reports_min_peak_memory(backend):
+    rng = np.random.default_rng(7)
+    base = _random_problem(rng, with_memory=True)
+    peaks = _all_peaks(base)
+    problem = IlpProblem(node_costs=base.node_costs, edges=base.edges,
+                         memory_points=base.memory_points, memory_budget_bytes=peaks.min() - 1.0)
+    sol = solve_ilp(problem, backend=backend)
+    assert sol.status is SolveStatus.INFEASIBLE
+    assert brute_force(problem).status is SolveStatus.INFEASIBLE
+    assert peak_memory_bytes(problem, sol.choice) == peaks.min()
+    assert "cannot be met" in sol.message
+    need, choice = min_peak_memory(problem, backend=backend)
+    assert need == peaks.min() == peak_memory_bytes(problem, choice)
+
+
+def test_infeasible_detected_in_presolve_and_min_peak_without_points():
+    problem = IlpProblem(
+        node_costs=(np.array([1.0, 2.0]), np.array([3.0, 1.0])),
+        edges=(_edge(0, 1, [[0.0, 1.0], [1.0, 0.0]]),),
+        memory_points=(MemoryPoint(terms=((0, np.array([10.0, 20.0])),), constant_bytes=100.0),),
+        memory_budget_bytes=50.0)
+    sol = solve_ilp(problem)
+    assert sol.status is SolveStatus.INFEASIBLE and sol.num_variables == 0
+    assert min_peak_memory(problem) == (110.0, sol.choice) and sol.choice[0] == 0
+    free = IlpProblem(node_costs=problem.node_costs, edges=problem.edges)
+    need, choice = min_peak_memory(free)
+    assert need == 0.0 and len(choice) == 2
+
+
+# ----------------------------------------------------------------------------- presolve rules
+
+def _check_optimum(problem: IlpProblem) -> ilp.IlpSolution:
+    expected = brute_force(problem)
+    for backend in BACKENDS:
+        got = solve_ilp(problem, backend=backend)
+        assert got.status is SolveStatus.OPTIMAL
+        _assert_close(got.objective, expected.objective)
+    return solve_ilp(problem)
+
+
+def test_single_strategy_groups_get_no_variables():
+    rng = np.random.default_rng(3)
+    ks = (1, 3, 1, 4)
+    problem = IlpProblem(
+        node_costs=tuple(rng.random(k) for k in ks),
+        edges=(_edge(0, 1, rng.random((1, 3))), _edge(1, 3, rng.random((3, 4))),
+               _edge(3, 2, rng.random((4, 1))), _edge(0, 2, rng.random((1, 1)))),
+        memory_points=(MemoryPoint(terms=((0, np.array([500.0])), (1, np.array([1.0, 9.0, 5.0]))),
+                                   constant_bytes=0.0),),
+        memory_budget_bytes=505.0)
+    sol = _check_optimum(problem)
+    assert sol.num_variables == 3 + 4 + 3 * 4                   # groups 1 and 3 and their edge
+    assert sol.num_constraints == 2 + (3 + 4 - 1) + 1           # one-hot, edge, memory
+    assert sol.choice[0] == sol.choice[2] == 0
+
+
+def test_parallel_edges_are_summed():
+    rng = np.random.default_rng(4)
+    a, b = rng.random((3, 2)), rng.random((2, 3))
+    problem = IlpProblem(node_costs=(rng.random(3), rng.random(2)),
+                         edges=(_edge(0, 1, a), _edge(1, 0, b), _edge(0, 1, a)))
+    sol = _check_optimum(problem)
+    assert sol.num_variables == 3 + 2 + 3 * 2
+    assert sol.num_constraints == 2 + (3 + 2 - 1)
+
+
+def test_separable_and_constant_edges_are_folded():
+    rng = np.random.default_rng(5)
+    sep = rng.random(3)[:, None] + rng.random(4)[None, :]
+    problem = IlpProblem(node_costs=(rng.random(3), rng.random(4), rng.random(2)),
+                         edges=(_edge(0, 1, sep), _edge(1, 2, np.full((4, 2), 0.7)),
+                                _edge(0, 2, rng.random((3, 2)))))
+    sol = _check_optimum(problem)
+    assert sol.num_variables == 3 + 2 + 3 * 2                   # only the random edge 0-2 is left
+    only_separable = IlpProblem(node_costs=problem.node_costs, edges=problem.edges[:2])
+    sol = _check_optimum(only_separable)
+    assert sol.num_variables == 0 and sol.backend is None       # every group became isolated
+
+
+def test_memory_points_that_always_fit_are_dropped_and_isolated_groups_fixed():
+    rng = np.random.default_rng(6)
+    pts = (MemoryPoint(terms=((0, np.array([1.0, 2.0, 3.0])),), constant_bytes=20.0),
+           MemoryPoint(terms=((1, np.array([1.0, 50.0])), (2, np.array([40.0, 1.0]))),
+                       constant_bytes=10.0))
+    kwargs = dict(node_costs=(rng.random(3), rng.random(2), rng.random(2)),
+                  edges=(_edge(1, 2, [[0.0, 1.0], [1.0, 0.0]]),), memory_points=pts)
+    loose = _check_optimum(IlpProblem(**kwargs, memory_budget_bytes=1000.0))
+    assert (loose.num_variables, loose.num_constraints) == (2 + 2 + 4, 2 + 3)   # group 0 isolated
+    no_budget = solve_ilp(IlpProblem(**kwargs))
+    assert (no_budget.num_variables, no_budget.num_constraints) == (8, 5)
+    tight = _check_optimum(IlpProblem(**kwargs, memory_budget_bytes=55.0))
+    assert (tight.num_variables, tight.num_constraints) == (8, 6)               # point 1 binds
+    tighter = _check_optimum(IlpProblem(**kwargs, memory_budget_bytes=22.0))
+    assert (tighter.num_variables, tighter.num_constraints) == (3 + 8, 3 + 3 + 2)
+
+
+def test_no_edges_no_memory_needs_no_solver():
+    costs = (np.array([3.0, 1.0, 2.0]), np.array([5.0]), np.array([0.5, 0.25]))
+    sol = solve_ilp(IlpProblem(node_costs=costs, edges=()))
+    assert sol.choice == (1, 0, 1) and sol.objective == 6.25
+    assert sol.status is SolveStatus.OPTIMAL and sol.backend is None and sol.num_variables == 0
+    empty = solve_ilp(IlpProblem(node_costs=(), edges=()))
+    assert empty.choice == () and empty.objective == 0.0
+    assert brute_force(IlpProblem(node_costs=(), edges=())).choice == ()
+
+
+# ----------------------------------------------------------------------------- limits, fallbacks
+
+def _check_stopped_early(problem: IlpProblem, sol: ilp.IlpSolution) -> None:
+    assert sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK), sol.message
+    assert len(sol.choice) == len(problem.node_costs)
+    assert all(0 <= c < k for c, k in zip(sol.choice, problem.num_strategies))
+    assert sol.objective == evaluate(problem, sol.choice)
+    assert "time limit" in sol.message
+
+
+def test_time_limit_highs():
+    problem = _random_big(400, 8, 800)
+    _check_stopped_early(problem, solve_ilp(problem, time_limit_s=0.05))
+
+
+def test_time_limit_cbc():
+    problem = _random_big(100, 8, 200, seed=1)
+    _check_stopped_early(problem, solve_ilp(problem, backend=SolverBackend.CBC, time_limit_s=0.05))
+
+
+def test_solver_exception_falls_back_to_greedy(monkeypatch):
+    def boom(mip, time_limit_s):
+        raise RuntimeError("solver exploded")
+    monkeypatch.setattr(ilp, "_solve_highs", boom)
+    problem = _random_big(30, 4, 60)
+    sol = solve_ilp(problem)
+    assert sol.status is SolveStatus.FALLBACK and "greedy" in sol.message
+    assert "solver exploded" in sol.message and sol.objective == evaluate(problem, sol.choice)
+
+
+def test_incumbent_path_rounds_and_improves(monkeypatch):
+    def stopped(mip, time_limit_s):
+        x = np.zeros(mip.cost.size)
+        for _, start, _ in mip.group_cols:
+            x[start] = 1.0                       # every group at strategy 0
+        return ilp._MipResult(kind=SolveStatus.FEASIBLE, x=x, reason="time limit 1 s hit", gap=0.5)
+    monkeypatch.setattr(ilp, "_solve_highs", stopped)
+    problem = _random_big(30, 4, 60, seed=2)
+    sol = solve_ilp(problem)
+    assert sol.status is SolveStatus.FEASIBLE and "gap 50%" in sol.message
+    assert sol.objective <= evaluate(problem, (0,) * 30)
+
+
+def test_greedy_respects_memory_when_it_can(monkeypatch):
+    monkeypatch.setattr(ilp, "_solve_highs", lambda mip, t: ilp._MipResult(
+        kind=SolveStatus.FALLBACK, x=None, reason="time limit 1 s hit"))
+    # Strategy 0 is cheap but big; the budget allows only one group to take it.
+    problem = IlpProblem(
+        node_costs=tuple(np.array([0.0, 1.0]) for _ in range(3)), edges=(),
+        memory_points=(MemoryPoint(terms=tuple((g, np.array([100.0, 10.0])) for g in range(3)),
+                                   constant_bytes=0.0),),
+        memory_budget_bytes=120.0)
+    sol = solve_ilp(problem)
+    assert sol.status is SolveStatus.FALLBACK
+    assert peak_memory_bytes(problem, sol.choice) <= 120.0 and sol.objective == 2.0
