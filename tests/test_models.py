@@ -1,6 +1,7 @@
 """Tests for models/ (linen and NNX MLP and GPT)."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -49,8 +50,13 @@ def tiny_gpt():
     return GPT(TINY), params, batch
 
 
+@functools.cache
+def _jit_apply(model):
+    return jax.jit(model.apply)
+
+
 def _apply_linen(model, params, x):
-    return jax.jit(model.apply)({"params": params}, x)
+    return _jit_apply(model)({"params": params}, x)
 
 
 @nnx.jit

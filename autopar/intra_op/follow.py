@@ -45,9 +45,20 @@ def _strategy(ctx: RuleContext, node: Node, in_specs, out_specs, name: str,
 
 
 def _same_shape_inputs(ctx, node, spec):
+    """Wanted specs of elementwise operands: the node's spec, except on size-1 (broadcast)
+    dimensions; scalars are taken as they are."""
     out_shape = ctx.t(node.outputs[0]).shape
-    return [spec if ctx.t(t).shape == out_shape else
-            (replicated(ctx.t(t).rank) if ctx.t(t).rank else None) for t in node.inputs]
+    wanted = []
+    for t in node.inputs:
+        shape = ctx.t(t).shape
+        if not shape:
+            wanted.append(None)
+        elif len(shape) == len(out_shape):
+            wanted.append(tuple(spec[d] if shape[d] == out_shape[d] else ()
+                                for d in range(len(shape))))
+        else:
+            wanted.append(replicated(len(shape)))
+    return wanted
 
 
 def elementwise(ctx, node, pos, spec):

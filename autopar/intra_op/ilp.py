@@ -24,7 +24,7 @@ _SEPARABLE_RTOL = 1e-12   # R[i,j] = a[i] + b[j] up to this fraction of max|R| c
 _MIP_REL_GAP = 1e-9       # on the reduced, shifted objective (normalized to max cost 1)
 _MIP_ABS_GAP = 1e-10
 _BRUTE_FORCE_LIMIT = 200_000
-_IMPROVE_PASSES = 2
+_IMPROVE_PASSES = 10       # local-improvement sweeps after greedy (stops early when stable)
 
 
 class SolverBackend(enum.Enum):
@@ -174,16 +174,13 @@ def _presolve(problem: IlpProblem) -> _Reduced:
     for (u, v), r in merged.items():
         if ks[u] == 1:
             nc[v] += r[0, :]
-            continue
-        if ks[v] == 1:
+        elif ks[v] == 1:
             nc[u] += r[:, 0]
-            continue
-        d = r - r[:, :1] - r[:1, :] + r[0, 0]
-        if np.abs(d).max() <= _SEPARABLE_RTOL * np.abs(r).max():
-            nc[u] += r[:, 0] - r[0, 0]
+        elif np.abs(r - r[:, :1] - r[:1, :] + r[0, 0]).max() <= _SEPARABLE_RTOL * np.abs(r).max():
+            nc[u] += r[:, 0] - r[0, 0]    # R[i, j] = (R[i, 0] - R[0, 0]) + R[0, j]
             nc[v] += r[0, :]
-            continue
-        edges.append((u, v, r))
+        else:
+            edges.append((u, v, r))
     mem_rows, infeasible = [], False
     budget = problem.memory_budget_bytes
     if budget is not None:
@@ -228,7 +225,8 @@ class _Mip:
 
     def add_entries(self, rows, cols, vals) -> None:
         rows = np.broadcast_to(rows, np.shape(cols))
-        self._nz.append((rows, np.asarray(cols), np.broadcast_to(np.asarray(vals, float), rows.shape)))
+        vals = np.broadcast_to(np.asarray(vals, float), rows.shape)
+        self._nz.append((rows, np.asarray(cols), vals))
 
     def add_groups(self, groups, costs: dict[int, np.ndarray]) -> dict[int, int]:
         """Binary one-hot columns (sum = 1) per group; returns each group's first column."""
@@ -303,12 +301,13 @@ def _solve_highs(mip: _Mip, time_limit_s: float) -> _MipResult:
     if status == highspy.HighsStatus.kError:
         raise RuntimeError("HiGHS rejected the model (passModel returned kError)")
     h.run()
-    ms, info = h.getModelStatus(), h.getInfo()
-    if ms == highspy.HighsModelStatus.kOptimal:
-        return _MipResult(kind=SolveStatus.OPTIMAL, x=np.asarray(h.getSolution().col_value), reason="")
-    if ms in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+    ms, info, status_enum = h.getModelStatus(), h.getInfo(), highspy.HighsModelStatus
+    if ms == status_enum.kOptimal:
+        x = np.asarray(h.getSolution().col_value)
+        return _MipResult(kind=SolveStatus.OPTIMAL, x=x, reason="")
+    if ms in (status_enum.kInfeasible, status_enum.kUnboundedOrInfeasible):
         return _MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
-    reason = (f"time limit {time_limit_s:g} s hit" if ms == highspy.HighsModelStatus.kTimeLimit
+    reason = (f"time limit {time_limit_s:g} s hit" if ms == status_enum.kTimeLimit
               else f"HiGHS stopped early ({h.modelStatusToString(ms)})")
     if info.primal_solution_status == int(highspy.SolutionStatus.kSolutionStatusFeasible):
         return _MipResult(kind=SolveStatus.FEASIBLE, x=np.asarray(h.getSolution().col_value),
@@ -410,7 +409,7 @@ def _greedy(red: _Reduced, choice: np.ndarray | None = None, *, movable=None) ->
             for i in np.argsort(cost, kind="stable"):
                 if cost[i] >= cost[cur]:
                     break
-                if all(load[row] + b[i] - b[cur] <= max(rhs[row], load[row]) for row, b in mem_of[g]):
+                if all(load[r] + b[i] - b[cur] <= max(rhs[r], load[r]) for r, b in mem_of[g]):
                     for row, b in mem_of[g]:
                         load[row] += b[i] - b[cur]
                     choice[g], changed = int(i), True
@@ -469,9 +468,13 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         choice = _round(mip, res.x, red.choice)
         msg = f"optimal ({backend.value}, {n_var} variables, {n_con} constraints)"
     choice_t = tuple(int(i) for i in choice)
+    if res.kind in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK) and _rank(problem, choice_t)[0]:
+        msg += (f"; this plan needs {peak_memory_bytes(problem, choice_t):.6g} bytes, over the "
+                f"budget of {problem.memory_budget_bytes:.6g}")
     sol = IlpSolution(choice=choice_t, objective=evaluate(problem, choice_t), status=res.kind,
                       backend=None if mip is None else backend, num_variables=int(n_var),
-                      solve_time_s=time.perf_counter() - t0, num_constraints=int(n_con), message=msg)
+                      num_constraints=int(n_con), solve_time_s=time.perf_counter() - t0,
+                      message=msg)
     logger.info("intra-op ILP: %s in %.3f s (%d groups -> %d variables, %d constraints)",
                 sol.status.value, sol.solve_time_s, len(problem.node_costs), n_var, n_con)
     return sol
@@ -502,7 +505,8 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         if res.x is not None:
             fixed = _round(mip, res.x, fixed)
         else:
-            logger.warning("min_peak_memory: %s; choosing the smallest strategy per group", res.reason)
+            logger.warning("min_peak_memory: %s; using the smallest strategy per group",
+                           res.reason)
             for g in groups:
                 fixed[g] = int(np.argmin(sum(t[g] for _, t in points if g in t)))
     choice = _greedy(free, fixed)

@@ -1,0 +1,100 @@
+"""Train steps the way users write them (flax linen TrainState, Flax NNX split/merge), shared
+by the tests. Each step returns (new_state, loss, grads) so tests can compare gradients."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+from models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
+from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
+
+TINY_GPT = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, num_heads=4)
+
+
+def sgd_momentum_clip():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
+
+
+def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=32, seed=0):
+    """Returns (step, state, batches): `step(state, batch) -> (state, loss, grads)`."""
+    key = jax.random.key(seed)
+    if model == "mlp":
+        batches = [make_mlp_batch(jax.random.fold_in(key, i), batch_size, hidden, hidden)
+                   for i in range(3)]
+        apply_loss = lambda out, b: mse_loss(out, b["y"])
+        inputs = lambda b: b["x"]
+        if api == "linen":
+            net = MLP(num_layers=num_layers, hidden=hidden)
+        else:
+            net = NnxMLP(num_layers, hidden, hidden, rngs=nnx.Rngs(seed))
+    else:
+        cfg = TINY_GPT
+        batches = [make_gpt_batch(jax.random.fold_in(key, i), batch_size, cfg) for i in range(3)]
+        apply_loss = lambda out, b: gpt_loss(out, b["tokens"])
+        inputs = lambda b: b["tokens"]
+        net = GPT(cfg) if api == "linen" else NnxGPT(cfg, rngs=nnx.Rngs(seed))
+
+    if api == "linen":
+        params = net.init(key, inputs(batches[0]))
+        state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+        def step(state, batch):
+            def loss_fn(p):
+                return apply_loss(state.apply_fn(p, inputs(batch)), batch)
+            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(grads=grads), loss, grads
+        return step, state, batches
+
+    graphdef, params = nnx.split(net, nnx.Param)
+
+    def step(state, batch):
+        params, opt_state = state
+
+        def loss_fn(p):
+            return apply_loss(nnx.merge(graphdef, p)(inputs(batch)), batch)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss, grads
+    return step, (params, tx.init(params)), batches
+
+
+def run_steps(step, state, batches):
+    losses, grads = [], []
+    for b in batches:
+        state, loss, g = step(state, b)
+        losses.append(np.asarray(loss))
+        grads.append(jax.tree_util.tree_map(np.asarray, g))
+    return state, losses, grads
+
+
+def params_of(state):
+    return state.params if hasattr(state, "params") else state[0]
+
+
+def assert_equivalent(ref, got, *, compare_params: bool, rtol=1e-5):
+    """Loss at every step to rtol relative; gradients to rtol of the largest gradient
+    magnitude; parameters to rtol of each leaf's scale."""
+    (ref_state, ref_losses, ref_grads), (got_state, got_losses, got_grads) = ref, got
+    for i, (a, b) in enumerate(zip(ref_losses, got_losses)):
+        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {i}: loss {b} != {a}"
+    for i, (ga, gb) in enumerate(zip(ref_grads, got_grads)):
+        la, lb = jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)
+        scale = max(float(np.max(np.abs(x))) for x in la)
+        for x, y in zip(la, lb):
+            assert np.max(np.abs(x - y)) <= rtol * scale, f"step {i}: gradients differ"
+    if compare_params:
+        pa = jax.tree_util.tree_leaves(params_of(ref_state))
+        pb = jax.tree_util.tree_leaves(params_of(got_state))
+        for x, y in zip(pa, pb):
+            x, y = np.asarray(x), np.asarray(y)
+            scale = max(float(np.max(np.abs(x))), 1e-12)
+            assert np.max(np.abs(x - y)) <= rtol * scale, "parameters differ"
+
+
+def mesh_of(shape):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:n])
