@@ -216,7 +216,8 @@ def test_dump_hand_built_plan():
     assert "ILP:" not in text and "timings:" not in text    # empty: not shown
     assert _line_with(text, "params['w']").split() == ["params['w']", "param", "8x4", "bfloat16",
                                                         "[dp,", "-]"]
-    assert ["step", "other", "scalar", "int32", "[]"] in [line.split() for line in text.splitlines()]
+    rows = [line.split() for line in text.splitlines()]
+    assert ["step", "other", "scalar", "int32", "[]"] in rows
     op = _line_with(text, "k0@dp")
     assert "all-reduce(dp) 64 B" in op and "step.py:10:4 (f)" in op and "layer" in op
     assert "  node 7 sort at step.py:12:4 (f): no sharding rule for primitive 'sort'" in text

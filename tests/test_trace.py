@@ -357,7 +357,8 @@ def test_carried_outputs_need_matching_structure_and_dtype():
 
 def test_carried_outputs_whole_result():
     dyn = ({"a": jnp.ones(2), "b": jnp.ones(3)}, jnp.ones(5))
-    out = {"a": jax.ShapeDtypeStruct((2,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    out = {"a": jax.ShapeDtypeStruct((2,), jnp.float32),
+           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
     assert carried_outputs(dyn, out, [0]) == {0: 0, 1: 1}
     assert carried_outputs(dyn, out, []) == {}
 

@@ -259,15 +259,22 @@ def _build_ilp(red: _Reduced) -> _Mip:
     mip = _Mip()
     off = mip.add_groups(red.var_groups, {g: c / scale for g, c in costs.items()})
     for (u, v, _), m in zip(red.edges, mats):
-        ku, kv = m.shape
-        e0 = mip.add_cols(m.ravel() / scale, integer=False)
-        i_idx, j_idx = np.divmod(np.arange(ku * kv), kv)
-        r0 = mip.add_rows(ku + kv - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
-        mip.add_entries(r0 + i_idx, e0 + np.arange(ku * kv), 1.0)
-        mip.add_entries(r0 + np.arange(ku), off[u] + np.arange(ku), -1.0)
-        keep = j_idx < kv - 1
-        mip.add_entries(r0 + ku + j_idx[keep], e0 + np.flatnonzero(keep), 1.0)
-        mip.add_entries(r0 + ku + np.arange(kv - 1), off[v] + np.arange(kv - 1), -1.0)
+        # Strategies that look the same across the edge (equal rows / columns of R) share edge
+        # variables: e[r, c] over row and column classes, with class marginals. Exact: with
+        # one-hot s_u and s_v the class marginals are one-hot, so e is their outer product.
+        uniq_rows, r_of = np.unique(m, axis=0, return_inverse=True)
+        mc, c_of = np.unique(uniq_rows, axis=1, return_inverse=True)
+        r_of, c_of = np.ravel(r_of), np.ravel(c_of)
+        nr, ncl = mc.shape
+        e0 = mip.add_cols(mc.ravel() / scale, integer=False)
+        r_idx, c_idx = np.divmod(np.arange(nr * ncl), ncl)
+        r0 = mip.add_rows(nr + ncl - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
+        mip.add_entries(r0 + r_idx, e0 + np.arange(nr * ncl), 1.0)
+        mip.add_entries(r0 + r_of, off[u] + np.arange(m.shape[0]), -1.0)
+        keep = c_idx < ncl - 1
+        mip.add_entries(r0 + nr + c_idx[keep], e0 + np.flatnonzero(keep), 1.0)
+        keep_v = c_of < ncl - 1
+        mip.add_entries(r0 + nr + c_of[keep_v], off[v] + np.flatnonzero(keep_v), -1.0)
     for terms, rhs in red.mem_rows:
         s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
         mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
