@@ -23,17 +23,19 @@ CONTROL_FLOW = frozenset({prims.scan_p.name, prims.while_p.name, prims.cond_p.na
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 
 
-def source_summary(source_info, depth: int = 12) -> str:
+def source_summary(source_info, depth: int = 12) -> str | None:
     """`file:line:col (function)` of the innermost frame that created an equation and is not
-    inside an installed library (flax, optax, ...): the model or step code a user wrote."""
+    inside an installed library (jax, flax, optax, ...): the model or step code a user wrote.
+    None when every frame is library code (the caller then uses the enclosing call's)."""
     try:
         frames = source_info_util.summarize(source_info, num_frames=depth).splitlines()
     except Exception:  # source info is best-effort metadata
-        return "<unknown>"
+        return None
     for frame in reversed(frames):  # innermost last
-        if "site-packages" not in frame and "dist-packages" not in frame:
+        if ("site-packages" not in frame and "dist-packages" not in frame
+                and frame != "unknown"):
             return frame
-    return frames[-1] if frames else "<unknown>"
+    return None
 
 
 def name_stack(source_info) -> str:

@@ -7,11 +7,17 @@ original equation of every node so that the lowering can re-emit it.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize if dtype not in ("key", "token") else 8
 
 
 class TensorKind(enum.Enum):
@@ -48,7 +54,7 @@ class Tensor:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize if self.dtype != "key" else 8
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -126,7 +126,7 @@ class _Builder:
             return self.const(atom.val, atom.aval)
         return env[atom]
 
-    def walk(self, jaxpr, env: dict) -> None:
+    def walk(self, jaxpr, env: dict, outer_source: str | None = None) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             in_ids = [self.read(env, v) for v in eqn.invars]
@@ -139,7 +139,8 @@ class _Builder:
                 for v, c in zip(inner.constvars, consts):
                     inner_env[v] = self.const(c, v.aval)
                 inner_env.update(zip(inner.invars, in_ids))
-                self.walk(inner, inner_env)
+                self.walk(inner, inner_env, _compat.source_summary(eqn.source_info)
+                          or outer_source)
                 for outer, inner_out in zip(eqn.outvars, inner.outvars):
                     if not isinstance(outer, _compat.DropVar):
                         env[outer] = self.read(inner_env, inner_out)
@@ -153,7 +154,8 @@ class _Builder:
                     env[v] = tid
             self.nodes.append(Node(
                 id=node_id, primitive=name, inputs=tuple(in_ids), outputs=tuple(out_ids),
-                flops=node_flops(name, eqn), source=_compat.source_summary(eqn.source_info),
+                flops=node_flops(name, eqn),
+                source=_compat.source_summary(eqn.source_info) or outer_source or "<unknown>",
                 name_stack=_compat.name_stack(eqn.source_info), eqn=eqn))
 
 
@@ -184,7 +186,10 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
         return fun(*full)
 
     dyn_args = tuple(args[i] for i in dyn_idx)
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn_args)
+    # Trace shapes and dtypes only: where the arguments live must not change the graph (a
+    # committed, sharded argument would add `reshard` equations under `jax.grad`).
+    abstract = jax.tree_util.tree_map(_abstract, dyn_args)
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*abstract)
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
@@ -215,8 +220,15 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
                    trace_time_s=time.perf_counter() - start)
 
 
+def _abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return x
+    weak = getattr(x, "weak_type", isinstance(x, (bool, int, float, complex)))
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), weak_type=weak)
+
+
 def _leaf_sig(x) -> tuple:
-    return (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+    return (tuple(np.shape(x)), str(jax.numpy.result_type(x)))
 
 
 def carried_outputs(dyn_args: tuple, out_shape, state_args: Sequence[int]) -> dict[int, int]:
@@ -236,15 +248,17 @@ def carried_outputs(dyn_args: tuple, out_shape, state_args: Sequence[int]) -> di
             candidates.append((element, pos))
             pos += len(tu.tree_leaves(element))
     pairs: dict[int, int] = {}
+    used: set[int] = set()
     for i in state_args:
         arg = dyn_args[i]
         in_def, in_leaves = tu.tree_structure(arg), tu.tree_leaves(arg)
         if not in_leaves:
             continue
-        for sub, out_off in candidates:
-            if (tu.tree_structure(sub) == in_def
+        for c, (sub, out_off) in enumerate(candidates):
+            if c not in used and (tu.tree_structure(sub) == in_def
                     and [_leaf_sig(x) for x in tu.tree_leaves(sub)] == [_leaf_sig(x) for x in in_leaves]):
                 for k in range(len(in_leaves)):
                     pairs.setdefault(out_off + k, offsets[i] + k)
+                used.add(c)
                 break
     return pairs

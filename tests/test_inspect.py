@@ -161,10 +161,6 @@ def test_dump_lists_fallbacks_with_reasons(fallback_plan):
     assert THIS_FILE in "\n".join(_section(text, "heavy operators"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace._Builder.walk inlines jit bodies with the inner equations' own source info; for a "
-    "library function under jax.jit (jnp.linalg.cholesky) every frame is a JAX frame, so "
-    "_compat.source_summary returns '<unknown>' instead of the user's call site"))
 def test_fallback_inside_library_jit_points_at_the_call_site(fallback_plan):
     (chol,) = [f for f in fallback_plan.fallbacks if f.primitive == "cholesky"]
     assert THIS_FILE in chol.source and "(with_fallbacks)" in chol.source

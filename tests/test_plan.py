@@ -320,10 +320,6 @@ def test_searched_plan_over_several_steps_matches_jit(concrete):
     _run_steps(step, state, 3)
 
 
-@pytest.mark.xfail(strict=True, raises=autopar.PlanMismatchError, reason=(
-    "trace.trace traces the concrete arguments with their shardings: once the state lives on "
-    "the mesh (the result of step 1), jax.grad inserts `reshard` equations, the graph and its "
-    "fingerprint change, and the saved plan made from host arrays is rejected on step 2"))
 def test_loaded_plan_over_several_steps_matches_jit(concrete, mesh):
     state, _, _, p = concrete
     replay = autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,),
@@ -331,10 +327,6 @@ def test_loaded_plan_over_several_steps_matches_jit(concrete, mesh):
     _run_steps(replay, state, 3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the traced graph depends on where the arguments live: arguments committed to a "
-    "multi-device mesh make jax.grad emit `reshard` equations, so graph_fingerprint changes "
-    "with placement although shapes and dtypes are the same"))
 def test_fingerprint_ignores_argument_placement(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
     f = jax.grad(lambda w, x: jnp.tanh(x @ w).sum())

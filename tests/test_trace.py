@@ -363,20 +363,12 @@ def test_carried_outputs_whole_result():
     assert carried_outputs(dyn, out, []) == {}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace.carried_outputs/_leaf_sig compares str(x.dtype) of result leaves with "
-    "type(x).__name__ of Python-scalar argument leaves ('int32' vs 'int'), so a state with a "
-    "Python int leaf (flax TrainState.create sets step=0) is never paired"))
 def test_carried_outputs_with_python_int_step(state):
     assert isinstance(state.step, int)          # what TrainState.create produces
     graph = trace(train_step, (state, _batch()), batch_argnums=(1,))
     assert graph.carried_outputs == {k: k for k in range(14)}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace.carried_outputs breaks on the first matching result element, so two state "
-    "arguments with the same structure (params, momentum) are both matched to result[0] and "
-    "the second one's result is never paired"))
 def test_carried_outputs_two_state_args_with_same_structure():
     params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     momentum = {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}

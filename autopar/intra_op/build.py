@@ -182,25 +182,30 @@ class _Builder:
         for t in g.tensors:
             if t.producer is not None:
                 born[t.id] = t.producer
-        bytes_of = []
-        for t in g.tensors:
-            mesh = self.ctx.mesh_shape
-            bytes_of.append(np.array([t.nbytes / num_shards(s, mesh) for s in self.tensor_specs[t.id]]))
+        mesh = self.ctx.mesh_shape
+        bytes_of = [np.array([t.nbytes / num_shards(s, mesh) for s in self.tensor_specs[t.id]])
+                    for t in g.tensors]
         dies_at: dict[int, list[int]] = {}
         for t in g.tensors:
             if last[t.id] >= 0 and t.kind != TensorKind.CONST:
                 dies_at.setdefault(last[t.id], []).append(t.id)
+        worst_of = [float(b.max()) for b in bytes_of]
         points = []
         live: set[int] = {t for t in g.inputs if last[t] >= 0}
+        worst = sum(worst_of[t] for t in live)
         n = len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                live.update(o for o in g.nodes[i].outputs if last[o] >= 0)
+                new = [o for o in g.nodes[i].outputs if last[o] >= 0]
+                live.update(new)
+                worst += sum(worst_of[o] for o in new)
             if i in dies_at or i == n:
-                worst = sum(bytes_of[t].max() for t in live)
                 if worst > budget:
                     points.append(self._point(live, bytes_of))
-                live.difference_update(dies_at.get(i, ()))
+                for t in dies_at.get(i, ()):
+                    if t in live:
+                        live.discard(t)
+                        worst -= worst_of[t]
         return points
 
     def _point(self, live, bytes_of) -> MemoryPoint:

@@ -22,7 +22,7 @@ ELEMENTWISE = frozenset({
     "convert_element_type", "copy", "copy_p", "reduce_precision", "nextafter", "imag", "real",
     "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
     "sharding_constraint", "optimization_barrier", "stop_gradient", "lgamma", "digamma",
-    "igamma", "square", "logaddexp",
+    "igamma", "logaddexp", "reshard", "device_put", "mesh_cast",
 })
 REDUCE_SUM_LIKE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                              "reduce_and", "reduce_or", "reduce_xor"})
