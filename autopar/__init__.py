@@ -11,13 +11,13 @@ from .cost import CostModel
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
                      UnsupportedError)
 from .inspect import dump
-from .options import (DataParallel, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
+from .options import (DataParallel, LayerReuse, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
                       Zero3Parallel)
 from .plan import ParallelPlan
 
 __all__ = [
     "parallelize", "plan", "dump", "ParallelizedFunction", "ParallelPlan",
-    "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel", "MethodKind",
+    "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "ClusterSpec", "LogicalMesh", "CostModel",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",

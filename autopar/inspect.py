@@ -52,6 +52,8 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None) -> str:
                      f"variables, {ilp['num_constraints']} constraints; backend {ilp['backend']}, "
                      f"status {ilp['status']}, build {_time(ilp['build_time_s'])}, solve "
                      f"{_time(ilp['solve_time_s'])}")
+        if ilp.get("layer_reuse"):
+            lines.append(f"  repeated layers: {ilp['layer_reuse']}")
         if ilp["status"] not in ("optimal", "trivial"):
             lines.append(f"  NOTE: {ilp['message']}")
     if plan.timings_s:

@@ -13,6 +13,13 @@ from .errors import InvalidArgumentError
 from .intra_op.ilp import SolverBackend
 
 
+class LayerReuse(enum.Enum):
+    """Whether repeated identical layers share ILP variables (solved once, reused)."""
+    AUTO = "auto"        # when a block repeats 4+ times and 300+ operators have a choice
+    ALWAYS = "always"
+    NEVER = "never"      # every operator gets its own variable (exact, slower)
+
+
 class MethodKind(enum.Enum):
     SHARD = "shard_parallel"       # the full intra-op ILP
     DATA = "data_parallel"         # batch split over every device, state replicated
@@ -30,10 +37,13 @@ class ShardParallel:
       solver: ILP backend (HiGHS through `highspy`, or CBC through `pulp`).
       solver_time_limit_s: after this the best solution found so far is used; with none, a
         greedy plan. Either way the dump and a log warning say so.
+      layer_reuse: tie the ILP variables of repeated layers (`block_0`, `block_1`, ...) so a
+        deep model is solved about as fast as one layer; see `LayerReuse`.
     """
     memory_budget_bytes: int | None = None
     solver: SolverBackend = SolverBackend.HIGHS
     solver_time_limit_s: float = 60.0
+    layer_reuse: LayerReuse = LayerReuse.AUTO
 
     def __post_init__(self):
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -81,5 +91,5 @@ class Zero3Parallel(ShardParallel):
         return MethodKind.ZERO3
 
 
-__all__ = ["MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
+__all__ = ["LayerReuse", "MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
            "SolverBackend"]

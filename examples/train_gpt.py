@@ -18,7 +18,8 @@ import time
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -31,13 +32,37 @@ from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
 NUM_STEPS = 10
 BATCH_SIZE = 16
 TOLERANCE = 1e-4
-CONFIG = GPTConfig(vocab_size=512, seq_len=64, num_layers=2, hidden=128, num_heads=4)
+CONFIG = GPTConfig(vocab_size=2048, seq_len=64, num_layers=2, hidden=256, num_heads=4)
+
+
+def short_dump(plan, *, max_rows=14, max_operators=12) -> str:
+    """`autopar.dump` with long tables clipped to their first rows and last row (the state
+    table of an Adam-trained model has three rows per parameter), and paths made relative."""
+    lines = autopar.dump(plan, max_operators=max_operators).replace(
+        REPO_ROOT + os.sep, "").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        if lines[i].endswith(":") and not lines[i].startswith(" "):   # a section header
+            j = i + 1
+            while j < len(lines) and lines[j].startswith("  "):
+                j += 1
+            table = lines[i + 1:j]                # column header, rule, rows
+            rows = table[2:]
+            if len(rows) > max_rows + 1 and not rows[-1].lstrip().startswith("..."):
+                table = table[:2] + rows[:max_rows] + [
+                    f"  ... {len(rows) - max_rows - 1} more rows ..."] + rows[-1:]
+            out += table
+            i = j
+        else:
+            i += 1
+    return "\n".join(line.rstrip() for line in out)
 
 
 def create_state(key):
     model = GPT(CONFIG)
     params = model.init(key, jax.numpy.zeros((1, CONFIG.seq_len), jax.numpy.int32))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
@@ -70,7 +95,9 @@ def main() -> int:
     t0 = time.perf_counter()
     plan = parallel_step.get_plan(state, batches[0])
     print(f"\nplanned in {time.perf_counter() - t0:.2f} s\n")
-    print(autopar.dump(plan, max_operators=12))
+    print(short_dump(plan))
+    print("\n(mesh axis names are only labels: the ILP decides what each axis splits, the batch, "
+          "the weights or both, from the axis sizes and link costs)")
 
     print(f"\n== training {NUM_STEPS} steps with autopar on mesh "
           f"{dict(zip(mesh.axis_names, mesh.devices.shape))} ==")

@@ -43,7 +43,19 @@ class Built:
     group_size: list[int]
     reshard_diag: list[np.ndarray]          # group -> reshard cost charged inside the group
     edges: list[IlpEdge]
+    owners: list[tuple[str, int]]           # group -> ("input" | "node" | "const", id)
     fallbacks: list[Fallback] = field(default_factory=list)
+
+    def signatures(self) -> list[tuple]:
+        """Per group, what its options are (tied groups must agree option by option)."""
+        out = []
+        for kind, ident in self.owners:
+            if kind == "node":
+                out.append(tuple((s.name, s.in_specs, s.out_specs)
+                                 for s in self.node_strategies[ident]))
+            else:
+                out.append(tuple(self.tensor_specs[ident]))
+        return out
 
 
 def deferred_nodes(graph: OpGraph) -> frozenset[int]:
@@ -82,9 +94,11 @@ class _Builder:
         self.diag: list[np.ndarray] = []
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.fallbacks: list[Fallback] = []
+        self.owners: list[tuple[str, int]] = []
         self._reshard_cache: dict = {}
 
-    def new_group(self, k: int) -> int:
+    def new_group(self, k: int, owner: tuple[str, int]) -> int:
+        self.owners.append(owner)
         self.costs.append(np.zeros(k))
         self.diag.append(np.zeros(k))
         return len(self.costs) - 1
@@ -119,11 +133,11 @@ class _Builder:
     def add_sources(self) -> None:
         for tid, t in enumerate(self.g.tensors):
             if t.kind == TensorKind.CONST:
-                g = self.new_group(1)
+                g = self.new_group(1, ("const", tid))
                 self.tensor_group[tid], self.tensor_specs[tid] = g, [replicated(t.rank)]
         for tid in self.g.inputs:
             opts = self.input_options(tid)
-            g = self.new_group(len(opts))
+            g = self.new_group(len(opts), ("input", tid))
             self.tensor_group[tid], self.tensor_specs[tid] = g, list(opts)
 
     # --------------------------------------------------------------------------- nodes
@@ -152,14 +166,18 @@ class _Builder:
         return (s.compute_s if node.primitive in HEAVY else 0.0) + s.comm_s
 
     def _add_leader(self, node, strategies: list[Strategy]) -> None:
-        g = self.new_group(len(strategies))
+        g = self.new_group(len(strategies), ("node", node.id))
         self.costs[g] += [self._objective(node, s) for s in strategies]
         self._finish(node, g, strategies)
 
     def _add_follower(self, node, follow, pos: int) -> None:
         tid = node.inputs[pos]
         g = self.tensor_group[tid]
-        strategies = [follow(self.ctx, node, pos, spec) for spec in self.tensor_specs[tid]]
+        by_spec: dict = {}   # options of the followed group often share a spec
+        for spec in self.tensor_specs[tid]:
+            if spec not in by_spec:
+                by_spec[spec] = follow(self.ctx, node, pos, spec)
+        strategies = [by_spec[spec] for spec in self.tensor_specs[tid]]
         self.costs[g] += [self._objective(node, s) for s in strategies]
         self._finish(node, g, strategies)
 
@@ -174,50 +192,84 @@ class _Builder:
 
     # -------------------------------------------------------------------------- memory
     def memory_points(self, budget: float | None) -> list[MemoryPoint]:
+        """One constraint per liveness point that could exceed the budget, skipping points
+        whose live set only shrank since the previous one (they are dominated). Terms are
+        kept per group incrementally, so a point costs O(live groups) to record."""
         if budget is None:
             return []
-        g = self.g
+        g, mesh = self.g, self.ctx.mesh_shape
         last = g.last_use()
-        born = [0] * len(g.tensors)
-        for t in g.tensors:
-            if t.producer is not None:
-                born[t.id] = t.producer
-        mesh = self.ctx.mesh_shape
-        bytes_of = [np.array([t.nbytes / num_shards(s, mesh) for s in self.tensor_specs[t.id]])
-                    for t in g.tensors]
         dies_at: dict[int, list[int]] = {}
         for t in g.tensors:
             if last[t.id] >= 0 and t.kind != TensorKind.CONST:
                 dies_at.setdefault(last[t.id], []).append(t.id)
-        worst_of = [float(b.max()) for b in bytes_of]
-        points = []
-        live: set[int] = {t for t in g.inputs if last[t] >= 0}
-        worst = sum(worst_of[t] for t in live)
-        n = len(g.nodes)
+        tracker = _LiveBytes(self, mesh)
+        for t in g.inputs:
+            if last[t] >= 0:
+                tracker.add(t)
+        points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                new = [o for o in g.nodes[i].outputs if last[o] >= 0]
-                live.update(new)
-                worst += sum(worst_of[o] for o in new)
-            if i in dies_at or i == n:
-                if worst > budget:
-                    points.append(self._point(live, bytes_of))
-                for t in dies_at.get(i, ()):
-                    if t in live:
-                        live.discard(t)
-                        worst -= worst_of[t]
+                for o in g.nodes[i].outputs:
+                    if last[o] >= 0:
+                        tracker.add(o)
+                        grown = True
+            if (i in dies_at or i == n) and grown:
+                grown = False
+                if tracker.worst > budget:
+                    points.append(tracker.point())
+            for t in dies_at.get(i, ()):
+                tracker.remove(t)
         return points
 
-    def _point(self, live, bytes_of) -> MemoryPoint:
-        terms: dict[int, np.ndarray] = {}
-        const = 0.0
-        for t in live:
-            grp = self.tensor_group[t]
-            if len(self.costs[grp]) == 1:
-                const += float(bytes_of[t][0])
+
+class _LiveBytes:
+    """Bytes per device of the live tensors, per ILP group (immutable vectors, so a recorded
+    point keeps its values while the tracker moves on)."""
+
+    def __init__(self, b: _Builder, mesh):
+        self.b, self.mesh = b, mesh
+        self.live: set[int] = set()
+        self.terms: dict[int, np.ndarray] = {}
+        self.count: dict[int, int] = {}
+        self.const = 0.0
+        self.worst = 0.0
+
+    def _bytes(self, tid: int) -> np.ndarray:
+        t = self.b.g.tensors[tid]
+        return np.array([t.nbytes / num_shards(s, self.mesh) for s in self.b.tensor_specs[tid]])
+
+    def add(self, tid: int) -> None:
+        if tid in self.live:
+            return
+        self.live.add(tid)
+        vec = self._bytes(tid)
+        self.worst += float(vec.max())
+        grp = self.b.tensor_group[tid]
+        if len(vec) == 1:
+            self.const += float(vec[0])
+        else:
+            self.terms[grp] = self.terms[grp] + vec if grp in self.terms else vec
+            self.count[grp] = self.count.get(grp, 0) + 1
+
+    def remove(self, tid: int) -> None:
+        if tid not in self.live:
+            return
+        self.live.discard(tid)
+        vec = self._bytes(tid)
+        self.worst -= float(vec.max())
+        grp = self.b.tensor_group[tid]
+        if len(vec) == 1:
+            self.const -= float(vec[0])
+        else:
+            self.count[grp] -= 1
+            if self.count[grp] == 0:
+                del self.terms[grp], self.count[grp]
             else:
-                terms[grp] = terms.get(grp, 0) + bytes_of[t]
-        return MemoryPoint(terms=tuple(terms.items()), constant_bytes=const)
+                self.terms[grp] = self.terms[grp] - vec
+
+    def point(self) -> MemoryPoint:
+        return MemoryPoint(terms=tuple(self.terms.items()), constant_bytes=max(self.const, 0.0))
 
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
@@ -242,7 +294,7 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
-                 fallbacks=b.fallbacks)
+                 owners=b.owners, fallbacks=b.fallbacks)
 
 
 def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Spec]]:

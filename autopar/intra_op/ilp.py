@@ -67,23 +67,27 @@ class IlpProblem:
     memory_budget_bytes: float | None = None
 
     def __post_init__(self):
+        # Messages are formatted only on failure: this runs over every term of every point.
         ks = self.num_strategies
         for g, c in enumerate(self.node_costs):
-            _require(np.ndim(c) == 1 and ks[g] >= 1 and np.all(np.isfinite(c)),
-                     f"node_costs[{g}] must be a non-empty 1-D vector of finite seconds; got shape "
-                     f"{np.shape(c)}. Forbid a strategy with a large finite cost, not inf.")
+            if not (np.ndim(c) == 1 and ks[g] >= 1 and np.isfinite(c).all()):
+                _require(False, f"node_costs[{g}] must be a non-empty 1-D vector of finite "
+                         f"seconds; got shape {np.shape(c)}. Forbid a strategy with a large "
+                         f"finite cost, not inf.")
         for n, e in enumerate(self.edges):
-            _require(0 <= e.u < len(ks) and 0 <= e.v < len(ks) and e.u != e.v,
-                     f"edges[{n}] joins groups ({e.u}, {e.v}); it needs two different groups of "
-                     f"the {len(ks)} (fold a self-edge's diagonal into the node cost).")
-            _require(np.shape(e.cost) == (ks[e.u], ks[e.v]) and np.all(np.isfinite(e.cost)),
-                     f"edges[{n}].cost must be finite with shape (k_u, k_v) = "
-                     f"{(ks[e.u], ks[e.v])}; got shape {np.shape(e.cost)}.")
+            if not (0 <= e.u < len(ks) and 0 <= e.v < len(ks) and e.u != e.v):
+                _require(False, f"edges[{n}] joins groups ({e.u}, {e.v}); it needs two "
+                         f"different groups of the {len(ks)} (fold a self-edge's diagonal into "
+                         f"the node cost).")
+            if not (np.shape(e.cost) == (ks[e.u], ks[e.v]) and np.isfinite(e.cost).all()):
+                _require(False, f"edges[{n}].cost must be finite with shape (k_u, k_v) = "
+                         f"{(ks[e.u], ks[e.v])}; got shape {np.shape(e.cost)}.")
         for n, p in enumerate(self.memory_points):
             for g, b in p.terms:
-                _require(0 <= g < len(ks) and np.shape(b) == (ks[g],) and np.all(np.isfinite(b)),
-                         f"memory_points[{n}] has a term for group {g} with shape {np.shape(b)}; "
-                         f"it needs finite bytes, one per strategy of an existing group.")
+                if not (0 <= g < len(ks) and len(b) == ks[g]):
+                    _require(False, f"memory_points[{n}] has a term for group {g} with shape "
+                             f"{np.shape(b)}; it needs bytes, one per strategy of an existing "
+                             f"group.")
         _require(self.memory_budget_bytes is None or math.isfinite(self.memory_budget_bytes),
                  f"memory_budget_bytes must be finite or None; got {self.memory_budget_bytes}.")
 

@@ -10,11 +10,12 @@ import numpy as np
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError
 from ..graph import OpGraph, TensorKind
-from ..options import ShardParallel
+from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
 from .build import Fallback, build_ilp, deferred_nodes
 from .constraints import method_input_options
-from .ilp import SolveStatus, evaluate, solve_ilp
+from .ilp import IlpSolution, SolveStatus, evaluate, peak_memory_bytes, solve_ilp
+from .layers import find_family, group_keys, tie, tied_problem
 from .rules import RuleContext
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class IlpStats:
     backend: str
     message: str
     objective_s: float
+    layer_reuse: str = ""        # e.g. "12 x block_* solved once (period 2), 1788 ties"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +74,37 @@ def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
     return peak
 
 
+def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:
+    """Solve the ILP, with repeated layers tied when that applies (see `layers`)."""
+    kw = dict(backend=method.solver, time_limit_s=method.solver_time_limit_s)
+    family = find_family(graph) if method.layer_reuse != LayerReuse.NEVER else None
+    big = sum(1 for k in built.group_size if k > 1) >= 300
+    if family is None or (method.layer_reuse == LayerReuse.AUTO and not big):
+        return solve_ilp(built.problem, **kw), ""
+    keys = group_keys(graph, built.owners, family[0], built.signatures())
+    best, total_s = None, 0.0
+    for period in (1, 2):
+        tying = tie(keys, period, *family)
+        sol = solve_ilp(tied_problem(built.problem, tying), **kw)
+        total_s += sol.solve_time_s
+        if sol.status == SolveStatus.INFEASIBLE:
+            continue
+        choice = tuple(int(sol.choice[r]) for r in tying.rep)
+        fits = peak_memory_bytes(built.problem, choice) <= budget
+        score = (not fits, evaluate(built.problem, choice))
+        if best is None or score < best[0]:
+            best = (score, sol, choice, tying)
+    if best is None:  # tied problems infeasible: the untied ILP decides (and reports)
+        return solve_ilp(built.problem, **kw), "tied layers infeasible; solved untied"
+    _, sol, choice, tying = best
+    note = (f"{tying.num_layers} x {tying.family}_* solved once (period {tying.period}), "
+            f"{tying.num_tied} variables tied")
+    return IlpSolution(choice=choice, objective=float(evaluate(built.problem, choice)),
+                       status=sol.status, backend=sol.backend, solve_time_s=total_s,
+                       num_variables=sol.num_variables, num_constraints=sol.num_constraints,
+                       message=sol.message), note
+
+
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    output_targets: dict[int, int]) -> ShardingAssignment:
     mesh = cost.mesh
@@ -81,7 +114,7 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape),
                       output_targets, float(budget))
     build_s = time.perf_counter() - t0
-    sol = solve_ilp(built.problem, backend=method.solver, time_limit_s=method.solver_time_limit_s)
+    sol, reuse = _solve(graph, built, method, float(budget))
     if sol.status == SolveStatus.INFEASIBLE:
         specs = [built.tensor_specs[t][sol.choice[g]] for t, g in enumerate(built.tensor_group)]
         needed = peak_memory(graph, specs, mesh.shape)
@@ -107,7 +140,7 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
         num_constraints=sol.num_constraints, build_time_s=build_s,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
-        objective_s=float(evaluate(built.problem, choice)))
+        objective_s=float(evaluate(built.problem, choice)), layer_reuse=reuse)
     return ShardingAssignment(
         mesh_shape=tuple(mesh.shape), axis_names=tuple(mesh.axis_names), tensor_specs=specs,
         node_strategy=tuple(s.name for s in strat), node_comm=tuple(s.comm for s in strat),

@@ -1,0 +1,484 @@
+"""autopar benchmark: planning cost, compile time, and predicted vs measured step time.
+
+Run from the repository root (`make bench` runs exactly this with no flags):
+
+    .venv/bin/python benchmarks/run_all.py                      # 2, 6, 12, 24 layers -> BENCHMARKS.md
+    .venv/bin/python benchmarks/run_all.py --layers 2 6         # a subset
+    .venv/bin/python benchmarks/run_all.py --layers 2 --no-measure --out /tmp/b.md   # plan only
+
+Workload: a flax linen GPT (hidden 768, 12 heads, vocab 8192, seq_len 128, global batch 8),
+`TrainState` with `optax.adamw`, on 8 simulated CPU devices viewed as a 2 x 4 ("data", "model")
+mesh. For each size the step is planned on a fresh `autopar.parallelize(...)` twice: with the
+full ILP (`ShardParallel`, the default) and with `DataParallel()`; both are compiled, and both
+are run side by side in the same process.
+
+Each size runs in its own child process, so one size's memory is returned before the next
+starts, and a size that is killed (time limit, out of memory) still leaves what it measured
+before (the child saves its results after every phase). Progress goes to stderr.
+
+Nothing here is invented: a number that was not measured is written as "not measured" with
+the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "BENCHMARKS.md")
+DEFAULT_LAYERS = (2, 6, 12, 24)
+
+HIDDEN, HEADS, VOCAB, SEQ_LEN, BATCH = 768, 12, 8192, 128, 8
+MESH_SHAPE, AXIS_NAMES = (2, 4), ("data", "model")
+NUM_DEVICES = MESH_SHAPE[0] * MESH_SHAPE[1]
+
+
+def _progress(msg: str) -> None:
+    stamp = _dt.datetime.now().strftime("%H:%M:%S")
+    print(f"[bench {stamp}] {msg}", file=sys.stderr, flush=True)
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _mem_total_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one model size, in its own process.
+# ---------------------------------------------------------------------------------------------
+
+def _worker(args) -> None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, REPO)
+
+    import jax
+    import numpy as np
+    import optax
+    from flax.training import train_state
+
+    import autopar
+    from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
+
+    layers = args.worker
+    result: dict = {"layers": layers}
+
+    def save():
+        tmp = args.result + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.result)
+
+    devices = jax.devices()
+    result["jax"] = {"version": jax.__version__, "platform": devices[0].platform,
+                     "device_kind": devices[0].device_kind, "device_count": len(devices)}
+    if len(devices) < NUM_DEVICES:
+        result["error"] = f"need {NUM_DEVICES} devices, jax sees {len(devices)}"
+        save()
+        return
+
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=args.seq_len, num_layers=layers, hidden=HIDDEN,
+                    num_heads=HEADS)
+    result["params"] = gpt_param_count(cfg)
+    model = GPT(cfg)
+    tx = optax.adamw(1e-4, weight_decay=0.01)
+
+    def create_state(key):
+        params = model.init(key, jax.numpy.zeros((1, cfg.seq_len), jax.numpy.int32))
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    key = jax.random.key(0)
+    batch = make_gpt_batch(jax.random.fold_in(key, 1), BATCH, cfg)
+    # A jitted init: fresh device buffers on device 0, never aliasing host memory.
+    make_state = jax.jit(create_state)
+    _progress(f"L={layers}: creating state ({result['params'] / 1e6:.1f} M parameters)")
+    state = make_state(key)
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if hasattr(x, "nbytes"))
+    result["state_bytes"] = state_bytes
+    mesh = jax.make_mesh(MESH_SHAPE, AXIS_NAMES)
+
+    methods = {"shard": autopar.ShardParallel(), "data": autopar.DataParallel()}
+    steps = {}
+    for name, method in methods.items():
+        r = result.setdefault(name, {})
+        # The state is donated, as in a real training loop: on simulated CPU devices all 8
+        # "devices" share the host RAM, and without donation the input and output states of a
+        # replicated (data-parallel) step would both be live.
+        step = autopar.parallelize(train_step, mesh=mesh, method=method, batch_argnums=(1,),
+                                   donate_argnums=(0,))
+        _progress(f"L={layers} {name}: planning ...")
+        t0 = time.perf_counter()
+        plan = step.get_plan(state, batch)
+        r["plan_wall_s"] = time.perf_counter() - t0
+        r["timings_s"] = dict(plan.timings_s)
+        r["ilp"] = {k: plan.ilp.get(k) for k in (
+            "num_groups", "num_edges", "num_memory_points", "num_variables", "num_constraints",
+            "build_time_s", "solve_time_s", "status", "backend", "message")} if plan.ilp else {}
+        r["predicted_step_s"] = plan.predicted_step_s
+        r["predicted_compute_s"] = plan.predicted_compute_s
+        r["predicted_comm_s"] = plan.predicted_comm_s
+        r["predicted_reshard_s"] = plan.predicted_reshard_s
+        r["peak_memory_bytes"] = plan.peak_memory_bytes
+        save()
+        _progress(f"L={layers} {name}: planned in {r['plan_wall_s']:.2f} s "
+                  f"(ILP {r['ilp'].get('num_variables')} variables, status "
+                  f"{r['ilp'].get('status')}); predicted step {plan.predicted_step_s * 1e3:.2f} ms")
+        steps[name] = step
+
+    if args.no_measure:
+        result["measure_skipped"] = "--no-measure"
+        save()
+        return
+
+    for name, step in steps.items():
+        r = result[name]
+        _progress(f"L={layers} {name}: compiling ...")
+        t0 = time.perf_counter()
+        step.get_compiled(state, batch)
+        r["compile_s"] = time.perf_counter() - t0
+        save()
+        _progress(f"L={layers} {name}: compiled in {r['compile_s']:.2f} s")
+
+    del state  # each method gets its own fresh state below (the step donates it)
+    for name, step in steps.items():
+        r = result[name]
+        # All 8 simulated devices share host RAM: estimate the step's footprint from the
+        # plan's per-device peak (and the unsharded state we start from) and skip rather than
+        # swap or get killed.
+        need = NUM_DEVICES * r["peak_memory_bytes"] + state_bytes
+        avail = _mem_available_bytes()
+        if avail and need > 0.85 * avail:
+            r["not_measured"] = (f"needs about {need / 2**30:.1f} GiB of host RAM ({NUM_DEVICES} "
+                                 f"simulated devices x {r['peak_memory_bytes'] / 2**30:.2f} GiB "
+                                 f"predicted peak + the initial state); "
+                                 f"{avail / 2**30:.1f} GiB available")
+            save()
+            _progress(f"L={layers} {name}: not measured: {r['not_measured']}")
+            continue
+        _progress(f"L={layers} {name}: first step ...")
+        st = make_state(key)
+        t0 = time.perf_counter()
+        st, loss = step(st, batch)
+        jax.block_until_ready((st, loss))
+        first = time.perf_counter() - t0
+        r["first_step_s"] = first
+        r["first_loss"] = float(loss)
+        save()
+        _progress(f"L={layers} {name}: first step {first:.2f} s (loss {float(loss):.4f})")
+        if first > args.first_step_budget_s:
+            r["not_measured"] = (f"first step took {first:.1f} s "
+                                 f"(> budget {args.first_step_budget_s:.0f} s)")
+            del st
+            save()
+            continue
+        times = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            st, loss = step(st, batch)
+            jax.block_until_ready((st, loss))
+            times.append(time.perf_counter() - t0)
+            _progress(f"L={layers} {name}: step {i + 1}/{args.steps} {times[-1]:.3f} s")
+            if len(times) >= 3 and sum(times) > args.measure_budget_s:
+                _progress(f"L={layers} {name}: stopping after {len(times)} steps "
+                          f"(--measure-budget-s {args.measure_budget_s:.0f})")
+                break
+        r["step_times_s"] = times
+        r["measured_step_s"] = statistics.median(times)
+        r["last_loss"] = float(loss)
+        del st, loss
+        save()
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver: one child per size, then BENCHMARKS.md.
+# ---------------------------------------------------------------------------------------------
+
+def _run_size(layers: int, args) -> dict:
+    fd, path = tempfile.mkstemp(prefix=f"autopar_bench_L{layers}_", suffix=".json")
+    os.close(fd)
+    os.unlink(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", str(layers), "--_result", path,
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+           "--first-step-budget-s", str(args.first_step_budget_s),
+           "--measure-budget-s", str(args.measure_budget_s)]
+    if args.no_measure:
+        cmd.append("--no-measure")
+    _progress(f"L={layers}: starting worker")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    outcome = None
+    try:
+        rc = proc.wait(timeout=args.size_timeout_s)
+        if rc != 0:
+            outcome = f"worker exited with status {rc}" + (
+                " (killed by the OS: out of memory?)" if rc in (-9, 137) else "")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        outcome = f"stopped after the per-size limit of {args.size_timeout_s:.0f} s"
+    result: dict = {"layers": layers}
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+        os.unlink(path)
+    if outcome:
+        result["incomplete"] = outcome
+    result["wall_s"] = time.perf_counter() - t0
+    _progress(f"L={layers}: worker done in {result['wall_s']:.1f} s"
+              + (f" ({outcome})" if outcome else ""))
+    return result
+
+
+def _fmt(x, digits=2, scale=1.0) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, (int, float)):
+        return f"{x * scale:,.{digits}f}"
+    return str(x)
+
+
+def _ms(x) -> str:
+    return "–" if x is None else f"{x * 1e3:,.1f}"
+
+
+def _machine(results) -> list[str]:
+    jx = next((r["jax"] for r in results if "jax" in r), None)
+    ram = _mem_total_bytes()
+    lines = [f"- platform: `{platform.platform()}` ({platform.machine()}, "
+             f"{platform.processor() or 'processor n/a'}), Python {platform.python_version()}",
+             f"- CPU cores (`os.cpu_count()`): {os.cpu_count()}; total RAM: "
+             f"{ram / 2**30:.1f} GiB" if ram else "- RAM: unknown"]
+    if jx:
+        lines.append(f"- jax {jx['version']}: {jx['device_count']} x `{jx['platform']}` devices "
+                     f"(device kind `{jx['device_kind']}`), simulated with "
+                     f"`XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES}`")
+    return lines
+
+
+def _linearity(rows) -> list[str]:
+    keys = (("num_groups", "strategy groups"), ("num_variables", "variables"),
+            ("num_constraints", "constraints"))
+    pts = sorted((r["layers"], [r["shard"]["ilp"].get(k) for k, _ in keys])
+                 for r in rows if r.get("shard", {}).get("ilp", {}).get("num_variables") is not None)
+    if len(pts) < 2:
+        return ["- **ILP size grows at most linearly with layers**: not checked (fewer than two "
+                "sizes were planned)."]
+    lines, verdicts = [], []
+    for j, (_, label) in enumerate(keys):
+        vals = [(n, v[j]) for n, v in pts]
+        n0, v0 = vals[0]
+        # At most linear: one more layer never costs more than the largest earlier marginal
+        # cost, nor than the smallest model's average cost per layer (10% tolerance).
+        ceiling = v0 / n0
+        incs, ok = [], True
+        for (na, va), (nb, vb) in zip(vals, vals[1:]):
+            d = (vb - va) / (nb - na)
+            ok &= d <= 1.1 * ceiling + 1
+            ceiling = max(ceiling, d)
+            incs.append(f"{na}->{nb}: {d:+,.0f}/layer")
+        verdicts.append(ok)
+        lines.append(f"  - {label}: " + ", ".join(f"{n} layers {v:,} ({v / n:,.0f}/layer)"
+                                                  for n, v in vals)
+                     + "; marginal " + ", ".join(incs) + ("" if ok else "  <- grows faster"))
+    verdict = "holds" if all(verdicts) else "does NOT hold"
+    return [f"- **ILP size grows at most linearly with layers**: {verdict} for the sizes planned "
+            f"(criterion: the marginal size of one more layer, between consecutive sizes, never "
+            f"exceeds 1.1 x the largest earlier marginal or the smallest model's size per layer; "
+            f"`variables` and `constraints` are those of the model the solver saw):"] + lines
+
+
+def _planning_claim(rows) -> str:
+    r12 = next((r for r in rows if r["layers"] == 12), None)
+    if r12 is None:
+        return ("- **Planning the 12-layer GPT takes under 20 s**: not checked (12 layers was "
+                "not in this run).")
+    t = r12.get("shard", {}).get("plan_wall_s")
+    if t is None:
+        why = r12.get("incomplete") or r12.get("error") or "planning did not finish"
+        return f"- **Planning the 12-layer GPT takes under 20 s**: not checked ({why})."
+    verdict = "holds" if t < 20 else "does NOT hold"
+    tm = r12["shard"].get("timings_s", {})
+    ilp = r12["shard"].get("ilp", {})
+    return (f"- **Planning the 12-layer GPT takes under 20 s**: {verdict}: "
+            f"`get_plan` took {t:.1f} s (trace {_fmt(tm.get('trace'))} s, intra-op "
+            f"{_fmt(tm.get('intra_op'))} s of which ILP build {_fmt(ilp.get('build_time_s'))} s "
+            f"and solve {_fmt(ilp.get('solve_time_s'))} s).")
+
+
+def _write(results, args, started_utc, total_s) -> str:
+    cmdline = "make bench" if sys.argv[1:] == [] else (
+        "benchmarks/run_all.py " + " ".join(sys.argv[1:]))
+    out = ["# autopar benchmarks", "",
+           f"Generated by `{cmdline}` (`make bench` runs `.venv/bin/python benchmarks/run_all.py`"
+           f" with no flags) on {started_utc} UTC; the whole run took {total_s / 60:.1f} min.", "",
+           "## Machine", ""] + _machine(results) + [
+           "", "## Workload", "",
+           f"flax linen GPT (`models/gpt.py`): hidden {HIDDEN}, {HEADS} heads, vocab {VOCAB}, "
+           f"seq_len {args.seq_len}, global batch {BATCH}; `TrainState` with `optax.adamw`; "
+           f"mesh {MESH_SHAPE[0]} x {MESH_SHAPE[1]} {AXIS_NAMES}. The step is "
+           f"`autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))`"
+           f" with the default method (`ShardParallel`, the full ILP) and with "
+           f"`method=autopar.DataParallel()`, each on a fresh `ParallelizedFunction`.", ""]
+    if args.seq_len != SEQ_LEN:
+        out += [f"seq_len was lowered from {SEQ_LEN} to {args.seq_len} for this run.", ""]
+    rows = sorted(results, key=lambda r: r["layers"])
+
+    out += ["## Planning and compilation (ShardParallel)", "",
+            "`plan s` is the wall time of `step.get_plan(state, batch)` on a fresh "
+            "`ParallelizedFunction` (trace + ILP build + solve + plan assembly); `trace` and "
+            "`intra-op` come from `plan.timings_s`, ILP columns from `plan.ilp`. `compile s` is "
+            "the wall time of `step.get_compiled(state, batch)` (XLA compile of the "
+            "partitioned step).", "",
+            "| layers | params (M) | plan s | trace s | intra-op s | ILP build s | ILP solve s | "
+            "status | groups | edges | variables | constraints | variables/layer | compile s | "
+            "DataParallel plan s | DataParallel compile s |",
+            "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        sp, dp = r.get("shard", {}), r.get("data", {})
+        ilp, tm = sp.get("ilp", {}), sp.get("timings_s", {})
+        nv = ilp.get("num_variables")
+        out.append("| " + " | ".join([
+            str(r["layers"]), _fmt(r.get("params"), 1, 1e-6), _fmt(sp.get("plan_wall_s")),
+            _fmt(tm.get("trace")), _fmt(tm.get("intra_op")), _fmt(ilp.get("build_time_s")),
+            _fmt(ilp.get("solve_time_s")), _fmt(ilp.get("status")),
+            _fmt(ilp.get("num_groups"), 0), _fmt(ilp.get("num_edges"), 0), _fmt(nv, 0),
+            _fmt(ilp.get("num_constraints"), 0),
+            _fmt(nv / r["layers"] if nv is not None else None, 0),
+            _fmt(sp.get("compile_s")) if not r.get("measure_skipped") else "not run",
+            _fmt(dp.get("plan_wall_s")),
+            _fmt(dp.get("compile_s")) if not r.get("measure_skipped") else "not run"]) + " |")
+
+    out += ["", "## Step time: predicted vs measured, ShardParallel (SP) vs DataParallel (DP)", "",
+            f"Predicted = `plan.predicted_step_s` (autopar's cost model for {r_kind(results)}). "
+            f"Measured = median wall time of {args.steps} steps (fewer, but at least 3, when "
+            f"they add up to more than {args.measure_budget_s:.0f} s; `n` says how many) after "
+            f"1 warm-up step, each "
+            f"ended with `jax.block_until_ready`; both methods run in the same process, one "
+            f"after the other. A size whose first step took more than "
+            f"{args.first_step_budget_s:.0f} s, or that would not fit in host RAM, is not "
+            f"measured (the reason is given). Ratios below 1 mean SP is faster.", "",
+            "| layers | predicted SP ms | predicted DP ms | predicted SP/DP | predicted peak "
+            "GiB/device SP / DP | first step SP s | first step DP s | measured SP ms | "
+            "measured DP ms | n | measured SP/DP | loss after last step SP / DP | notes |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--|"]
+    for r in rows:
+        sp, dp = r.get("shard", {}), r.get("data", {})
+        psp, pdp = sp.get("predicted_step_s"), dp.get("predicted_step_s")
+        msp, mdp = sp.get("measured_step_s"), dp.get("measured_step_s")
+        notes = []
+        if r.get("measure_skipped"):
+            notes.append("not measured: run with --no-measure")
+        for label, d in (("SP", sp), ("DP", dp)):
+            if d.get("not_measured"):
+                notes.append(f"{label} not measured: {d['not_measured']}")
+        if r.get("incomplete"):
+            notes.append(f"incomplete: {r['incomplete']}")
+        if r.get("error"):
+            notes.append(f"error: {r['error']}")
+        out.append("| " + " | ".join([
+            str(r["layers"]), _ms(psp), _ms(pdp),
+            _fmt(psp / pdp if psp and pdp else None, 3),
+            f"{_fmt(sp.get('peak_memory_bytes'), 2, 2**-30)} / "
+            f"{_fmt(dp.get('peak_memory_bytes'), 2, 2**-30)}",
+            _fmt(sp.get("first_step_s")), _fmt(dp.get("first_step_s")),
+            _ms(msp) if msp is not None else "not measured",
+            _ms(mdp) if mdp is not None else "not measured",
+            "/".join(str(len(d["step_times_s"])) for d in (sp, dp) if "step_times_s" in d)
+            or "–",
+            _fmt(msp / mdp if msp and mdp else None, 3),
+            f"{_fmt(sp.get('last_loss'), 4)} / {_fmt(dp.get('last_loss'), 4)}",
+            "; ".join(notes) or "–"]) + " |")
+
+    out += ["", "## Claims", "", *_linearity(rows), _planning_claim(rows), "",
+            "## Notes", "",
+            "- Absolute CPU times are noisy: the 8 \"devices\" are threads of one process "
+            f"sharing {os.cpu_count()} CPU cores and one memory system, other work on the machine "
+            "competes with them, and collectives are memory copies. Only the side-by-side "
+            "ratios (SP vs DP in the same run) mean much; the predicted times are for the "
+            "cost model's CPU device description, not for this machine's contention.",
+            "- The first step includes any compilation the call path did not reuse from "
+            "`get_compiled`, which is why it is reported apart from the median.",
+            "- Numbers are produced by `benchmarks/run_all.py` from one run; nothing is "
+            "filled in by hand."]
+    incomplete = [r for r in rows if r.get("incomplete") or r.get("error")]
+    if incomplete:
+        out.append("- Sizes that did not finish: " + "; ".join(
+            f"{r['layers']} layers: {r.get('incomplete') or r.get('error')}" for r in incomplete)
+            + ".")
+    out += ["", "## GPU", "", "not run: no GPU was lent to this session", ""]
+    return "\n".join(out)
+
+
+def r_kind(results) -> str:
+    jx = next((r["jax"] for r in results if "jax" in r), None)
+    return f"`{jx['platform']}` devices" if jx else "the devices"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
+                   help="GPT depths to benchmark (default: 2 6 12 24)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="plan only: no compilation, no steps")
+    p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method (median)")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    p.add_argument("--first-step-budget-s", type=float, default=60.0,
+                   help="skip timing a method whose first step takes longer than this")
+    p.add_argument("--measure-budget-s", type=float, default=150.0,
+                   help="stop timing a method after this many seconds of steps (min 3 steps)")
+    p.add_argument("--size-timeout-s", type=float, default=3600.0,
+                   help="kill a size's worker after this long (what it measured is kept)")
+    p.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.worker = args._worker
+    args.result = args._result
+    if args.worker is not None:
+        _worker(args)
+        return 0
+
+    started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    t0 = time.perf_counter()
+    results = []
+    for layers in args.layers:
+        results.append(_run_size(layers, args))
+        # Rewrite after every size, so a long run that is stopped still leaves a report.
+        text = _write(results, args, started, time.perf_counter() - t0)
+        with open(args.out, "w") as f:
+            f.write(text)
+    _progress(f"wrote {args.out}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
