@@ -55,3 +55,10 @@ def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
         return mesh
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def equation_context(eqn):
+    """Context manager that re-emits an equation under its original name stack and traceback,
+    so HLO metadata says `transpose(jvp(MLP))/Dense_3/dot_general` and the user's line."""
+    info = eqn.source_info
+    return source_info_util.user_context(info.traceback, name_stack=info.name_stack)

@@ -79,6 +79,11 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None) -> str:
     if len(ops) < len(plan.operators):
         lines.append(f"  ... {len(plan.operators) - len(ops)} more")
     lines.append("")
+    kinds: dict[str, int] = {}
+    for c in plan.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    lines.append("predicted collectives: " + (", ".join(f"{n} x {k}" for k, n in kinds.items())
+                                             or "none") + " (XLA combines independent ones)")
     if plan.fallbacks:
         lines.append(f"fallbacks ({len(plan.fallbacks)}):")
         for f in plan.fallbacks:

@@ -38,7 +38,8 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
     constrain = constrain or {}
     for node in graph.nodes:
         eqn = node.eqn
-        outs = eqn.primitive.bind(*(env[t] for t in node.inputs), **eqn.params)
+        with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
+            outs = eqn.primitive.bind(*(env[t] for t in node.inputs), **eqn.params)
         if not eqn.primitive.multiple_results:
             outs = (outs,)
         for tid, val in zip(node.outputs, outs):

@@ -51,6 +51,18 @@ class OperatorPlan:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CollectivePlan:
+    """A collective the plan expects XLA to insert (XLA may combine independent ones)."""
+    node: int
+    primitive: str
+    kind: str                 # "all-reduce", ...
+    detail: str               # e.g. "all-reduce(model) 32.0 KiB"
+    name_stack: str
+    source: str
+    comm_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FallbackPlan:
     node: int
     primitive: str
@@ -85,6 +97,7 @@ class ParallelPlan:
     outputs: tuple[TensorPlan, ...]
     constraints: tuple[tuple[int, Spec], ...]  # (tensor id, spec) of constrained intermediates
     operators: tuple[OperatorPlan, ...]
+    collectives: tuple[CollectivePlan, ...]
     fallbacks: tuple[FallbackPlan, ...]
     stages: tuple[StagePlan, ...]
     predicted_compute_s: float
@@ -117,6 +130,7 @@ class ParallelPlan:
         d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
                                                "out_spec": spec(o["out_spec"])})
                                for o in d["operators"])
+        d["collectives"] = tuple(CollectivePlan(**c) for c in d["collectives"])
         d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
         d["stages"] = tuple(StagePlan(**{**s, "device_ids": tuple(s["device_ids"]),
                                          "logical_mesh_shape": tuple(s["logical_mesh_shape"]),

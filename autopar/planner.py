@@ -6,7 +6,7 @@ import math
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
 from .intra_op.build import cheap_source_tensors
-from .plan import (FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
+from .plan import (CollectivePlan, FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
                    constrained_tensors, graph_fingerprint)
 
 HEAVY_OPERATORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
@@ -45,6 +45,11 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
             name_stack=node.name_stack, out_shape=out.shape, out_spec=specs[out.id],
             flops=node.flops, compute_s=assignment.node_compute_s[node.id],
             comm_s=assignment.node_comm_s[node.id]))
+    collectives = tuple(
+        CollectivePlan(node=n.id, primitive=n.primitive, kind=assignment.node_comm[n.id].split("(")[0],
+                       detail=assignment.node_comm[n.id], name_stack=n.name_stack, source=n.source,
+                       comm_s=assignment.node_comm_s[n.id])
+        for n in graph.nodes if assignment.node_comm[n.id])
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
                                    reason=f.reason) for f in assignment.fallbacks)
     stage = StagePlan(index=0, device_ids=tuple(device_ids),
@@ -61,7 +66,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         inputs=_tensor_plans(graph, graph.inputs, in_specs),
         outputs=_tensor_plans(graph, graph.outputs, assignment.output_specs, out_paths),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, cheap)),
-        operators=tuple(operators), fallbacks=fallbacks, stages=(stage,),
+        operators=tuple(operators), collectives=collectives, fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
         predicted_reshard_s=assignment.reshard_s,
         peak_memory_bytes=assignment.peak_memory_bytes,

@@ -1,0 +1,149 @@
+"""Textbook plans, memory infeasibility, solver time-outs and repeated-layer reuse, checked on
+the plan and in the compiled HLO (8 simulated CPU devices)."""
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import autopar
+from models.mlp import MLP, make_mlp_batch, mse_loss
+from steps import make_case, mesh_of, run_steps, sgd_momentum_clip, assert_equivalent
+
+COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                        r"(?:-start)?\(")
+
+
+def hlo_collectives(hlo: str) -> list[tuple[str, str]]:
+    """(kind, op_name metadata) of every collective in compiled HLO text."""
+    out = []
+    for line in hlo.splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append((m.group(1), name.group(1) if name else ""))
+    return out
+
+
+def mlp_step(batch_size, hidden, num_layers=6, method=None, mesh_shape=(1, 4)):
+    net = MLP(num_layers=num_layers, hidden=hidden)
+    batch = make_mlp_batch(jax.random.key(1), batch_size, hidden, hidden)
+    state = train_state.TrainState.create(
+        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["x"]), tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p):
+            return mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+    par = autopar.parallelize(step, mesh=mesh_of(mesh_shape), batch_argnums=(1,),
+                              method=method or autopar.ShardParallel())
+    return par, step, state, batch
+
+
+def kernel_specs(plan):
+    return [t.spec for t in plan.inputs if t.path.startswith("state.params") and
+            t.path.endswith("['kernel']")]
+
+
+def test_megatron_mlp_on_1x4():
+    par, step, state, batch = mlp_step(32, 256)
+    plan = par.get_plan(state, batch)
+    model = plan.axis_names.index("model")
+    col, row = ((), (model,)), ((model,), ())
+    assert kernel_specs(plan) == [col, row] * 3          # column- then row-parallel pairs
+    predicted = [c for c in plan.collectives if c.kind == "all-reduce"]
+    assert len(predicted) == 5
+    found = hlo_collectives(par.get_compiled(state, batch).as_text())
+    assert [k for k, _ in found] == ["all-reduce"] * 5   # num_layers - 1, nothing else
+    backward = [n for _, n in found if "transpose(" in n]
+    assert len(backward) == 2 and len(found) - len(backward) == 3
+    # the HLO all-reduces sit exactly where the plan put them
+    assert sorted(n.split("jit(run)/")[-1].rsplit("/", 1)[0] for _, n in found) == \
+        sorted(c.name_stack for c in predicted)
+    ref, got = jax.jit(step)(state, batch), par(state, batch)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-6)
+
+
+def test_large_batch_mlp_is_pure_data_parallel():
+    par, step, state, batch = mlp_step(256, 32)
+    plan = par.get_plan(state, batch)
+    for t in plan.inputs:
+        if t.role == "param":
+            assert t.spec == ((),) * len(t.shape), t.path
+        if t.role == "batch":
+            assert t.spec[0], f"{t.path} should be split on the batch dimension"
+    kinds = {k for k, _ in hlo_collectives(par.get_compiled(state, batch).as_text())}
+    assert kinds == {"all-reduce"}                     # only the gradient all-reduce
+    data_plan = mlp_step(256, 32, method=autopar.DataParallel())[0].get_plan(state, batch)
+    assert plan.predicted_step_s == pytest.approx(data_plan.predicted_step_s, rel=1e-6)
+
+
+def test_zero3_shards_every_matrix_parameter():
+    par, _, state, batch = mlp_step(32, 64, num_layers=3, method=autopar.Zero3Parallel(),
+                                    mesh_shape=(2, 4))
+    plan = par.get_plan(state, batch)
+    params = [t for t in plan.inputs if t.role in ("param", "opt_state") and len(t.shape) > 1]
+    assert params and all(any(t.spec) for t in params)
+
+
+def test_zero2_shards_optimizer_state_not_parameters():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.Zero2Parallel(),
+                              batch_argnums=(1,))
+    plan = par.get_plan(state, batches[0])
+    mats = [t for t in plan.inputs if len(t.shape) > 1]
+    assert all(not any(t.spec) for t in mats if t.role == "param")
+    assert all(any(t.spec) for t in mats if t.role == "opt_state")
+
+
+def test_tiny_memory_budget_raises_with_both_numbers():
+    par, _, state, batch = mlp_step(32, 64, num_layers=2,
+                                    method=autopar.ShardParallel(memory_budget_bytes=4096))
+    with pytest.raises(autopar.InfeasiblePlanError) as info:
+        par.get_plan(state, batch)
+    err = info.value
+    assert err.budget_bytes == 4096 and err.needed_bytes > 4096
+    assert f"{err.needed_bytes:,}" in str(err) and "4,096" in str(err)
+
+
+def test_budget_between_replicated_and_sharded_forces_sharding():
+    par, step, state, batch = mlp_step(32, 256, num_layers=2, mesh_shape=(1, 4))
+    free = par.get_plan(state, batch)
+    replicated_bytes = sum(np.prod(t.shape) * 4 for t in free.inputs)
+    budget = int(replicated_bytes * 0.9)
+    tight, *_ = mlp_step(32, 256, num_layers=2, mesh_shape=(1, 4),
+                         method=autopar.ShardParallel(memory_budget_bytes=budget))
+    plan = tight.get_plan(state, batch)
+    assert plan.peak_memory_bytes <= budget
+    np.testing.assert_allclose(tight(state, batch)[1], jax.jit(step)(state, batch)[1], rtol=1e-6)
+
+
+def test_solver_time_out_falls_back_to_a_valid_plan(caplog):
+    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip())
+    method = autopar.ShardParallel(solver_time_limit_s=1e-4)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method, batch_argnums=(1,))
+    with caplog.at_level("WARNING"):
+        plan = par.get_plan(state, batches[0])
+    assert plan.ilp["status"] in ("feasible", "fallback")
+    assert "time limit" in plan.ilp["message"]
+    assert "NOTE:" in autopar.dump(plan)
+    assert any("time limit" in r.getMessage() for r in caplog.records)
+    ref = run_steps(jax.jit(step), state, batches)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+
+
+def test_repeated_layers_solved_once_keep_megatron():
+    exact, _, state, batch = mlp_step(32, 256, method=autopar.ShardParallel(
+        layer_reuse=autopar.LayerReuse.NEVER))
+    tied, *_ = mlp_step(32, 256, method=autopar.ShardParallel(
+        layer_reuse=autopar.LayerReuse.ALWAYS))
+    p_exact, p_tied = exact.get_plan(state, batch), tied.get_plan(state, batch)
+    assert "Dense_*" in p_tied.ilp["layer_reuse"] and "period 2" in p_tied.ilp["layer_reuse"]
+    assert p_tied.ilp["num_variables"] < p_exact.ilp["num_variables"]
+    assert p_tied.ilp["objective_s"] == pytest.approx(p_exact.ilp["objective_s"], rel=1e-9)
+    assert kernel_specs(p_tied) == kernel_specs(p_exact)
