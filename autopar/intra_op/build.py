@@ -139,6 +139,12 @@ class _Builder:
             opts = self.input_options(tid)
             g = self.new_group(len(opts), ("input", tid))
             self.tensor_group[tid], self.tensor_specs[tid] = g, list(opts)
+            t = self.g.tensors[tid]
+            if t.role == InputRole.BATCH:
+                # A new batch is written to every device each step: its bytes per device.
+                bw = self.ctx.cost.mesh.hbm_bandwidth_bytes_per_s
+                self.costs[g] += [t.nbytes / num_shards(s, self.ctx.mesh_shape) / bw
+                                  for s in opts]
 
     # --------------------------------------------------------------------------- nodes
     def add_node(self, node, cheap: list[bool]) -> None:
