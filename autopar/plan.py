@@ -97,7 +97,7 @@ class ParallelPlan:
     outputs: tuple[TensorPlan, ...]
     constraints: tuple[tuple[int, Spec], ...]  # (tensor id, spec) of constrained intermediates
     operators: tuple[OperatorPlan, ...]
-    collectives: tuple[CollectivePlan, ...]
+    collectives: tuple[CollectivePlan, ...] = ()
     fallbacks: tuple[FallbackPlan, ...]
     stages: tuple[StagePlan, ...]
     predicted_compute_s: float

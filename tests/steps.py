@@ -62,6 +62,20 @@ def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=3
     return step, (params, tx.init(params)), batches
 
 
+def mlp_train_state(in_dim: int, hidden: int, tx, num_layers: int = 2):
+    """A linen MLP TrainState (params under 'params'); use with `mlp_train_step`."""
+    model = MLP(num_layers=num_layers, hidden=hidden)
+    params = model.init(jax.random.key(0), jnp.ones((1, in_dim)))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def mlp_train_step(state, batch):
+    def loss_fn(params):
+        return mse_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
 def run_steps(step, state, batches):
     losses, grads = [], []
     for b in batches:

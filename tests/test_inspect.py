@@ -8,31 +8,23 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar.inspect import _bytes, _time
 from autopar.plan import FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan
 from autopar.spec import format_spec
-from models import MLP, mse_loss
+from steps import mlp_train_state, mlp_train_step
 
 THIS_FILE = pathlib.Path(__file__).name
 IN_DIM, HIDDEN, BATCH = 8, 16, 32
-MODEL = MLP(num_layers=2, hidden=HIDDEN)
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=1)
 
 
 def _create_state():
-    params = MODEL.init(jax.random.key(0), jnp.ones((1, IN_DIM)))["params"]
-    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params,
-                                         tx=optax.adamw(1e-2))
+    return mlp_train_state(IN_DIM, HIDDEN, optax.adamw(1e-2))
 
 
-def train_step(state, batch):
-    def loss_fn(params):
-        return mse_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+train_step = mlp_train_step
 
 
 def with_fallbacks(x, b):

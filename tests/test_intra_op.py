@@ -1,10 +1,8 @@
 """Textbook plans, memory infeasibility, solver time-outs and repeated-layer reuse, checked on
 the plan and in the compiled HLO (8 simulated CPU devices)."""
-import collections
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

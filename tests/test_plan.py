@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar.graph import TensorKind
@@ -20,24 +19,17 @@ from autopar.plan import (PLAN_FORMAT_VERSION, FallbackPlan, OperatorPlan, Paral
 from autopar.planner import HEAVY_OPERATORS
 from autopar.spec import is_valid
 from autopar.trace import trace
-from models import MLP, mse_loss
+from steps import mlp_train_state, mlp_train_step
 
 IN_DIM, HIDDEN, BATCH = 8, 16, 32
-MODEL = MLP(num_layers=2, hidden=HIDDEN)
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
 
 
 def _create_state():
-    params = MODEL.init(jax.random.key(0), jnp.ones((1, IN_DIM)))["params"]
-    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params,
-                                         tx=optax.adamw(1e-2))
+    return mlp_train_state(IN_DIM, HIDDEN, optax.adamw(1e-2))
 
 
-def train_step(state, batch):
-    def loss_fn(params):
-        return mse_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+train_step = mlp_train_step
 
 
 def _batch(seed=1, batch=BATCH):

@@ -16,24 +16,17 @@ from autopar import _compat
 from autopar.graph import InputRole, OpGraph, Tensor, TensorKind
 from autopar.lower import interpret
 from autopar.trace import carried_outputs, check_argnums, classify_input, node_flops, trace
-from models import MLP, mse_loss
+from steps import mlp_train_state, mlp_train_step
 
 THIS_FILE = pathlib.Path(__file__).name
 IN_DIM, HIDDEN, BATCH = 8, 16, 8
-MODEL = MLP(num_layers=2, hidden=HIDDEN)
 
 
 def _create_state():
-    params = MODEL.init(jax.random.key(0), jnp.ones((1, IN_DIM)))["params"]
-    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params,
-                                         tx=optax.adamw(1e-2))
+    return mlp_train_state(IN_DIM, HIDDEN, optax.adamw(1e-2))
 
 
-def train_step(state, batch):
-    def loss_fn(params):
-        return mse_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+train_step = mlp_train_step
 
 
 def _batch(seed=1):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..graph import Node
-from ..spec import Spec, num_shards, replicated, used_axes, without_axes
+from ..spec import Spec, num_shards, replicated, without_axes
 from .rules import RuleContext, Strategy, _fmt_bytes
 
 ELEMENTWISE = frozenset({

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from ..cost import CostModel
 from ..graph import Node, OpGraph, Tensor
-from ..spec import Spec, is_valid, num_shards, replicated, without_axes
+from ..spec import Spec, num_shards, replicated
 
 
 @dataclass(frozen=True, slots=True)
