@@ -39,6 +39,8 @@ DEFAULT_LAYERS = (2, 6, 12, 24)
 HIDDEN, HEADS, VOCAB, SEQ_LEN, BATCH = 768, 12, 8192, 128, 8
 MESH_SHAPE, AXIS_NAMES = (2, 4), ("data", "model")
 NUM_DEVICES = MESH_SHAPE[0] * MESH_SHAPE[1]
+# Result key -> method; each (size, method) runs in its own process, SP first, then DP.
+METHODS = {"shard": lambda ap: ap.ShardParallel(), "data": lambda ap: ap.DataParallel()}
 
 
 def _progress(msg: str) -> None:
@@ -125,113 +127,108 @@ def _worker(args) -> None:
     result["state_bytes"] = state_bytes
     mesh = jax.make_mesh(MESH_SHAPE, AXIS_NAMES)
 
-    methods = {"shard": autopar.ShardParallel(), "data": autopar.DataParallel()}
-    steps = {}
-    for name, method in methods.items():
-        r = result.setdefault(name, {})
-        # The state is donated, as in a real training loop: on simulated CPU devices all 8
-        # "devices" share the host RAM, and without donation the input and output states of a
-        # replicated (data-parallel) step would both be live.
-        step = autopar.parallelize(train_step, mesh=mesh, method=method, batch_argnums=(1,),
-                                   donate_argnums=(0,))
-        _progress(f"L={layers} {name}: planning ...")
-        t0 = time.perf_counter()
-        plan = step.get_plan(state, batch)
-        r["plan_wall_s"] = time.perf_counter() - t0
-        r["timings_s"] = dict(plan.timings_s)
-        r["ilp"] = {k: plan.ilp.get(k) for k in (
-            "num_groups", "num_edges", "num_memory_points", "num_variables", "num_constraints",
-            "build_time_s", "solve_time_s", "status", "backend", "message")} if plan.ilp else {}
-        r["predicted_step_s"] = plan.predicted_step_s
-        r["predicted_compute_s"] = plan.predicted_compute_s
-        r["predicted_comm_s"] = plan.predicted_comm_s
-        r["predicted_reshard_s"] = plan.predicted_reshard_s
-        r["peak_memory_bytes"] = plan.peak_memory_bytes
-        save()
-        _progress(f"L={layers} {name}: planned in {r['plan_wall_s']:.2f} s "
-                  f"(ILP {r['ilp'].get('num_variables')} variables, status "
-                  f"{r['ilp'].get('status')}); predicted step {plan.predicted_step_s * 1e3:.2f} ms")
-        steps[name] = step
+    name = args.method
+    method = METHODS[name](autopar)
+    r = result.setdefault(name, {})
+    # The state is donated, as in a real training loop: on simulated CPU devices all 8
+    # "devices" share the host RAM, and without donation the input and output states of a
+    # replicated (data-parallel) step would both be live.
+    step = autopar.parallelize(train_step, mesh=mesh, method=method, batch_argnums=(1,),
+                               donate_argnums=(0,))
+    _progress(f"L={layers} {name}: planning ...")
+    t0 = time.perf_counter()
+    plan = step.get_plan(state, batch)
+    r["plan_wall_s"] = time.perf_counter() - t0
+    r["timings_s"] = dict(plan.timings_s)
+    r["ilp"] = {k: plan.ilp.get(k) for k in (
+        "num_groups", "num_edges", "num_memory_points", "num_variables", "num_constraints",
+        "build_time_s", "solve_time_s", "status", "backend", "message")} if plan.ilp else {}
+    r["predicted_step_s"] = plan.predicted_step_s
+    r["predicted_compute_s"] = plan.predicted_compute_s
+    r["predicted_comm_s"] = plan.predicted_comm_s
+    r["predicted_reshard_s"] = plan.predicted_reshard_s
+    r["peak_memory_bytes"] = plan.peak_memory_bytes
+    save()
+    _progress(f"L={layers} {name}: planned in {r['plan_wall_s']:.2f} s "
+              f"(ILP {r['ilp'].get('num_variables')} variables, status "
+              f"{r['ilp'].get('status')}); predicted step {plan.predicted_step_s * 1e3:.2f} ms")
 
     if args.no_measure:
         result["measure_skipped"] = "--no-measure"
         save()
         return
 
-    for name, step in steps.items():
-        r = result[name]
-        _progress(f"L={layers} {name}: compiling ...")
-        t0 = time.perf_counter()
-        step.get_compiled(state, batch)
-        r["compile_s"] = time.perf_counter() - t0
-        save()
-        _progress(f"L={layers} {name}: compiled in {r['compile_s']:.2f} s")
+    _progress(f"L={layers} {name}: compiling ...")
+    t0 = time.perf_counter()
+    step.get_compiled(state, batch)
+    r["compile_s"] = time.perf_counter() - t0
+    save()
+    _progress(f"L={layers} {name}: compiled in {r['compile_s']:.2f} s")
 
-    del state  # each method gets its own fresh state below (the step donates it)
-    for name, step in steps.items():
-        r = result[name]
-        # All 8 simulated devices share host RAM: estimate the step's footprint from the
-        # plan's per-device peak (and the unsharded state we start from) and skip rather than
-        # swap or get killed.
-        need = NUM_DEVICES * r["peak_memory_bytes"] + state_bytes
-        avail = _mem_available_bytes()
-        if avail and need > 0.85 * avail:
-            r["not_measured"] = (f"needs about {need / 2**30:.1f} GiB of host RAM ({NUM_DEVICES} "
-                                 f"simulated devices x {r['peak_memory_bytes'] / 2**30:.2f} GiB "
-                                 f"predicted peak + the initial state); "
-                                 f"{avail / 2**30:.1f} GiB available")
-            save()
-            _progress(f"L={layers} {name}: not measured: {r['not_measured']}")
-            continue
-        _progress(f"L={layers} {name}: first step ...")
-        st = make_state(key)
+    del state  # the timed steps start from a fresh state (the step donates it)
+    # All 8 simulated devices share host RAM: estimate the step's footprint from the
+    # plan's per-device peak (and the unsharded state we start from) and skip rather than
+    # swap or get killed.
+    need = NUM_DEVICES * r["peak_memory_bytes"] + state_bytes
+    avail = _mem_available_bytes()
+    if avail and need > 0.85 * avail:
+        r["not_measured"] = (f"needs about {need / 2**30:.1f} GiB of host RAM ({NUM_DEVICES} "
+                             f"simulated devices x {r['peak_memory_bytes'] / 2**30:.2f} GiB "
+                             f"predicted peak + the initial state); "
+                             f"{avail / 2**30:.1f} GiB available")
+        save()
+        _progress(f"L={layers} {name}: not measured: {r['not_measured']}")
+        return
+    _progress(f"L={layers} {name}: first step ...")
+    st = make_state(key)
+    t0 = time.perf_counter()
+    st, loss = step(st, batch)
+    jax.block_until_ready((st, loss))
+    first = time.perf_counter() - t0
+    r["first_step_s"] = first
+    r["first_loss"] = float(loss)
+    save()
+    _progress(f"L={layers} {name}: first step {first:.2f} s (loss {float(loss):.4f})")
+    if first > args.first_step_budget_s:
+        r["not_measured"] = (f"first step took {first:.1f} s "
+                             f"(> budget {args.first_step_budget_s:.0f} s)")
+        del st
+        save()
+        return
+    times = []
+    for i in range(args.steps):
         t0 = time.perf_counter()
         st, loss = step(st, batch)
         jax.block_until_ready((st, loss))
-        first = time.perf_counter() - t0
-        r["first_step_s"] = first
-        r["first_loss"] = float(loss)
-        save()
-        _progress(f"L={layers} {name}: first step {first:.2f} s (loss {float(loss):.4f})")
-        if first > args.first_step_budget_s:
-            r["not_measured"] = (f"first step took {first:.1f} s "
-                                 f"(> budget {args.first_step_budget_s:.0f} s)")
-            del st
-            save()
-            continue
-        times = []
-        for i in range(args.steps):
-            t0 = time.perf_counter()
-            st, loss = step(st, batch)
-            jax.block_until_ready((st, loss))
-            times.append(time.perf_counter() - t0)
-            _progress(f"L={layers} {name}: step {i + 1}/{args.steps} {times[-1]:.3f} s")
-            if len(times) >= 3 and sum(times) > args.measure_budget_s:
-                _progress(f"L={layers} {name}: stopping after {len(times)} steps "
-                          f"(--measure-budget-s {args.measure_budget_s:.0f})")
-                break
-        r["step_times_s"] = times
-        r["measured_step_s"] = statistics.median(times)
-        r["last_loss"] = float(loss)
-        del st, loss
-        save()
+        times.append(time.perf_counter() - t0)
+        _progress(f"L={layers} {name}: step {i + 1}/{args.steps} {times[-1]:.3f} s")
+        if len(times) >= 3 and sum(times) > args.measure_budget_s:
+            _progress(f"L={layers} {name}: stopping after {len(times)} steps "
+                      f"(--measure-budget-s {args.measure_budget_s:.0f})")
+            break
+    r["step_times_s"] = times
+    r["measured_step_s"] = statistics.median(times)
+    r["last_loss"] = float(loss)
+    del st, loss
+    save()
 
 
 # ---------------------------------------------------------------------------------------------
-# Driver: one child per size, then BENCHMARKS.md.
+# Driver: one child per (size, method), then BENCHMARKS.md.
 # ---------------------------------------------------------------------------------------------
 
-def _run_size(layers: int, args) -> dict:
-    fd, path = tempfile.mkstemp(prefix=f"autopar_bench_L{layers}_", suffix=".json")
+def _run_worker(layers: int, method: str, args) -> dict:
+    fd, path = tempfile.mkstemp(prefix=f"autopar_bench_L{layers}_{method}_", suffix=".json")
     os.close(fd)
     os.unlink(path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", str(layers), "--_result", path,
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", str(layers),
+           "--_method", method, "--_result", path,
            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--first-step-budget-s", str(args.first_step_budget_s),
            "--measure-budget-s", str(args.measure_budget_s)]
     if args.no_measure:
         cmd.append("--no-measure")
-    _progress(f"L={layers}: starting worker")
+    _progress(f"L={layers} {method}: starting worker")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO)
     outcome = None
@@ -243,18 +240,31 @@ def _run_size(layers: int, args) -> dict:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        outcome = f"stopped after the per-size limit of {args.size_timeout_s:.0f} s"
+        outcome = f"stopped after the per-worker limit of {args.size_timeout_s:.0f} s"
     result: dict = {"layers": layers}
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
         os.unlink(path)
     if outcome:
-        result["incomplete"] = outcome
-    result["wall_s"] = time.perf_counter() - t0
-    _progress(f"L={layers}: worker done in {result['wall_s']:.1f} s"
+        result.setdefault(method, {})["incomplete"] = outcome
+    _progress(f"L={layers} {method}: worker done in {time.perf_counter() - t0:.1f} s"
               + (f" ({outcome})" if outcome else ""))
     return result
+
+
+def _run_size(layers: int, args) -> dict:
+    merged: dict = {"layers": layers}
+    t0 = time.perf_counter()
+    for method in METHODS:
+        part = _run_worker(layers, method, args)
+        for k, v in part.items():
+            if k == method:
+                merged[k] = v
+            elif k not in METHODS:
+                merged.setdefault(k, v)
+    merged["wall_s"] = time.perf_counter() - t0
+    return merged
 
 
 def _fmt(x, digits=2, scale=1.0) -> str:
@@ -399,8 +409,8 @@ def _write(results, args, started_utc, total_s) -> str:
         for label, d in (("SP", sp), ("DP", dp)):
             if d.get("not_measured"):
                 notes.append(f"{label} not measured: {d['not_measured']}")
-        if r.get("incomplete"):
-            notes.append(f"incomplete: {r['incomplete']}")
+            if d.get("incomplete"):
+                notes.append(f"{label} incomplete: {d['incomplete']}")
         if r.get("error"):
             notes.append(f"error: {r['error']}")
         out.append("| " + " | ".join([
@@ -456,12 +466,14 @@ def main(argv=None) -> int:
     p.add_argument("--measure-budget-s", type=float, default=150.0,
                    help="stop timing a method after this many seconds of steps (min 3 steps)")
     p.add_argument("--size-timeout-s", type=float, default=3600.0,
-                   help="kill a size's worker after this long (what it measured is kept)")
+                   help="kill a (size, method) worker after this long (what it measured is kept)")
     p.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_method", default="shard", choices=list(METHODS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.worker = args._worker
     args.result = args._result
+    args.method = args._method
     if args.worker is not None:
         _worker(args)
         return 0

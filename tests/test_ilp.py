@@ -288,3 +288,31 @@ def test_greedy_respects_memory_when_it_can(monkeypatch):
     sol = solve_ilp(problem)
     assert sol.status is SolveStatus.FALLBACK
     assert peak_memory_bytes(problem, sol.choice) <= 120.0 and sol.objective == 2.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lazy_memory_points_are_exact(seed):
+    """With more than LAZY_MEMORY_POINTS points, constraints are added as they are violated;
+    the result must still be the constrained optimum."""
+    rng = np.random.default_rng(100 + seed)
+    k = [3, 4, 3, 4, 3, 2]
+    costs = tuple(rng.uniform(0, 1, n) for n in k)
+    edges = tuple(_edge(u, u + 1, rng.uniform(0, 1, (k[u], k[u + 1]))) for u in range(5))
+    points = []
+    for _ in range(ilp.LAZY_MEMORY_POINTS + 20):
+        groups = rng.choice(6, size=3, replace=False)
+        points.append(MemoryPoint(terms=tuple((int(g), rng.uniform(0, 10, k[g])) for g in groups),
+                                  constant_bytes=float(rng.uniform(0, 5))))
+    loose = IlpProblem(node_costs=costs, edges=edges, memory_points=tuple(points),
+                       memory_budget_bytes=1e9)
+    unconstrained = ilp.brute_force(loose)
+    # between the least memory any plan needs and what the unconstrained optimum needs
+    budget = 0.5 * (_all_peaks(loose).min() + ilp.peak_memory_bytes(loose, unconstrained.choice))
+    problem = IlpProblem(node_costs=costs, edges=edges, memory_points=tuple(points),
+                         memory_budget_bytes=budget)
+    best = ilp.brute_force(problem)
+    sol = ilp.solve_ilp(problem)
+    assert sol.status is SolveStatus.OPTIMAL
+    _assert_close(sol.objective, best.objective)
+    assert ilp.peak_memory_bytes(problem, sol.choice) <= budget
+    assert "liveness constraints needed" in sol.message

@@ -445,8 +445,50 @@ def _rank(problem: IlpProblem, choice) -> tuple[bool, float]:
     return over, evaluate(problem, choice)
 
 
+LAZY_MEMORY_POINTS = 64    # above this many liveness points, add them as they are violated
+LAZY_BATCH = 16
+
+
+def _point_bytes(p: MemoryPoint, c) -> float:
+    return p.constant_bytes + math.fsum(float(b[c[g]]) for g, b in p.terms)
+
+
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
               time_limit_s: float = 60.0) -> IlpSolution:
+    """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
+    so far, add the most violated of the rest, and repeat until the plan fits every point;
+    usually the first plan already fits and one solve without memory rows suffices."""
+    points, budget = problem.memory_points, problem.memory_budget_bytes
+    if budget is None or len(points) <= LAZY_MEMORY_POINTS:
+        return _solve_once(problem, backend=backend, time_limit_s=time_limit_s)
+    t0 = time.perf_counter()
+    active: list[int] = []
+    rounds = 0
+    while True:
+        remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
+        sub = replace(problem, memory_points=tuple(points[i] for i in active))
+        sol = _solve_once(sub, backend=backend, time_limit_s=remaining)
+        rounds += 1
+        if sol.status is SolveStatus.INFEASIBLE:   # a subset is infeasible, so is the whole
+            need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
+            sol = replace(sol, choice=tuple(choice), objective=evaluate(problem, choice))
+            break
+        usage = np.array([_point_bytes(p, sol.choice) for p in points])
+        taken = set(active)
+        over = [int(i) for i in np.argsort(-usage) if usage[i] > budget and int(i) not in taken]
+        if not over or sol.status is not SolveStatus.OPTIMAL:
+            if over:
+                sol = replace(sol, message=f"{sol.message}; this plan needs {usage.max():.6g} "
+                              f"bytes, over the budget of {budget:.6g}")
+            break
+        active.extend(over[:LAZY_BATCH])
+    return replace(sol, solve_time_s=time.perf_counter() - t0,
+                   message=f"{sol.message}; memory: {len(active)} of {len(points)} liveness "
+                           f"constraints needed ({rounds} solve{'s' * (rounds > 1)})")
+
+
+def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
+                time_limit_s: float = 60.0) -> IlpSolution:
     """Presolve, then solve the reduced ILP with `backend` within `time_limit_s` (solvers may
     overshoot). An infeasible budget gives status INFEASIBLE with the minimum-peak-memory choice
     (this costs a second solve); the caller decides what to raise."""

@@ -4,8 +4,7 @@ Models repeat a block (`block_0 ... block_11`, `Dense_0 ... Dense_5`). The ILP v
 matching operators in every repeat are tied into one variable, so the ILP is about the size of
 one layer plus the rest of the model. Ties are made with a period: period 1 gives every layer
 the same strategies; period 2 lets consecutive layers alternate (as Megatron's column- then
-row-parallel pairs do). Each period is solved and the better plan, scored on the full untied
-objective, is kept.
+row-parallel pairs do) and contains every period-1 plan, so the solver uses period 2.
 
 Repeats are found from numbered module names in the jaxpr name stack and in parameter paths.
 """

@@ -14,7 +14,7 @@ from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
 from .build import Fallback, build_ilp, deferred_nodes
 from .constraints import method_input_options
-from .ilp import IlpSolution, SolveStatus, evaluate, peak_memory_bytes, solve_ilp
+from .ilp import IlpSolution, SolveStatus, evaluate, solve_ilp
 from .layers import find_family, group_keys, tie, tied_problem
 from .rules import RuleContext
 
@@ -82,25 +82,17 @@ def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple
     if family is None or (method.layer_reuse == LayerReuse.AUTO and not big):
         return solve_ilp(built.problem, **kw), ""
     keys = group_keys(graph, built.owners, family[0], built.signatures())
-    best, total_s = None, 0.0
-    for period in (1, 2):
-        tying = tie(keys, period, *family)
-        sol = solve_ilp(tied_problem(built.problem, tying), **kw)
-        total_s += sol.solve_time_s
-        if sol.status == SolveStatus.INFEASIBLE:
-            continue
-        choice = tuple(int(sol.choice[r]) for r in tying.rep)
-        fits = peak_memory_bytes(built.problem, choice) <= budget
-        score = (not fits, evaluate(built.problem, choice))
-        if best is None or score < best[0]:
-            best = (score, sol, choice, tying)
-    if best is None:  # tied problems infeasible: the untied ILP decides (and reports)
+    # Period 2 lets consecutive layers alternate (Megatron pairs) and contains every
+    # period-1 plan, so one solve suffices.
+    tying = tie(keys, 2, *family)
+    sol = solve_ilp(tied_problem(built.problem, tying), **kw)
+    if sol.status == SolveStatus.INFEASIBLE:  # the untied ILP decides (and reports)
         return solve_ilp(built.problem, **kw), "tied layers infeasible; solved untied"
-    _, sol, choice, tying = best
+    choice = tuple(int(sol.choice[r]) for r in tying.rep)
     note = (f"{tying.num_layers} x {tying.family}_* solved once (period {tying.period}), "
             f"{tying.num_tied} variables tied")
     return IlpSolution(choice=choice, objective=float(evaluate(built.problem, choice)),
-                       status=sol.status, backend=sol.backend, solve_time_s=total_s,
+                       status=sol.status, backend=sol.backend, solve_time_s=sol.solve_time_s,
                        num_variables=sol.num_variables, num_constraints=sol.num_constraints,
                        message=sol.message), note
 
