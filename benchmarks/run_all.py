@@ -12,9 +12,10 @@ mesh. For each size the step is planned on a fresh `autopar.parallelize(...)` tw
 full ILP (`ShardParallel`, the default) and with `DataParallel()`; both are compiled, and both
 are run side by side in the same process.
 
-Each size runs in its own child process, so one size's memory is returned before the next
-starts, and a size that is killed (time limit, out of memory) still leaves what it measured
-before (the child saves its results after every phase). Progress goes to stderr.
+Each (size, method) runs in its own child process, so its memory is returned before the next
+starts (the 8 simulated devices share host RAM), and a child that is killed (time limit, out
+of memory) still leaves what it measured before (it saves its results after every phase).
+Progress goes to stderr.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
 the reason.
@@ -77,7 +78,6 @@ def _worker(args) -> None:
     sys.path.insert(0, REPO)
 
     import jax
-    import numpy as np
     import optax
     from flax.training import train_state
 
@@ -332,7 +332,8 @@ def _planning_claim(rows) -> str:
                 "not in this run).")
     t = r12.get("shard", {}).get("plan_wall_s")
     if t is None:
-        why = r12.get("incomplete") or r12.get("error") or "planning did not finish"
+        why = (r12.get("shard", {}).get("incomplete") or r12.get("error")
+               or "planning did not finish")
         return f"- **Planning the 12-layer GPT takes under 20 s**: not checked ({why})."
     verdict = "holds" if t < 20 else "does NOT hold"
     tm = r12["shard"].get("timings_s", {})
@@ -391,8 +392,8 @@ def _write(results, args, started_utc, total_s) -> str:
             f"Measured = median wall time of {args.steps} steps (fewer, but at least 3, when "
             f"they add up to more than {args.measure_budget_s:.0f} s; `n` says how many) after "
             f"1 warm-up step, each "
-            f"ended with `jax.block_until_ready`; both methods run in the same process, one "
-            f"after the other. A size whose first step took more than "
+            f"ended with `jax.block_until_ready`; both methods run in the same benchmark run, "
+            f"one after the other, each in a fresh process (so each gets the whole host RAM). A size whose first step took more than "
             f"{args.first_step_budget_s:.0f} s, or that would not fit in host RAM, is not "
             f"measured (the reason is given). Ratios below 1 mean SP is faster.", "",
             "| layers | predicted SP ms | predicted DP ms | predicted SP/DP | predicted peak "
@@ -438,11 +439,12 @@ def _write(results, args, started_utc, total_s) -> str:
             "`get_compiled`, which is why it is reported apart from the median.",
             "- Numbers are produced by `benchmarks/run_all.py` from one run; nothing is "
             "filled in by hand."]
-    incomplete = [r for r in rows if r.get("incomplete") or r.get("error")]
-    if incomplete:
-        out.append("- Sizes that did not finish: " + "; ".join(
-            f"{r['layers']} layers: {r.get('incomplete') or r.get('error')}" for r in incomplete)
-            + ".")
+    unfinished = [f"{r['layers']} layers {label}: {d.get('incomplete') or r.get('error')}"
+                  for r in rows for label, d in (("SP", r.get("shard", {})),
+                                                 ("DP", r.get("data", {})))
+                  if d.get("incomplete") or r.get("error")]
+    if unfinished:
+        out.append("- Runs that did not finish: " + "; ".join(unfinished) + ".")
     out += ["", "## GPU", "", "not run: no GPU was lent to this session", ""]
     return "\n".join(out)
 
