@@ -29,7 +29,7 @@ from .lower import Lowered, lower
 from .options import ShardParallel
 from .plan import ParallelPlan, graph_fingerprint
 from .planner import build_plan
-from .trace import check_argnums, trace
+from .trace import abstract_signature, check_argnums, trace
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,7 @@ class ParallelizedFunction:
                 parts.append(("static", a))
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(a)
-                parts.append((treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
-                                             for x in leaves)))
+                parts.append((treedef, tuple(abstract_signature(x) for x in leaves)))
         return tuple(parts)
 
     def _entry(self, args) -> _Entry:

@@ -221,10 +221,18 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
 
 
 def _abstract(x):
+    """Shape and dtype of an argument leaf, without its placement. A Python int or bool (a
+    `TrainState.step` starts as one) counts as a strong int32/bool array, so the first step and
+    the ones after it, which get arrays back, share one plan."""
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
         return x
-    weak = getattr(x, "weak_type", isinstance(x, (bool, int, float, complex)))
+    weak = getattr(x, "weak_type", isinstance(x, (float, complex)))
     return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), weak_type=weak)
+
+
+def abstract_signature(x) -> tuple:
+    a = _abstract(x)
+    return (tuple(a.shape), str(a.dtype), bool(a.weak_type))
 
 
 def _leaf_sig(x) -> tuple:

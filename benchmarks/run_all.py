@@ -10,7 +10,7 @@ Workload: a flax linen GPT (hidden 768, 12 heads, vocab 8192, seq_len 128, globa
 `TrainState` with `optax.adamw`, on 8 simulated CPU devices viewed as a 2 x 4 ("data", "model")
 mesh. For each size the step is planned on a fresh `autopar.parallelize(...)` twice: with the
 full ILP (`ShardParallel`, the default) and with `DataParallel()`; both are compiled, and both
-are run side by side in the same process.
+are run side by side in the same benchmark run.
 
 Each (size, method) runs in its own child process, so its memory is returned before the next
 starts (the 8 simulated devices share host RAM), and a child that is killed (time limit, out
@@ -393,7 +393,8 @@ def _write(results, args, started_utc, total_s) -> str:
             f"they add up to more than {args.measure_budget_s:.0f} s; `n` says how many) after "
             f"1 warm-up step, each "
             f"ended with `jax.block_until_ready`; both methods run in the same benchmark run, "
-            f"one after the other, each in a fresh process (so each gets the whole host RAM). A size whose first step took more than "
+            f"one after the other, each in a fresh process (so each gets the whole host RAM). "
+            f"A method whose first step took more than "
             f"{args.first_step_budget_s:.0f} s, or that would not fit in host RAM, is not "
             f"measured (the reason is given). Ratios below 1 mean SP is faster.", "",
             "| layers | predicted SP ms | predicted DP ms | predicted SP/DP | predicted peak "
