@@ -37,9 +37,17 @@ log = logging.getLogger(__name__)
 def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
                 device_ids) -> ParallelPlan:
     t0 = time.perf_counter()
+    log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
+             len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
+             dict(zip(axis_names, mesh_shape)))
     logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
     cost = CostModel(mesh=logical)
     assignment = solve_intra_op(graph, cost, method, graph.carried_outputs)
+    ilp = assignment.ilp
+    log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
+             "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
+             ilp.build_time_s, ilp.solve_time_s,
+             f"; {ilp.layer_reuse}" if ilp.layer_reuse else "")
     budget = method.memory_budget_bytes or logical.memory_bytes
     timings = {"trace": graph.trace_time_s, "intra_op": time.perf_counter() - t0}
     return build_plan(graph, assignment, method=method.kind.value, cluster=cluster.name,
@@ -152,11 +160,11 @@ class ParallelizedFunction:
                     "plan was made for.")
         else:
             cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
-            log.info("autopar: planning %s on mesh %s", getattr(self._fun, "__name__", "fn"),
-                     dict(zip(mesh.axis_names, mesh.devices.shape)))
             plan_ = _plan_graph(graph, cluster, mesh.devices.shape, mesh.axis_names,
                                 self._method, tuple(int(d.id) for d in mesh.devices.flat))
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
+        log.info("autopar: %s planned; XLA compiles it on the first call",
+                 getattr(self._fun, "__name__", "step"))
         self._cache[key] = entry
         return entry
 

@@ -160,10 +160,13 @@ class _Builder:
         if not strategies:
             strategies = replicated_rule(self.ctx, node)
             if node.inputs and name not in ("iota",):
-                reason = ("control flow treated conservatively: operands gathered, results "
-                          "replicated" if name in _CONTROL_FLOW else
-                          f"no sharding rule for primitive '{name}': operands gathered, "
-                          f"results replicated")
+                if name in _CONTROL_FLOW:
+                    reason = "control flow treated conservatively: operands gathered, results replicated"
+                elif "callback" in name or name == "debug_print":
+                    reason = "host callback sees whole values: operands gathered"
+                else:
+                    reason = (f"no sharding rule for primitive '{name}': operands gathered, "
+                              f"results replicated")
                 self.fallbacks.append(Fallback(node=node.id, primitive=name,
                                                source=node.source, reason=reason))
         self._add_leader(node, strategies)

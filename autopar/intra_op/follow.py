@@ -66,6 +66,18 @@ def elementwise(ctx, node, pos, spec):
     return _strategy(ctx, node, _same_shape_inputs(ctx, node, spec), outs, "follow")
 
 
+def bitcast_convert_type(ctx, node, pos, spec):
+    """Elementwise when the bit width is kept; a changed width adds or drops a minor dim,
+    which stays unsplit."""
+    out = ctx.t(node.outputs[0])
+    if out.rank == len(spec):
+        return elementwise(ctx, node, pos, spec)
+    if out.rank > len(spec):
+        return _strategy(ctx, node, [spec], [spec + ((),)], "follow")
+    want = _drop_dims(spec, [len(spec) - 1])
+    return _strategy(ctx, node, [want], [want[:-1]], "follow")
+
+
 def broadcast_in_dim(ctx, node, pos, spec):
     out = ctx.t(node.outputs[0])
     operand = ctx.t(node.inputs[0])
@@ -206,7 +218,7 @@ FOLLOW_RULES.update({
     "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "squeeze": squeeze,
     "reshape": reshape, "slice": slicing, "dynamic_slice": slicing, "pad": slicing,
     "rev": slicing, "dynamic_update_slice": dynamic_update_slice,
-    "concatenate": concatenate, "split": split,
+    "concatenate": concatenate, "split": split, "bitcast_convert_type": bitcast_convert_type,
 })
 
 
