@@ -5,24 +5,9 @@ Example:
 """
 from __future__ import annotations
 
+from ._format import format_bytes as _bytes, format_time as _time
 from .plan import ParallelPlan
 from .spec import format_spec
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return ""
-
-
-def _time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
 
 
 def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:

@@ -2,7 +2,7 @@
 
 Run from the repository root (`make bench` runs exactly this with no flags):
 
-    .venv/bin/python benchmarks/run_all.py                      # 2, 6, 12, 24 layers -> BENCHMARKS.md
+    .venv/bin/python benchmarks/run_all.py               # 2, 6, 12, 24 layers -> BENCHMARKS.md
     .venv/bin/python benchmarks/run_all.py --layers 2 6         # a subset
     .venv/bin/python benchmarks/run_all.py --layers 2 --no-measure --out /tmp/b.md   # plan only
 
@@ -296,8 +296,8 @@ def _machine(results) -> list[str]:
 def _linearity(rows) -> list[str]:
     keys = (("num_groups", "strategy groups"), ("num_variables", "variables"),
             ("num_constraints", "constraints"))
-    pts = sorted((r["layers"], [r["shard"]["ilp"].get(k) for k, _ in keys])
-                 for r in rows if r.get("shard", {}).get("ilp", {}).get("num_variables") is not None)
+    pts = sorted((r["layers"], [r["shard"]["ilp"].get(k) for k, _ in keys]) for r in rows
+                 if r.get("shard", {}).get("ilp", {}).get("num_variables") is not None)
     if len(pts) < 2:
         return ["- **ILP size grows at most linearly with layers**: not checked (fewer than two "
                 "sizes were planned)."]

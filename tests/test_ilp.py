@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from autopar.errors import InvalidArgumentError
-from autopar.intra_op import ilp
+from autopar.intra_op import ilp, mip
+from autopar.intra_op.mip import MipResult
 from autopar.intra_op.ilp import (IlpEdge, IlpProblem, MemoryPoint, SolveStatus, SolverBackend,
                                   brute_force, evaluate, min_peak_memory, peak_memory_bytes,
                                   solve_ilp)
@@ -256,7 +257,7 @@ def test_time_limit_cbc():
 def test_solver_exception_falls_back_to_greedy(monkeypatch):
     def boom(mip, time_limit_s):
         raise RuntimeError("solver exploded")
-    monkeypatch.setattr(ilp, "_solve_highs", boom)
+    monkeypatch.setattr(mip, "solve_highs", boom)
     problem = _random_big(30, 4, 60)
     sol = solve_ilp(problem)
     assert sol.status is SolveStatus.FALLBACK and "greedy" in sol.message
@@ -268,8 +269,8 @@ def test_incumbent_path_rounds_and_improves(monkeypatch):
         x = np.zeros(mip.cost.size)
         for _, start, _ in mip.group_cols:
             x[start] = 1.0                       # every group at strategy 0
-        return ilp._MipResult(kind=SolveStatus.FEASIBLE, x=x, reason="time limit 1 s hit", gap=0.5)
-    monkeypatch.setattr(ilp, "_solve_highs", stopped)
+        return MipResult(kind=SolveStatus.FEASIBLE, x=x, reason="time limit 1 s hit", gap=0.5)
+    monkeypatch.setattr(mip, "solve_highs", stopped)
     problem = _random_big(30, 4, 60, seed=2)
     sol = solve_ilp(problem)
     assert sol.status is SolveStatus.FEASIBLE and "gap 50%" in sol.message
@@ -277,7 +278,7 @@ def test_incumbent_path_rounds_and_improves(monkeypatch):
 
 
 def test_greedy_respects_memory_when_it_can(monkeypatch):
-    monkeypatch.setattr(ilp, "_solve_highs", lambda mip, t: ilp._MipResult(
+    monkeypatch.setattr(mip, "solve_highs", lambda mip, t: MipResult(
         kind=SolveStatus.FALLBACK, x=None, reason="time limit 1 s hit"))
     # Strategy 0 is cheap but big; the budget allows only one group to take it.
     problem = IlpProblem(

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 from ..errors import InvalidArgumentError
 from ..graph import InputRole, OpGraph
 from ..options import MethodKind, ShardParallel
-from ..spec import Spec, enumerate_specs, num_shards, replicated, used_axes
+from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .build import default_input_options
 
 
@@ -60,7 +60,3 @@ def method_input_options(graph: OpGraph, method: ShardParallel,
             return [zero_spec(t.shape, mesh_shape)]
         return [replicated(t.rank)]
     return options
-
-
-def sharded_fraction(spec: Spec) -> bool:
-    return bool(used_axes(spec))

@@ -11,7 +11,8 @@ from typing import Callable
 
 from ..graph import Node
 from ..spec import Spec, num_shards, replicated, without_axes
-from .rules import RuleContext, Strategy, _fmt_bytes
+from .._format import format_bytes
+from .rules import RuleContext, Strategy
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1",
@@ -154,7 +155,7 @@ def reduce(ctx, node, pos, spec):
     out = ctx.t(node.outputs[0])
     nbytes = out.nbytes / num_shards(out_spec, ctx.mesh_shape)
     comm_s = ctx.all_reduce(node, nbytes, red)
-    comm = f"all-reduce({ctx.axis_label(red)}) {_fmt_bytes(nbytes)}" if red else ""
+    comm = f"all-reduce({ctx.axis_label(red)}) {format_bytes(nbytes)}" if red else ""
     return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm)
 
 

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .._format import format_bytes
 from ..cost import CostModel
 from ..graph import Node, OpGraph, Tensor
 from ..spec import Spec, num_shards, replicated
@@ -71,14 +72,6 @@ def _spec_from(rank: int, assign: dict[int, list[int]]) -> Spec:
     return tuple(tuple(assign.get(d, ())) for d in range(rank))
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 # ---------------------------------------------------------------------------------- leaders
 def _enumerate_loops(ctx: RuleContext, loops: list[tuple[str, dict[int, int]]],
                      shapes: list[tuple[int, ...]]) -> list[dict[int, list[tuple[str, dict]]]]:
@@ -127,7 +120,7 @@ def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]
         shards = math.prod(ctx.mesh_shape[a] for axes in used.values() for a in axes)
         out_bytes = out_t.nbytes / num_shards(specs[-1], ctx.mesh_shape)
         comm_s = ctx.all_reduce(node, out_bytes, red_axes)
-        comm = (f"{reduce_kind}({ctx.axis_label(red_axes)}) {_fmt_bytes(out_bytes)}"
+        comm = (f"{reduce_kind}({ctx.axis_label(red_axes)}) {format_bytes(out_bytes)}"
                 if red_axes else "")
         in_specs = tuple(specs[:-1]) + (None,) * (len(node.inputs) - len(specs[:-1]))
         strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=in_specs,

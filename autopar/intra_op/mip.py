@@ -1,0 +1,206 @@
+"""The MIP behind the intra-op ILP: the model built from numpy arrays, and the HiGHS (highspy)
+and CBC (pulp) backends. No JAX here."""
+from __future__ import annotations
+
+import enum
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .ilp import _Reduced
+
+logger = logging.getLogger(__name__)
+
+_MIP_REL_GAP = 1e-9       # on the reduced, shifted objective (normalized to max cost 1)
+_MIP_ABS_GAP = 1e-10
+
+
+class SolverBackend(enum.Enum):
+    """Which MIP solver runs the reduced model."""
+    HIGHS = "highs"   # highspy, model passed as numpy arrays (fast); the default
+    CBC = "cbc"       # pulp.PULP_CBC_CMD
+
+
+class SolveStatus(enum.Enum):
+    """How a solution was obtained."""
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"        # the solver stopped early (time limit); its best incumbent is used
+    FALLBACK = "fallback"        # the solver stopped with no incumbent or failed; greedy plan used
+    INFEASIBLE = "infeasible"    # the memory constraints cannot be met
+
+
+# ----------------------------------------------------------------------------- the MIP model
+
+class Mip:
+    """min cost.x s.t. row_lower <= A x <= row_upper, lower <= x <= upper (A in COO form), built
+    from numpy chunks; local and mutable until `freeze()` concatenates them into arrays."""
+
+    def __init__(self):
+        self._cols, self._rows, self._nz, self.num_cols, self.num_rows = [], [], [], 0, 0
+        self.group_cols: list[tuple[int, int, int]] = []    # (group, first column, k)
+
+    def add_cols(self, cost, *, integer: bool, lower: float = 0.0, upper: float = 1.0) -> int:
+        n = np.size(cost)
+        self._cols.append((np.asarray(cost, float), np.full(n, lower), np.full(n, upper),
+                           np.full(n, integer)))
+        self.num_cols += n
+        return self.num_cols - n
+
+    def add_rows(self, n: int, lower: float, upper: float) -> int:
+        self._rows.append((np.full(n, lower), np.full(n, upper)))
+        self.num_rows += n
+        return self.num_rows - n
+
+    def add_entries(self, rows, cols, vals) -> None:
+        rows = np.broadcast_to(rows, np.shape(cols))
+        vals = np.broadcast_to(np.asarray(vals, float), rows.shape)
+        self._nz.append((rows, np.asarray(cols), vals))
+
+    def add_groups(self, groups, costs: dict[int, np.ndarray]) -> dict[int, int]:
+        """Binary one-hot columns (sum = 1) per group; returns each group's first column."""
+        off = {}
+        for g in groups:
+            off[g] = self.add_cols(costs[g], integer=True)
+            self.group_cols.append((g, off[g], costs[g].size))
+            self.add_entries(self.add_rows(1, 1.0, 1.0), off[g] + np.arange(costs[g].size), 1.0)
+        return off
+
+    def add_bytes(self, row: int, terms, off: dict[int, int], scale: float) -> None:
+        for g, v in terms:
+            nz = np.flatnonzero(v)
+            self.add_entries(row, off[g] + nz, v[nz] / scale)
+
+    def freeze(self) -> Mip:
+        self.cost, self.lower, self.upper, self.integer = map(np.concatenate, zip(*self._cols))
+        self.row_lower, self.row_upper = map(np.concatenate, zip(*self._rows))
+        self.rows, self.cols, self.vals = map(np.concatenate, zip(*self._nz))
+        self.rows, self.cols = self.rows.astype(np.int64), self.cols.astype(np.int64)
+        return self
+
+
+def build_mip(red: _Reduced) -> Mip:
+    """The reduced ILP, with node and edge costs shifted to min 0 and normalized to max 1."""
+    costs = {g: red.node_costs[g] - red.node_costs[g].min() for g in red.var_groups}
+    mats = [r - r.min() for _, _, r in red.edges]
+    scale = max([float(c.max()) for c in costs.values()] + [float(m.max()) for m in mats] + [0.0])
+    scale = scale if scale > 0 else 1.0
+    mip = Mip()
+    off = mip.add_groups(red.var_groups, {g: c / scale for g, c in costs.items()})
+    for (u, v, _), m in zip(red.edges, mats):
+        # Strategies that look the same across the edge (equal rows / columns of R) share edge
+        # variables: e[r, c] over row and column classes, with class marginals. Exact: with
+        # one-hot s_u and s_v the class marginals are one-hot, so e is their outer product.
+        uniq_rows, r_of = np.unique(m, axis=0, return_inverse=True)
+        mc, c_of = np.unique(uniq_rows, axis=1, return_inverse=True)
+        r_of, c_of = np.ravel(r_of), np.ravel(c_of)
+        nr, ncl = mc.shape
+        e0 = mip.add_cols(mc.ravel() / scale, integer=False)
+        r_idx, c_idx = np.divmod(np.arange(nr * ncl), ncl)
+        r0 = mip.add_rows(nr + ncl - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
+        mip.add_entries(r0 + r_idx, e0 + np.arange(nr * ncl), 1.0)
+        mip.add_entries(r0 + r_of, off[u] + np.arange(m.shape[0]), -1.0)
+        keep = c_idx < ncl - 1
+        mip.add_entries(r0 + nr + c_idx[keep], e0 + np.flatnonzero(keep), 1.0)
+        keep_v = c_of < ncl - 1
+        mip.add_entries(r0 + nr + c_of[keep_v], off[v] + np.flatnonzero(keep_v), -1.0)
+    for terms, rhs in red.mem_rows:
+        s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
+        mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
+    return mip.freeze()
+
+
+# ----------------------------------------------------------------------------- backends
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MipResult:
+    kind: SolveStatus          # OPTIMAL, FEASIBLE, FALLBACK (no solution) or INFEASIBLE
+    x: np.ndarray | None
+    reason: str                # why it stopped early ("" when optimal)
+    gap: float | None = None
+
+
+def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
+    import highspy
+    h = highspy.Highs()
+    for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
+                        ("mip_rel_gap", _MIP_REL_GAP), ("mip_abs_gap", _MIP_ABS_GAP)):
+        h.setOptionValue(name, value)
+    n, m = mip.cost.size, mip.row_lower.size
+    order = np.lexsort((mip.rows, mip.cols))
+    start = np.zeros(n + 1, dtype=np.int32)
+    start[1:] = np.cumsum(np.bincount(mip.cols, minlength=n))
+    status = h.passModel(n, m, len(order), int(highspy.MatrixFormat.kColwise),
+                         int(highspy.ObjSense.kMinimize), 0.0, mip.cost, mip.lower, mip.upper,
+                         mip.row_lower, mip.row_upper, start, mip.rows[order].astype(np.int32),
+                         mip.vals[order], mip.integer.astype(np.int32))
+    if status == highspy.HighsStatus.kError:
+        raise RuntimeError("HiGHS rejected the model (passModel returned kError)")
+    h.run()
+    ms, info, status_enum = h.getModelStatus(), h.getInfo(), highspy.HighsModelStatus
+    if ms == status_enum.kOptimal:
+        x = np.asarray(h.getSolution().col_value)
+        return MipResult(kind=SolveStatus.OPTIMAL, x=x, reason="")
+    if ms in (status_enum.kInfeasible, status_enum.kUnboundedOrInfeasible):
+        return MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
+    reason = (f"time limit {time_limit_s:g} s hit" if ms == status_enum.kTimeLimit
+              else f"HiGHS stopped early ({h.modelStatusToString(ms)})")
+    if info.primal_solution_status == int(highspy.SolutionStatus.kSolutionStatusFeasible):
+        return MipResult(kind=SolveStatus.FEASIBLE, x=np.asarray(h.getSolution().col_value),
+                          reason=reason, gap=float(info.mip_gap))
+    return MipResult(kind=SolveStatus.FALLBACK, x=None, reason=reason)
+
+
+def solve_cbc(mip: Mip, time_limit_s: float) -> MipResult:
+    import pulp
+    prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
+    xs = [prob.add_variable(f"x{i}", None if lo == -np.inf else lo, None if hi == np.inf else hi,
+                            cat=pulp.LpInteger if integer else pulp.LpContinuous)
+          for i, (lo, hi, integer) in enumerate(zip(mip.lower, mip.upper, mip.integer))]
+    prob += pulp.LpAffineExpression([(xs[i], float(mip.cost[i])) for i in np.flatnonzero(mip.cost)])
+    order = np.argsort(mip.rows, kind="stable")
+    bounds = np.cumsum(np.bincount(mip.rows, minlength=mip.row_lower.size))[:-1]
+    for r, (cols, vals) in enumerate(zip(np.split(mip.cols[order], bounds),
+                                         np.split(mip.vals[order], bounds))):
+        expr = pulp.LpAffineExpression([(xs[c], float(v)) for c, v in zip(cols, vals)])
+        eq = mip.row_lower[r] == mip.row_upper[r]
+        prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ if eq else pulp.LpConstraintLE,
+                                  rhs=float(mip.row_upper[r]))
+    with warnings.catch_warnings():   # PuLP 3.3 deprecates PULP_CBC_CMD (its bundled CBC) for 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=_MIP_REL_GAP,
+                                gapAbs=_MIP_ABS_GAP)
+    prob.solve(cmd)
+    x = lambda: np.array([v.varValue or 0.0 for v in xs])  # noqa: E731
+    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        return MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return MipResult(kind=SolveStatus.OPTIMAL, x=x(), reason="")
+    reason = f"time limit {time_limit_s:g} s hit"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return MipResult(kind=SolveStatus.FEASIBLE, x=x(), reason=reason)
+    return MipResult(kind=SolveStatus.FALLBACK, x=None,
+                      reason=f"{reason} (CBC status {pulp.LpStatus.get(prob.status, prob.status)})")
+
+
+def run_mip(mip: Mip, backend: SolverBackend, time_limit_s: float) -> MipResult:
+    """Run a backend; any exception becomes a FALLBACK result (logged), never propagates."""
+    try:
+        solve = solve_highs if backend is SolverBackend.HIGHS else solve_cbc
+        return solve(mip, time_limit_s)
+    except Exception as exc:  # noqa: BLE001 -- a solver failure must not kill the compile
+        logger.warning("%s solver failed (%s: %s); using a greedy plan", backend.value,
+                       type(exc).__name__, exc)
+        return MipResult(kind=SolveStatus.FALLBACK, x=None,
+                         reason=f"{backend.value} failed ({type(exc).__name__}: {exc})")
+
+
+def round_solution(mip: Mip, x: np.ndarray, choice: np.ndarray) -> np.ndarray:
+    """Argmax per group of the solver's column values, written into a copy of `choice`."""
+    choice = choice.copy()
+    for g, start, k in mip.group_cols:
+        choice[g] = int(np.argmax(x[start:start + k]))
+    return choice
