@@ -100,11 +100,12 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
                        tuple(range(cluster.num_devices)))
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _Entry:
     graph: OpGraph
     plan: ParallelPlan
     lowered: Lowered
+    compiled: Any = None      # the XLA executable, compiled once (by a call or get_compiled)
 
 
 class ParallelizedFunction:
@@ -168,15 +169,22 @@ class ParallelizedFunction:
         self._cache[key] = entry
         return entry
 
-    def _flat_args(self, args, entry: _Entry):
-        dyn = tuple(a for i, a in enumerate(args) if i not in self._static)
-        leaves = jax.tree_util.tree_leaves(dyn)
-        return [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-                for x, s in zip(leaves, entry.lowered.in_shardings)]
+    def _leaves(self, args) -> list:
+        return jax.tree_util.tree_leaves(tuple(a for i, a in enumerate(args)
+                                               if i not in self._static))
+
+    def _compiled(self, args, entry: _Entry):
+        if entry.compiled is None:
+            abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
+                        for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
+            entry.compiled = entry.lowered.jitted.lower(*abstract).compile()
+        return entry.compiled
 
     def __call__(self, *args):
         entry = self._entry(args)
-        out = entry.lowered.jitted(*self._flat_args(args, entry))
+        flat = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
+        out = self._compiled(args, entry)(*flat)
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 
     def get_plan(self, *args) -> ParallelPlan:
@@ -187,13 +195,8 @@ class ParallelizedFunction:
         return self._entry(args).graph
 
     def get_compiled(self, *args):
-        """The compiled XLA executable (`.as_text()` gives the HLO)."""
-        entry = self._entry(args)
-        abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
-                    for x, s in zip(jax.tree_util.tree_leaves(
-                        tuple(a for i, a in enumerate(args) if i not in self._static)),
-                        entry.lowered.in_shardings)]
-        return entry.lowered.jitted.lower(*abstract).compile()
+        """The compiled XLA executable these arguments run (`.as_text()` gives the HLO)."""
+        return self._compiled(args, self._entry(args))
 
 
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
