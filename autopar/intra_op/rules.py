@@ -95,8 +95,7 @@ def _enumerate_loops(ctx: RuleContext, loops: list[tuple[str, dict[int, int]]],
     return out
 
 
-def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int],
-                     reduce_kind: str = "all-reduce") -> list[Strategy]:
+def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]) -> list[Strategy]:
     """Strategies of an einsum-like node from loops: operand dims that move together.
     Axes on a loop in `reduce_loops` leave partial sums: an all-reduce of the output."""
     operands = list(node.inputs) + [node.outputs[0]]
@@ -120,10 +119,9 @@ def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]
         shards = math.prod(ctx.mesh_shape[a] for axes in used.values() for a in axes)
         out_bytes = out_t.nbytes / num_shards(specs[-1], ctx.mesh_shape)
         comm_s = ctx.all_reduce(node, out_bytes, red_axes)
-        comm = (f"{reduce_kind}({ctx.axis_label(red_axes)}) {format_bytes(out_bytes)}"
+        comm = (f"all-reduce({ctx.axis_label(red_axes)}) {format_bytes(out_bytes)}"
                 if red_axes else "")
-        in_specs = tuple(specs[:-1]) + (None,) * (len(node.inputs) - len(specs[:-1]))
-        strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=in_specs,
+        strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=tuple(specs[:-1]),
                                    out_specs=(specs[-1],), compute_s=ctx.compute(node, shards),
                                    comm_s=comm_s, comm=comm))
     return strategies
