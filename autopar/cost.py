@@ -201,6 +201,10 @@ class CostModel:
             all-to-all over a, on the per-device bytes under `src`.
         The all-to-alls run first; the all-gathers then run one axis at a time, each on the
         per-device result size of the layout gathered so far, in the cheapest order.
+        XLA's SPMD partitioner turns only a lone moved axis into an all-to-all: when an axis
+        moves and any other axis changes too, it replicates the tensor and re-partitions it
+        ("involuntary full rematerialization"), so that case costs gathering every axis of
+        `src`.
         """
         shape = tuple(shape)
         self._check_spec(shape, src, "src")
@@ -218,6 +222,8 @@ class CostModel:
                 gathered.append(axis)
             elif where_src[axis] != where_dst[axis]:
                 moved.append(axis)
+        if moved and len(moved) + len(gathered) > 1:   # replicate, then re-partition
+            gathered, moved = gathered + moved, []
         per_device = total_bytes / num_shards(src, mesh_shape)
         cost = sum(self.all_to_all_s(per_device, [a]) for a in moved)
         if gathered:

@@ -40,11 +40,12 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
             outs = eqn.primitive.bind(*(env[t] for t in node.inputs), **eqn.params)
-        if not eqn.primitive.multiple_results:
-            outs = (outs,)
-        for tid, val in zip(node.outputs, outs):
-            sharding = constrain.get(tid)
-            env[tid] = val if sharding is None else jax.lax.with_sharding_constraint(val, sharding)
+            if not eqn.primitive.multiple_results:
+                outs = (outs,)
+            for tid, val in zip(node.outputs, outs):
+                sharding = constrain.get(tid)
+                env[tid] = (val if sharding is None else
+                            jax.lax.with_sharding_constraint(val, sharding))
     return [env[t] for t in graph.outputs]
 
 
