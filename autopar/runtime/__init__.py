@@ -1,0 +1,12 @@
+"""Pipeline runtime: schedules (which stage runs which microbatch when).
+
+    >>> from autopar.runtime import Schedule, make_schedule
+    >>> make_schedule(Schedule.ONE_F_ONE_B, num_stages=4, num_microbatches=8).num_clocks
+    22
+"""
+from __future__ import annotations
+
+from .schedule import (Phase, PipelineSchedule, Schedule, Task, check_schedule,
+                       make_schedule)
+
+__all__ = ["Schedule", "Phase", "Task", "PipelineSchedule", "make_schedule", "check_schedule"]
