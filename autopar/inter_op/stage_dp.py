@@ -1,0 +1,342 @@
+"""Alpa's stage / submesh DP (§5.2) as a pure function over cost arrays.
+
+Given L layers, K candidate submesh shapes and, for every contiguous layer span i..j and submesh k,
+the microbatch latency and per-device memory of that stage, choose contiguous spans covering the
+layers in order and one submesh per span so that the submeshes' device counts sum exactly to the
+cluster's, every stage fits memory under 1F1B (the stage at position p of S keeps S - p
+microbatches in flight), and the pipeline latency
+
+    T = sum_i t_i + (B - 1) * max_i t_i
+
+is minimal. The DP enumerates t_max over the distinct latencies in increasing order, minimizes
+sum_i t_i subject to t_i <= t_max, and stops once (B - 1) * t_max plus a lower bound on the sum
+(max(t_max, the uncapped least sum)) reaches the best T found: every plan not yet seen has its
+slowest stage at >= t_max, so none can do better. This bound is at least as tight as Alpa's
+(B - 1) * t_max >= T*.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InfeasiblePlanError, InvalidArgumentError
+
+__all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
+           "solve_stage_dp", "brute_force_stages"]
+
+_BRUTE_FORCE_LIMIT = 200_000     # stage assignments brute_force_stages agrees to enumerate
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgumentError(f"{name}={value!r} is invalid: pass an int >= {minimum}.")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubmeshShape:
+    """A submesh of `num_hosts` hosts x `devices_per_host` devices on each."""
+    num_hosts: int
+    devices_per_host: int
+
+    def __post_init__(self):
+        _check_int("SubmeshShape.num_hosts", self.num_hosts, 1)
+        _check_int("SubmeshShape.devices_per_host", self.devices_per_host, 1)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices in the submesh."""
+        return self.num_hosts * self.devices_per_host
+
+
+def candidate_submeshes(num_hosts: int, devices_per_host: int) -> tuple[SubmeshShape, ...]:
+    """Alpa's submesh set: (1, 2^k) for 2^k <= devices_per_host, then (n, devices_per_host) for
+    n = 1..num_hosts ((1, devices_per_host) appears once; it is only new when devices_per_host is
+    not a power of two). Sorted by device count."""
+    num_hosts = _check_int("num_hosts", num_hosts, 1)
+    devices_per_host = _check_int("devices_per_host", devices_per_host, 1)
+    shapes = []
+    size = 1
+    while size <= devices_per_host:
+        shapes.append(SubmeshShape(num_hosts=1, devices_per_host=size))
+        size *= 2
+    for n in range(1, num_hosts + 1):
+        shape = SubmeshShape(num_hosts=n, devices_per_host=devices_per_host)
+        if shape not in shapes:
+            shapes.append(shape)
+    return tuple(shapes)
+
+
+def _as_cost_array(name: str, value) -> np.ndarray:
+    arr = np.array(value, dtype=np.float64)
+    arr.setflags(write=False)
+    if arr.ndim != 3 or arr.shape[0] != arr.shape[1] or arr.shape[0] < 1 or arr.shape[2] < 1:
+        raise InvalidArgumentError(
+            f"StageCosts.{name} has shape {arr.shape}: pass an array of shape [L, L, K] "
+            "(first layer, last layer, submesh) with L >= 1 and K >= 1.")
+    if np.isnan(arr).any():
+        raise InvalidArgumentError(f"StageCosts.{name} contains NaN: use np.inf for impossible "
+                                   "stages and finite values otherwise.")
+    if (arr < 0).any():
+        raise InvalidArgumentError(f"StageCosts.{name} has negative entries (min {arr.min()}): "
+                                   "costs must be >= 0.")
+    return arr
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCosts:
+    """Per-stage costs, indexed [first layer i, last layer j (i <= j), submesh k].
+
+    Entries with i > j are ignored. `latency_s` is the latency of one microbatch (forward +
+    backward) of the stage, np.inf where the stage cannot run on that submesh; the byte arrays are
+    per device and must be finite wherever the latency is.
+    """
+    latency_s: np.ndarray         # [L, L, K]
+    static_bytes: np.ndarray      # [L, L, K]: params, optimizer state, grads
+    activation_bytes: np.ndarray  # [L, L, K]: bytes kept per in-flight microbatch
+    memory_budget_bytes: float    # per device
+
+    def __post_init__(self):
+        arrays = {}
+        for name in ("latency_s", "static_bytes", "activation_bytes"):
+            arrays[name] = _as_cost_array(name, getattr(self, name))
+            object.__setattr__(self, name, arrays[name])
+        shapes = {name: arr.shape for name, arr in arrays.items()}
+        if len(set(shapes.values())) != 1:
+            raise InvalidArgumentError(f"StageCosts arrays disagree in shape {shapes}: all three "
+                                       "must be [L, L, K] for the same L and K.")
+        usable = np.isfinite(self.latency_s)
+        for name in ("static_bytes", "activation_bytes"):
+            if not np.isfinite(arrays[name][usable]).all():
+                raise InvalidArgumentError(f"StageCosts.{name} is infinite where latency_s is "
+                                           "finite: give finite bytes, or latency np.inf.")
+        budget = self.memory_budget_bytes
+        if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \
+                or not budget > 0:
+            raise InvalidArgumentError(f"StageCosts.memory_budget_bytes={budget!r} is invalid: "
+                                       "pass a number > 0 (np.inf for no limit).")
+
+    @property
+    def num_layers(self) -> int:
+        """L."""
+        return self.latency_s.shape[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageAssignment:
+    """The chosen pipeline: stages in order, their submeshes and predicted latencies."""
+    layer_spans: tuple[tuple[int, int], ...]  # (first, last) layer per stage, covering 0..L-1
+    submeshes: tuple[int, ...]                # index into the submesh list, per stage
+    stage_latency_s: tuple[float, ...]
+    total_latency_s: float                    # sum(t_i) + (B - 1) * max(t_i)
+    num_candidates: int                       # t_max values tried
+    num_pruned: int                           # t_max values skipped by the bound
+    search_time_s: float
+
+    @property
+    def num_stages(self) -> int:
+        """S."""
+        return len(self.layer_spans)
+
+
+def _validate(costs, submeshes, num_devices, num_microbatches, max_stages):
+    if not isinstance(costs, StageCosts):
+        raise InvalidArgumentError(f"costs is a {type(costs).__name__}: pass a StageCosts.")
+    submeshes = tuple(submeshes)
+    if not submeshes or not all(isinstance(s, SubmeshShape) for s in submeshes):
+        raise InvalidArgumentError(f"submeshes={submeshes!r} is invalid: pass a non-empty "
+                                   "sequence of SubmeshShape (see candidate_submeshes).")
+    k = costs.latency_s.shape[2]
+    if k != len(submeshes):
+        raise InvalidArgumentError(f"the cost arrays have K={k} submesh columns but "
+                                   f"{len(submeshes)} submeshes were given: they must match.")
+    num_devices = _check_int("num_devices", num_devices, 1)
+    num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
+    limit = min(costs.num_layers, num_devices)
+    if max_stages is not None:
+        limit = min(limit, _check_int("max_stages", max_stages, 1))
+    sizes = np.array([s.num_devices for s in submeshes], dtype=np.int64)
+    return sizes, num_devices, num_microbatches, limit
+
+
+def _stage_memory(costs: StageCosts, max_q: int) -> np.ndarray:
+    """[max_q, L, L, K]: per-device bytes of a stage that is q + 1-th from the end (q + 1
+    microbatches in flight); np.inf where the stage is impossible."""
+    num_layers = costs.num_layers
+    ok = np.isfinite(costs.latency_s) & np.triu(np.ones((num_layers, num_layers), bool))[..., None]
+    q = np.arange(1, max_q + 1, dtype=np.float64)[:, None, None, None]
+    mem = costs.static_bytes[None] + q * costs.activation_bytes[None]
+    return np.where(ok[None], mem, np.inf)
+
+
+def _shift(table: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[L, K, D + 1]: shifted[j, k, d] = table[j + 1, d - sizes[k]] (np.inf where d < size)."""
+    width = table.shape[1]
+    shifted = np.full((table.shape[0] - 1, len(sizes), width), np.inf)
+    for idx, size in enumerate(sizes):
+        if size < width:
+            shifted[:, idx, size:] = table[1:, :width - size]
+    return shifted
+
+
+def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
+            combine: Callable[[np.ndarray, np.ndarray], np.ndarray]):
+    """DP over stages counted from the end: table_q[l, d] = best value of q stages covering layers
+    l..L-1 on exactly d devices = min over (j, k) of combine(values_per_q[q - 1][l, j, k],
+    table_{q-1}[j + 1, d - sizes[k]]). Returns (best over q of table_q[0, D], the chosen
+    (first, last, submesh) per stage in order), or (inf, None)."""
+    num_layers, k = values_per_q.shape[1], values_per_q.shape[3]
+    table = np.full((num_layers + 1, num_devices + 1), np.inf)
+    table[num_layers, 0] = 0.0
+    shifted_per_q, best, best_q = [], np.inf, 0
+    for q in range(values_per_q.shape[0]):
+        shifted = _shift(table, sizes)
+        shifted_per_q.append(shifted)
+        n = num_layers - q        # the q stages behind this one need >= q layers: l <= j < n
+        cand = combine(values_per_q[q][:n, :n, :, None], shifted[None, :n])  # [n, n, K, D + 1]
+        table = np.full_like(table, np.inf)
+        table[:n] = cand.reshape(n, n * k, -1).min(axis=1)
+        if table[0, num_devices] < best:
+            best, best_q = table[0, num_devices], q + 1
+    if not np.isfinite(best):
+        return np.inf, None
+    stages, layer, devices = [], 0, num_devices      # walk back, re-deriving each choice
+    for q in range(best_q, 0, -1):
+        row = combine(values_per_q[q - 1][layer], shifted_per_q[q - 1][:, :, devices])
+        last, sub = divmod(int(np.argmin(row)), k)
+        stages.append((layer, last, sub))
+        devices -= int(sizes[sub])
+        layer = last + 1
+    assert layer == num_layers and devices == 0, (layer, devices)
+    return best, stages
+
+
+def _min_memory(costs, sizes, num_devices, max_q) -> float:
+    """Smallest max-over-stages per-device memory of any covering assignment with finite
+    latencies (np.inf if none exists)."""
+    best, _ = _run_dp(_stage_memory(costs, max_q), sizes, num_devices, np.maximum)
+    return float(best)
+
+
+def _raise_infeasible(needed: float, costs, sizes, num_devices, max_q):
+    """Raise the error for `needed` = the smallest per-device peak of any assignment."""
+    if not np.isfinite(needed):
+        raise InvalidArgumentError(
+            f"no stage assignment covers num_devices={num_devices} with the submesh sizes "
+            f"{sizes.tolist()} using at most {max_q} stage(s) of finite latency: change "
+            "num_devices, the submeshes, max_stages or the latencies.")
+    budget = costs.memory_budget_bytes
+    raise InfeasiblePlanError(
+        f"no stage assignment fits memory_budget_bytes={budget:.6g} per device: the best needs "
+        f"{needed:.6g} bytes (static + in-flight microbatches x activations under 1F1B); raise "
+        "the budget, reduce memory (ZeRO, rematerialization) or allow more stages.",
+        needed_bytes=math.ceil(needed), budget_bytes=budget)
+
+
+def _assignment(stages, latency, num_microbatches, num_candidates, num_pruned, start):
+    times = tuple(float(latency[i, j, k]) for i, j, k in stages)
+    return StageAssignment(
+        layer_spans=tuple((i, j) for i, j, _ in stages),
+        submeshes=tuple(k for _, _, k in stages),
+        stage_latency_s=times,
+        total_latency_s=sum(times) + (num_microbatches - 1) * max(times),
+        num_candidates=num_candidates, num_pruned=num_pruned,
+        search_time_s=time.perf_counter() - start)
+
+
+def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
+                   num_microbatches: int, *, max_stages: int | None = None) -> StageAssignment:
+    """Alpa's inter-op DP: the stage assignment minimizing sum t_i + (B - 1) * max t_i.
+
+    Args:
+      costs: stage latencies and memory, [L, L, K] with K == len(submeshes).
+      submeshes: the candidate submesh shapes (see candidate_submeshes).
+      num_devices: the device counts of the stages' submeshes must sum exactly to this.
+      num_microbatches: B.
+      max_stages: optional cap on the number of stages.
+
+    Raises:
+      InfeasiblePlanError: no assignment fits the memory budget (needed_bytes is the smallest
+        per-device peak any assignment needs).
+      InvalidArgumentError: bad shapes or arguments, or no assignment covers num_devices at all.
+    """
+    start = time.perf_counter()
+    sizes, num_devices, num_microbatches, max_q = _validate(
+        costs, submeshes, num_devices, num_microbatches, max_stages)
+    latency = costs.latency_s
+    memory_ok = _stage_memory(costs, max_q) <= costs.memory_budget_bytes  # [Q, L, L, K]
+    usable = np.where(memory_ok, latency[None], np.inf)                     # [Q, L, L, K]
+    b = num_microbatches
+
+    def evaluate(values):
+        total_sum, stages = _run_dp(values, sizes, num_devices, np.add)
+        if stages is None:
+            return np.inf, np.inf, None
+        times = [latency[i, j, k] for i, j, k in stages]
+        return float(total_sum), float(total_sum) + (b - 1) * max(times), stages
+
+    # Without a t_max cap: the least possible sum (a lower bound for every candidate) and a first
+    # incumbent; no plan at all means memory (or the covering) rules everything out.
+    min_sum, best_total, best_stages = evaluate(usable)
+    if best_stages is None:
+        _raise_infeasible(_min_memory(costs, sizes, num_devices, max_q),
+                          costs, sizes, num_devices, max_q)
+    t_values = np.unique(usable[np.isfinite(usable)])
+    tried = pruned = 0
+    for index, t_max in enumerate(t_values):
+        # A plan first found at this t_max has max t_i == t_max, so T >= sum + (B - 1) * t_max
+        # with sum >= max(t_max, min_sum); both bounds grow with t_max, so stop at the first hit.
+        if max(t_max, min_sum) + (b - 1) * t_max >= best_total:
+            pruned = len(t_values) - index
+            break
+        tried += 1
+        _, total, stages = evaluate(np.where(usable <= t_max, usable, np.inf))
+        if total < best_total:
+            best_total, best_stages = total, stages
+    return _assignment(best_stages, latency, num_microbatches, tried, pruned, start)
+
+
+def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
+                       num_microbatches: int, *,
+                       max_stages: int | None = None) -> StageAssignment:
+    """Exhaustive reference for solve_stage_dp (same arguments, errors and result); refuses
+    inputs with more than 200,000 candidate assignments."""
+    start = time.perf_counter()
+    sizes, num_devices, num_microbatches, max_q = _validate(
+        costs, submeshes, num_devices, num_microbatches, max_stages)
+    num_layers, k = costs.num_layers, len(sizes)
+    count = sum(math.comb(num_layers - 1, s - 1) * k ** s for s in range(1, max_q + 1))
+    if count > _BRUTE_FORCE_LIMIT:
+        raise InvalidArgumentError(
+            f"brute_force_stages would enumerate {count} assignments (limit "
+            f"{_BRUTE_FORCE_LIMIT}): use solve_stage_dp, or fewer layers / submeshes / stages.")
+    latency, budget = costs.latency_s, costs.memory_budget_bytes
+    best_total, best_stages, needed = np.inf, None, np.inf
+    for num_stages in range(1, max_q + 1):
+        for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+            bounds = (0, *cuts, num_layers)
+            spans = [(bounds[p], bounds[p + 1] - 1) for p in range(num_stages)]
+            for subs in itertools.product(range(k), repeat=num_stages):
+                if sum(int(sizes[s]) for s in subs) != num_devices:
+                    continue
+                times = [latency[i, j, s] for (i, j), s in zip(spans, subs)]
+                if not np.isfinite(times).all():
+                    continue
+                peak = max(costs.static_bytes[i, j, s] + (num_stages - p) *
+                           costs.activation_bytes[i, j, s]
+                           for p, ((i, j), s) in enumerate(zip(spans, subs)))
+                needed = min(needed, peak)
+                if peak > budget:
+                    continue
+                total = sum(times) + (num_microbatches - 1) * max(times)
+                if total < best_total:
+                    best_total = total
+                    best_stages = [(i, j, s) for (i, j), s in zip(spans, subs)]
+    if best_stages is None:
+        _raise_infeasible(needed, costs, sizes, num_devices, max_q)
+    return _assignment(best_stages, latency, num_microbatches, 0, 0, start)
