@@ -1,6 +1,8 @@
 """Inter-operator parallelism: layers -> pipeline stages on submeshes, chosen by a DP (Alpa §5)."""
+from .layers import LayerClustering, cluster_layers, cut_bytes_from_liveness
 from .stage_dp import (StageAssignment, StageCosts, SubmeshShape, brute_force_stages,
                        candidate_submeshes, solve_stage_dp)
 
-__all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
+__all__ = ["LayerClustering", "cluster_layers", "cut_bytes_from_liveness",
+           "SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
            "solve_stage_dp", "brute_force_stages"]
