@@ -10,16 +10,29 @@ from .plan import ParallelPlan
 from .spec import format_spec
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...],
+           max_rows: int | None = None) -> list[str]:
+    """Aligned columns; with `max_rows`, the first rows, a count of those left out, and the
+    last row."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + \
-           [fmt.format(*map(str, r)) for r in rows]
+    lines = [fmt.format(*map(str, r)).rstrip() for r in rows]
+    if max_rows is not None and len(lines) > max_rows + 1:
+        lines = lines[:max_rows] + [f"... {len(lines) - max_rows - 1} more"] + lines[-1:]
+    return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))] + lines
 
 
-def dump(plan: ParallelPlan, *, max_operators: int | None = None) -> str:
+def dump(plan: ParallelPlan, *, max_operators: int | None = None,
+         max_rows: int | None = None) -> str:
     """Text description of a plan: mesh, state shardings, heavy-operator strategies with
-    their source lines, predicted costs, ILP statistics and every fallback applied."""
+    their source lines, predicted costs, ILP statistics and every fallback applied.
+
+    `max_operators` keeps the first heavy operators; `max_rows` clips the state and result
+    tables (an Adam-trained model has three state rows per parameter).
+
+    Example:
+        >>> print(autopar.dump(plan, max_operators=12, max_rows=14))
+    """
     names = plan.axis_names
     lines = [f"autopar plan  method={plan.method}  cluster={plan.cluster}",
              "mesh: " + " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
@@ -47,12 +60,13 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None) -> str:
     lines.append("state and inputs:")
     rows = [(t.path, t.role, "x".join(map(str, t.shape)) or "scalar", t.dtype,
              format_spec(t.spec, names)) for t in plan.inputs]
-    lines += ["  " + r for r in _table(rows, ("leaf", "role", "shape", "dtype", "sharding"))]
+    lines += ["  " + r for r in _table(rows, ("leaf", "role", "shape", "dtype", "sharding"),
+                                       max_rows)]
     lines.append("")
     lines.append("results:")
     rows = [(t.path, "x".join(map(str, t.shape)) or "scalar", format_spec(t.spec, names))
             for t in plan.outputs]
-    lines += ["  " + r for r in _table(rows, ("result", "shape", "sharding"))]
+    lines += ["  " + r for r in _table(rows, ("result", "shape", "sharding"), max_rows)]
     lines.append("")
     ops = plan.operators if max_operators is None else plan.operators[:max_operators]
     lines.append(f"heavy operators ({len(plan.operators)}):")

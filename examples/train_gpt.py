@@ -35,28 +35,10 @@ TOLERANCE = 1e-4
 CONFIG = GPTConfig(vocab_size=2048, seq_len=64, num_layers=2, hidden=256, num_heads=4)
 
 
-def short_dump(plan, *, max_rows=14, max_operators=12) -> str:
-    """`autopar.dump` with long tables clipped to their first rows and last row (the state
-    table of an Adam-trained model has three rows per parameter), and paths made relative."""
-    lines = autopar.dump(plan, max_operators=max_operators).replace(
-        REPO_ROOT + os.sep, "").splitlines()
-    out, i = [], 0
-    while i < len(lines):
-        out.append(lines[i])
-        if lines[i].endswith(":") and not lines[i].startswith(" "):   # a section header
-            j = i + 1
-            while j < len(lines) and lines[j].startswith("  "):
-                j += 1
-            table = lines[i + 1:j]                # column header, rule, rows
-            rows = table[2:]
-            if len(rows) > max_rows + 1 and not rows[-1].lstrip().startswith("..."):
-                table = table[:2] + rows[:max_rows] + [
-                    f"  ... {len(rows) - max_rows - 1} more rows ..."] + rows[-1:]
-            out += table
-            i = j
-        else:
-            i += 1
-    return "\n".join(line.rstrip() for line in out)
+def short_dump(plan) -> str:
+    """`autopar.dump` with long tables clipped and source paths relative to the repo."""
+    text = autopar.dump(plan, max_operators=12, max_rows=14)
+    return text.replace(REPO_ROOT + os.sep, "")
 
 
 def create_state(key):

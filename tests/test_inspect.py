@@ -250,3 +250,17 @@ def test_bytes_format(n, text):
 ])
 def test_time_format(s, text):
     assert _time(s) == text
+
+
+def test_dump_max_rows_clips_state_and_result_tables():
+    import jax
+    import optax
+    state = jax.eval_shape(lambda: mlp_train_state(IN_DIM, HIDDEN, optax.adamw(1e-2)))
+    batch = {"x": jax.ShapeDtypeStruct((BATCH, IN_DIM), "float32"),
+             "y": jax.ShapeDtypeStruct((BATCH, HIDDEN), "float32")}
+    plan = autopar.plan(mlp_train_step, state, batch, cluster=CLUSTER, batch_argnums=(1,))
+    full, short = autopar.dump(plan), autopar.dump(plan, max_rows=3)
+    n_in = len(plan.inputs)
+    assert f"... {n_in - 4} more" in short
+    assert plan.inputs[-1].path in short and plan.inputs[5].path not in short.split("results:")[0]
+    assert len(short.splitlines()) < len(full.splitlines())
