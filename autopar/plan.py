@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -149,15 +150,35 @@ def _tensor_plan(d: dict) -> TensorPlan:
     return TensorPlan(**{**d, "shape": tuple(d["shape"]), "spec": _spec(d["spec"])})
 
 
+_SIMPLE = (int, float, bool, str, type(None), enum.Enum)
+
+
+def _stable(value: Any) -> str:
+    """A repr that is the same in every process for plain parameter values (axes, dimension
+    numbers, dtypes); other values (sub-jaxprs, callables) count by type only."""
+    if isinstance(value, _SIMPLE):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_stable(v) for v in value) + ")"
+    if hasattr(value, "_fields"):   # NamedTuple-like dimension numbers
+        return type(value).__name__ + _stable(tuple(value))
+    if hasattr(value, "itemsize") and hasattr(value, "name"):   # numpy dtypes
+        return str(value)
+    return type(value).__name__
+
+
 def graph_fingerprint(graph: OpGraph) -> str:
-    """Identifies a traced step: primitives, shapes and dtypes of every node and input."""
+    """Identifies a traced step: primitives, their plain parameters, shapes and dtypes of
+    every node and input."""
     h = hashlib.sha256()
     for tid in graph.inputs:
         t = graph.tensors[tid]
         h.update(f"{t.shape}{t.dtype};".encode())
     for node in graph.nodes:
         outs = ",".join(f"{graph.tensors[o].shape}{graph.tensors[o].dtype}" for o in node.outputs)
-        h.update(f"{node.primitive}({','.join(map(str, node.inputs))})->{outs};".encode())
+        params = ",".join(f"{k}={_stable(v)}" for k, v in sorted(node.eqn.params.items()))
+        h.update(f"{node.primitive}[{params}]({','.join(map(str, node.inputs))})->{outs};"
+                 .encode())
     return h.hexdigest()[:16]
 
 

@@ -353,3 +353,11 @@ def test_searched_plan_is_cached_per_signature(concrete):
     other = step.get_plan(state, _batch(batch=16))
     assert other is not p
     assert other.graph_fingerprint != p.graph_fingerprint
+
+
+def test_fingerprint_sees_equation_parameters():
+    x = jax.ShapeDtypeStruct((4, 4), "float32")
+    a = graph_fingerprint(trace(lambda v: v.sum(0), (x,), batch_argnums=()))
+    b = graph_fingerprint(trace(lambda v: v.sum(1), (x,), batch_argnums=()))
+    again = graph_fingerprint(trace(lambda v: v.sum(0), (x,), batch_argnums=()))
+    assert a != b and a == again
