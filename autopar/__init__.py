@@ -11,12 +11,13 @@ from .cost import CostModel
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
                      UnsupportedError)
 from .inspect import dump
+from .markers import mark_stage_boundary
 from .options import (DataParallel, LayerReuse, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
                       Zero3Parallel)
 from .plan import ParallelPlan
 
 __all__ = [
-    "parallelize", "plan", "dump", "ParallelizedFunction", "ParallelPlan",
+    "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "ClusterSpec", "LogicalMesh", "CostModel",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",

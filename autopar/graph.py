@@ -61,6 +61,14 @@ class Tensor:
         return self.size * self.itemsize
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMarker:
+    """A `mark_stage_boundary` call: it sat just before node `position`."""
+    position: int
+    name: str
+    backward: bool       # the transposed marker, in the backward pass
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Node:
     id: int
@@ -86,6 +94,7 @@ class OpGraph:
     donated_inputs: frozenset[int]             # flat input positions donated by the user
     carried_outputs: dict[int, int]            # flat output position -> flat input position of
                                                # the argument leaf it replaces (e.g. new state)
+    stage_markers: tuple[StageMarker, ...] = ()  # manual layer boundaries, in order
     trace_time_s: float = 0.0
 
     def consumers(self) -> list[list[int]]:

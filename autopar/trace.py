@@ -22,7 +22,8 @@ import numpy as np
 
 from . import _compat
 from .errors import InvalidArgumentError
-from .graph import InputRole, Node, OpGraph, Tensor, TensorKind
+from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
+from .markers import STAGE_BOUNDARY
 
 # Path components that mark optimizer state (optax's state names and common container names).
 _OPT_STATE_PATTERN = re.compile(
@@ -109,6 +110,7 @@ class _Builder:
         self.tensors: list[Tensor] = []
         self.nodes: list[Node] = []
         self.const_values: dict[int, Any] = {}
+        self.markers: list[StageMarker] = []
 
     def new_tensor(self, aval, kind: TensorKind, **kw) -> int:
         tid = len(self.tensors)
@@ -130,6 +132,13 @@ class _Builder:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             in_ids = [self.read(env, v) for v in eqn.invars]
+            if name == STAGE_BOUNDARY:   # identity: alias the values, remember the boundary
+                for outer, tid in zip(eqn.outvars, in_ids):
+                    env[outer] = tid
+                self.markers.append(StageMarker(
+                    position=len(self.nodes), name=eqn.params["name"],
+                    backward="transpose(" in _compat.name_stack(eqn.source_info)))
+                continue
             body_param = _compat.INLINE_BODY_PARAM.get(name)
             if body_param is not None:
                 body = eqn.params[body_param]
@@ -217,6 +226,7 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
                    outputs=tuple(output_ids), const_values=b.const_values, in_tree=in_tree,
                    out_tree=out_tree, arg_of_input=tuple(arg_of_input),
                    donated_inputs=frozenset(donated), carried_outputs=carried,
+                   stage_markers=tuple(b.markers),
                    trace_time_s=time.perf_counter() - start)
 
 
