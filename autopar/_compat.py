@@ -19,7 +19,6 @@ INLINE_BODY_PARAM = {
     prims.custom_vjp_call_p.name: "call_jaxpr",
     prims.remat_p.name: "jaxpr",
 }
-CONTROL_FLOW = frozenset({prims.scan_p.name, prims.while_p.name, prims.cond_p.name})
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .errors import InvalidArgumentError, PlanMismatchError
-from .graph import OpGraph
+from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower
 from .options import ShardParallel
@@ -60,7 +60,7 @@ def _check_batch(graph: OpGraph) -> None:
     sizes = {}
     for tid in graph.inputs:
         t = graph.tensors[tid]
-        if t.role is not None and t.role.value == "batch":
+        if t.role == InputRole.BATCH:
             if t.rank == 0:
                 raise InvalidArgumentError(
                     f"batch_argnums: leaf `{t.path}` is a scalar, so it has no batch dimension. "

@@ -16,7 +16,7 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 from .graph import OpGraph, TensorKind
 from .spec import Spec
@@ -182,8 +182,8 @@ def graph_fingerprint(graph: OpGraph) -> str:
     return h.hexdigest()[:16]
 
 
-def constrained_tensors(graph: OpGraph, cheap: list[bool]) -> list[int]:
+def constrained_tensors(graph: OpGraph, constant: Collection[int]) -> list[int]:
     """Intermediates whose sharding the lowering pins: every non-scalar value except those
     computed from constants alone (XLA materializes those where they are needed)."""
     return [t.id for t in graph.tensors
-            if t.kind == TensorKind.INTERMEDIATE and t.rank > 0 and not cheap[t.id]]
+            if t.kind == TensorKind.INTERMEDIATE and t.rank > 0 and t.id not in constant]

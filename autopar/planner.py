@@ -5,13 +5,9 @@ import math
 
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
-from .intra_op.build import cheap_source_tensors
 from .plan import (CollectivePlan, FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
                    constrained_tensors, graph_fingerprint)
-
-HEAVY_OPERATORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
-                             "scatter"})
-
+from .primitives import HEAVY_OPERATORS
 
 def _tensor_plans(graph: OpGraph, ids, specs, paths=None) -> tuple[TensorPlan, ...]:
     out = []
@@ -33,7 +29,6 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         src = graph.carried_outputs.get(pos)
         out_paths.append(f"result[{pos}]" + (f" (next {graph.tensors[graph.inputs[src]].path})"
                                              if src is not None else ""))
-    cheap = cheap_source_tensors(graph)
     operators = []
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:
@@ -65,7 +60,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         graph_fingerprint=graph_fingerprint(graph),
         inputs=_tensor_plans(graph, graph.inputs, in_specs),
         outputs=_tensor_plans(graph, graph.outputs, assignment.output_specs, out_paths),
-        constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, cheap)),
+        constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
         operators=tuple(operators), collectives=collectives, fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
         predicted_reshard_s=assignment.reshard_s,

@@ -24,22 +24,12 @@ from . import _compat
 from .errors import InvalidArgumentError
 from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
 from .markers import STAGE_BOUNDARY
+from .primitives import ARITHMETIC, REDUCTION_FLOPS
 
 # Path components that mark optimizer state (optax's state names and common container names).
 _OPT_STATE_PATTERN = re.compile(
     r"opt_state|\boptimizer\b|\.opt\b|\['opt'\]|\bmu\b|\bnu\b|momentum|\btrace\b|\bema\b|"
     r"v_row|v_col|\bvr\b|\bvc\b|\bacc\b|accumulator", re.IGNORECASE)
-
-_ELEMENTWISE_FLOP_PRIMS = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1",
-    "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
-    "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "select_n", "clamp", "add_any",
-    "rem", "floor", "ceil", "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
-})
-_REDUCE_PRIMS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                           "argmax", "argmin", "reduce_and", "reduce_or", "cumsum", "cumprod",
-                           "cummax", "cummin", "cumlogsumexp"})
-
 
 def node_flops(primitive: str, eqn) -> float:
     """Floating-point operations of one equation (2 per multiply-add)."""
@@ -55,9 +45,9 @@ def node_flops(primitive: str, eqn) -> float:
         rhs_spec = dn.rhs_spec  # (out_feature, in_feature, *spatial)
         per_out = math.prod(rhs[d] for d in rhs_spec[1:])
         return 2.0 * math.prod(outs[0].shape) * per_out
-    if primitive in _ELEMENTWISE_FLOP_PRIMS:
+    if primitive in ARITHMETIC:
         return float(math.prod(getattr(outs[0], "shape", ())))
-    if primitive in _REDUCE_PRIMS:
+    if primitive in REDUCTION_FLOPS:
         return float(math.prod(getattr(ins[0], "shape", ())))
     return 0.0
 

@@ -16,7 +16,7 @@ import autopar
 from autopar.graph import TensorKind
 from autopar.plan import (PLAN_FORMAT_VERSION, FallbackPlan, OperatorPlan, ParallelPlan,
                           StagePlan, TensorPlan, graph_fingerprint)
-from autopar.planner import HEAVY_OPERATORS
+from autopar.primitives import HEAVY_OPERATORS
 from autopar.spec import is_valid
 from autopar.trace import trace
 from steps import mlp_train_state, mlp_train_step

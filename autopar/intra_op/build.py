@@ -16,13 +16,8 @@ from ..graph import InputRole, OpGraph, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from .rules import HEAVY, LEADER_RULES, RuleContext, Strategy, replicated_rule
-
-# Nodes whose results are not constants even when their operands are.
-_NOT_FOLDABLE = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator",
-                           "rng_uniform", "while", "scan", "cond"})
-_CONTROL_FLOW = frozenset({"scan", "while", "cond"})
-
+from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE
+from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fallback:
@@ -44,6 +39,7 @@ class Built:
     reshard_diag: list[np.ndarray]          # group -> reshard cost charged inside the group
     edges: list[IlpEdge]
     owners: list[tuple[str, int]]           # group -> ("input" | "node" | "const", id)
+    constant_tensors: frozenset[int]        # tensors computed from constants alone
     fallbacks: list[Fallback] = field(default_factory=list)
 
     def signatures(self) -> list[tuple]:
@@ -65,7 +61,7 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
     consumers = graph.consumers()
     feeds_heavy = [False] * len(graph.nodes)   # some later heavy op reads what v computes
     for node in reversed(graph.nodes):
-        feeds_heavy[node.id] = any(graph.nodes[c].primitive in HEAVY or feeds_heavy[c]
+        feeds_heavy[node.id] = any(graph.nodes[c].primitive in MATMUL_LIKE or feeds_heavy[c]
                                    for t in node.outputs for c in consumers[t])
     return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
 
@@ -74,7 +70,7 @@ def cheap_source_tensors(graph: OpGraph) -> list[bool]:
     """Tensors computed from constants alone (iota, broadcast zeros, a scaled literal...)."""
     cheap = [t.kind == TensorKind.CONST for t in graph.tensors]
     for node in graph.nodes:
-        if node.primitive not in _NOT_FOLDABLE and all(cheap[i] for i in node.inputs):
+        if node.primitive not in NOT_FOLDABLE and all(cheap[i] for i in node.inputs):
             for o in node.outputs:
                 cheap[o] = True
     return cheap
@@ -160,7 +156,7 @@ class _Builder:
         if not strategies:
             strategies = replicated_rule(self.ctx, node)
             if node.inputs and name not in ("iota",):
-                if name in _CONTROL_FLOW:
+                if name in CONTROL_FLOW:
                     reason = "control flow treated conservatively: operands gathered, results replicated"
                 elif "callback" in name or name == "debug_print":
                     reason = "host callback sees whole values: operands gathered"
@@ -172,7 +168,7 @@ class _Builder:
         self._add_leader(node, strategies)
 
     def _objective(self, node, s: Strategy) -> float:
-        return (s.compute_s if node.primitive in HEAVY else 0.0) + s.comm_s
+        return (s.compute_s if node.primitive in MATMUL_LIKE else 0.0) + s.comm_s
 
     def _add_leader(self, node, strategies: list[Strategy]) -> None:
         g = self.new_group(len(strategies), ("node", node.id))
@@ -303,7 +299,8 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
-                 owners=b.owners, fallbacks=b.fallbacks)
+                 owners=b.owners, fallbacks=b.fallbacks,
+                 constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
 
 
 def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Spec]]:

@@ -12,23 +12,8 @@ from typing import Callable
 from ..graph import Node
 from ..spec import Spec, num_shards, replicated, without_axes
 from .._format import format_bytes
+from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
 from .rules import RuleContext, Strategy
-
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1",
-    "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
-    "erf", "erfc", "erf_inv", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "atan2", "select_n", "clamp", "add_any", "rem", "floor", "ceil",
-    "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "convert_element_type", "copy", "copy_p", "reduce_precision", "nextafter", "imag", "real",
-    "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
-    "sharding_constraint", "optimization_barrier", "stop_gradient", "lgamma", "digamma",
-    "igamma", "logaddexp", "reshard", "device_put", "mesh_cast",
-})
-REDUCE_SUM_LIKE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                             "reduce_and", "reduce_or", "reduce_xor"})
-GATHER_ON_AXIS = frozenset({"argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-                            "cumlogsumexp", "sort", "top_k"})
 
 
 def _drop_dims(spec: Spec, dims) -> Spec:
@@ -213,8 +198,8 @@ def split(ctx, node, pos, spec):
 
 
 FOLLOW_RULES: dict[str, Callable] = {name: elementwise for name in ELEMENTWISE}
-FOLLOW_RULES.update({name: reduce for name in REDUCE_SUM_LIKE})
-FOLLOW_RULES.update({name: gather_on_axis for name in GATHER_ON_AXIS})
+FOLLOW_RULES.update({name: reduce for name in REDUCTIONS})
+FOLLOW_RULES.update({name: gather_on_axis for name in AXIS_OPS})
 FOLLOW_RULES.update({
     "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "squeeze": squeeze,
     "reshape": reshape, "slice": slicing, "dynamic_slice": slicing, "pad": slicing,
@@ -230,8 +215,6 @@ def main_operand(ctx: RuleContext, node: Node, preference) -> int | None:
     best, best_key = None, None
     for pos, t in enumerate(node.inputs):
         tensor = ctx.t(t)
-        if node.primitive in ("dynamic_slice", "dynamic_update_slice", "pad") and pos > 1:
-            break
         key = (tensor.rank > 0, preference(t), tensor.size, -pos)
         if best_key is None or key > best_key:
             best, best_key = pos, key

@@ -233,4 +233,3 @@ LEADER_RULES: dict[str, Callable[[RuleContext, Node], list[Strategy]]] = {
     "scatter-add": scatter_rule,
     "scatter": scatter_rule,
 }
-HEAVY = frozenset({"dot_general", "conv_general_dilated"})

@@ -54,6 +54,7 @@ class ShardingAssignment:
     peak_memory_bytes: float
     ilp: IlpStats
     fallbacks: tuple[Fallback, ...]
+    constant_tensors: frozenset[int]         # computed from constants: left for XLA to place
 
 
 def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
@@ -141,4 +142,4 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
         compute_s=float(np.sum([s.compute_s for s in strat])),
         comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
         peak_memory_bytes=peak_memory(graph, specs, mesh.shape), ilp=stats,
-        fallbacks=tuple(built.fallbacks))
+        fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors)
