@@ -11,15 +11,20 @@ from .cost import CostModel
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
                      UnsupportedError)
 from .inspect import dump
+from .grad import grad, value_and_grad
 from .markers import mark_stage_boundary
-from .options import (DataParallel, LayerReuse, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
+from .options import (AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
+                      ManualLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
+                      Schedule, ShardParallel, SolverBackend, UniformStageOption, Zero2Parallel,
                       Zero3Parallel)
 from .plan import ParallelPlan
 
 __all__ = [
     "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
-    "SolverBackend", "ClusterSpec", "LogicalMesh", "CostModel",
+    "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
+    "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
+    "ClusterSpec", "LogicalMesh", "CostModel",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",
 ]

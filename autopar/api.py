@@ -11,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -26,7 +27,10 @@ from .errors import InvalidArgumentError, PlanMismatchError
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower
-from .options import ShardParallel
+from .lower_pipeline import lower_pipeline
+from .options import PipeshardParallel, ShardParallel
+from .pipeshard import plan_pipeline
+from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .planner import build_plan
 from .trace import abstract_signature, check_argnums, trace
@@ -104,8 +108,9 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
 class _Entry:
     graph: OpGraph
     plan: ParallelPlan
-    lowered: Lowered
+    lowered: Lowered | None
     compiled: Any = None      # the XLA executable, compiled once (by a call or get_compiled)
+    executor: Executor | None = None   # pipeline plans: runs the stages' executables
 
 
 class ParallelizedFunction:
@@ -147,10 +152,14 @@ class ParallelizedFunction:
         entry = self._cache.get(key)
         if entry is not None:
             return entry
+        mesh = self.mesh
+        if isinstance(self._method, PipeshardParallel):
+            entry = self._pipeline_entry(args, mesh)
+            self._cache[key] = entry
+            return entry
         graph = trace(self._fun, args, static_argnums=self._static,
                       batch_argnums=self._batch, donate_argnums=self._donate)
         _check_batch(graph)
-        mesh = self.mesh
         if self._saved_plan is not None:
             plan_ = self._saved_plan
             if plan_.graph_fingerprint != graph_fingerprint(graph):
@@ -169,6 +178,30 @@ class ParallelizedFunction:
         self._cache[key] = entry
         return entry
 
+    def _pipeline_entry(self, args, mesh) -> _Entry:
+        method = self._method
+        if self._saved_plan is not None:
+            method = dataclasses.replace(method, stage_option=self._saved_plan.stage_option())
+        cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
+        plan_, parts, graph = plan_pipeline(
+            self._fun, args, cluster=cluster, device_ids=tuple(int(d.id) for d in
+                                                                mesh.devices.flat),
+            mesh_shape=tuple(mesh.devices.shape), method=method, static_argnums=self._static,
+            batch_argnums=self._batch, donate_argnums=self._donate)
+        if self._saved_plan is not None and \
+                self._saved_plan.graph_fingerprint != plan_.graph_fingerprint:
+            raise PlanMismatchError(
+                "the saved plan was made for a different function or argument shapes (plan "
+                f"fingerprint {self._saved_plan.graph_fingerprint}, this call "
+                f"{plan_.graph_fingerprint}). Fix: re-plan, or call with the shapes the plan "
+                "was made for.")
+        program = lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
+                                 list(mesh.devices.flat), method.schedule,
+                                 method.num_microbatches, method.max_in_flight_calls)
+        log.info("autopar: %s planned as a %d-stage pipeline; XLA compiles each stage on the "
+                 "first call", getattr(self._fun, "__name__", "step"), len(plan_.stages))
+        return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
+
     def _leaves(self, args) -> list:
         return jax.tree_util.tree_leaves(tuple(a for i, a in enumerate(args)
                                                if i not in self._static))
@@ -182,6 +215,11 @@ class ParallelizedFunction:
 
     def __call__(self, *args):
         entry = self._entry(args)
+        if entry.executor is not None:
+            shardings = entry.executor.p.in_shardings
+            flat = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                    for x, s in zip(self._leaves(args), shardings)]
+            return jax.tree_util.tree_unflatten(entry.graph.out_tree, entry.executor.run(flat))
         flat = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
                 for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
         out = self._compiled(args, entry)(*flat)
@@ -195,8 +233,20 @@ class ParallelizedFunction:
         return self._entry(args).graph
 
     def get_compiled(self, *args):
-        """The compiled XLA executable these arguments run (`.as_text()` gives the HLO)."""
-        return self._compiled(args, self._entry(args))
+        """The compiled XLA executable these arguments run (`.as_text()` gives the HLO); for
+        a pipeline plan, the `PipelineProgram` (per-stage executables)."""
+        entry = self._entry(args)
+        if entry.executor is not None:
+            return entry.executor.p
+        return self._compiled(args, entry)
+
+    def get_executor(self, *args) -> Executor:
+        """The pipeline executor of these arguments (its `stats` describe the last step)."""
+        entry = self._entry(args)
+        if entry.executor is None:
+            raise InvalidArgumentError("get_executor: this plan is not a pipeline "
+                                       "(method is not PipeshardParallel).")
+        return entry.executor
 
 
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,

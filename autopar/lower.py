@@ -31,12 +31,11 @@ def named(mesh, spec: Spec) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*to_names(spec, mesh.axis_names)))
 
 
-def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None) -> list:
-    """Evaluate the graph's equations in order (under a trace, this re-emits them)."""
-    env: dict[int, Any] = dict(graph.const_values)
-    env.update(zip(graph.inputs, flat_args))
+def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None) -> None:
+    """Evaluate `nodes` (in order) reading and writing tensor values in `env`; under a trace,
+    this re-emits their equations, each with its scope and source line."""
     constrain = constrain or {}
-    for node in graph.nodes:
+    for node in nodes:
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
             outs = eqn.primitive.bind(*(env[t] for t in node.inputs), **eqn.params)
@@ -46,6 +45,13 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
                 sharding = constrain.get(tid)
                 env[tid] = (val if sharding is None else
                             jax.lax.with_sharding_constraint(val, sharding))
+
+
+def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None) -> list:
+    """Evaluate the graph's equations in order (under a trace, this re-emits them)."""
+    env: dict[int, Any] = dict(graph.const_values)
+    env.update(zip(graph.inputs, flat_args))
+    run_nodes(graph, graph.nodes, env, constrain)
     return [env[t] for t in graph.outputs]
 
 

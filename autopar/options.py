@@ -7,10 +7,12 @@ Example:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
 from .intra_op.ilp import SolverBackend
+from .runtime.schedule import Schedule
 
 
 class LayerReuse(enum.Enum):
@@ -25,6 +27,7 @@ class MethodKind(enum.Enum):
     DATA = "data_parallel"         # batch split over every device, state replicated
     ZERO2 = "zero2"                # + optimizer state (and so gradients) sharded
     ZERO3 = "zero3"                # + parameters sharded
+    PIPESHARD = "pipeshard_parallel"  # pipeline stages on submeshes, each sharded by the ILP
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,5 +94,183 @@ class Zero3Parallel(ShardParallel):
         return MethodKind.ZERO3
 
 
+class LayerOptionKind(enum.Enum):
+    AUTO = "auto"
+    MANUAL = "manual"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutoLayerOption:
+    """Cut the loss's forward graph into `num_layers` layers automatically: balanced FLOPs
+    (each layer within `1 + imbalance` of the mean) with the fewest bytes crossing the cuts."""
+    num_layers: int = 4
+    imbalance: float = 0.25
+
+    def __post_init__(self):
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
+                or self.num_layers < 1:
+            raise InvalidArgumentError(f"AutoLayerOption.num_layers={self.num_layers!r} must be "
+                                       "an int >= 1.")
+        if not self.imbalance >= 0:
+            raise InvalidArgumentError(f"AutoLayerOption.imbalance={self.imbalance!r} must be "
+                                       ">= 0.")
+
+    @property
+    def kind(self) -> LayerOptionKind:
+        return LayerOptionKind.AUTO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManualLayerOption:
+    """Layers end where the model calls `autopar.mark_stage_boundary(...)`."""
+
+    @property
+    def kind(self) -> LayerOptionKind:
+        return LayerOptionKind.MANUAL
+
+
+def _check_shape_tuple(owner: str, name: str, value, length: int | None = None) -> tuple:
+    try:
+        out = tuple(tuple(int(x) for x in item) for item in value)
+    except TypeError:
+        raise InvalidArgumentError(f"{owner}.{name}={value!r} must be a tuple of int tuples.")
+    if any(x < 0 for item in out for x in item) or (length is not None and len(out) != length):
+        raise InvalidArgumentError(
+            f"{owner}.{name}={value!r} is invalid: need {length if length else 'some'} tuples "
+            "of non-negative ints (one per stage).")
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutoStageOption:
+    """Choose stages and submeshes with Alpa's DP over intra-op ILP costs.
+
+    Args:
+      max_stages: cap on the number of pipeline stages (None: up to the number of layers).
+      logical_shapes: which logical views of a submesh of n devices the DP tries:
+        "all" tries every 2-D factorization (a x b = n), "flat" only (1, n) and (n, 1).
+    """
+    max_stages: int | None = None
+    logical_shapes: str = "all"
+
+    def __post_init__(self):
+        if self.max_stages is not None and (not isinstance(self.max_stages, int)
+                                            or self.max_stages < 1):
+            raise InvalidArgumentError(f"AutoStageOption.max_stages={self.max_stages!r} must be "
+                                       "None or an int >= 1.")
+        if self.logical_shapes not in ("all", "flat"):
+            raise InvalidArgumentError(f"AutoStageOption.logical_shapes="
+                                       f"{self.logical_shapes!r} must be 'all' or 'flat'.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UniformStageOption:
+    """`num_stages` stages with equal layer counts on equal submeshes (devices split in
+    order); each stage's logical mesh is still chosen by the ILP costs."""
+    num_stages: int
+
+    def __post_init__(self):
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
+                or self.num_stages < 1:
+            raise InvalidArgumentError(f"UniformStageOption.num_stages={self.num_stages!r} "
+                                       "must be an int >= 1.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManualStageOption:
+    """Pin the stage choice exactly: per stage its (first, last) layer, its submesh as
+    (hosts, devices per host) and its logical mesh shape. A plan's `stage_option()` gives the
+    one it chose, so a dumped plan can be replayed.
+
+    Example:
+        >>> autopar.ManualStageOption(layer_spans=((0, 1), (2, 3)),
+        ...                           submesh_shapes=((1, 4), (1, 4)),
+        ...                           logical_shapes=((2, 2), (1, 4)))
+    """
+    layer_spans: tuple[tuple[int, int], ...]
+    submesh_shapes: tuple[tuple[int, int], ...]
+    logical_shapes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        spans = _check_shape_tuple("ManualStageOption", "layer_spans", self.layer_spans)
+        n = len(spans)
+        object.__setattr__(self, "layer_spans", spans)
+        object.__setattr__(self, "submesh_shapes", _check_shape_tuple(
+            "ManualStageOption", "submesh_shapes", self.submesh_shapes, n))
+        object.__setattr__(self, "logical_shapes", _check_shape_tuple(
+            "ManualStageOption", "logical_shapes", self.logical_shapes, n))
+        for p, (a, b) in enumerate(spans):
+            if b < a or (p and a != spans[p - 1][1] + 1) or (p == 0 and a != 0):
+                raise InvalidArgumentError(
+                    f"ManualStageOption.layer_spans={spans!r}: stage {p} covers layers {a}..{b}; "
+                    "spans must be (first, last) pairs covering 0..L-1 in order.")
+        for p, (sub, logical) in enumerate(zip(self.submesh_shapes, self.logical_shapes)):
+            if math.prod(sub) != math.prod(logical) or len(sub) != 2:
+                raise InvalidArgumentError(
+                    f"ManualStageOption: stage {p} has submesh {sub} ({math.prod(sub)} devices) "
+                    f"but logical mesh {logical}: give (hosts, devices) and a logical shape "
+                    "with the same device count.")
+
+
+StageOption = AutoStageOption | UniformStageOption | ManualStageOption
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipeshardParallel(ShardParallel):
+    """Inter- and intra-op parallelism (Alpa's PipeshardParallel): the loss is cut into layers,
+    layers are grouped into pipeline stages, each stage runs on its own submesh with shardings
+    from the intra-op ILP, and microbatches flow through the stages under `schedule`.
+
+    The step must take its gradient with `autopar.value_and_grad` / `autopar.grad`.
+
+    Args:
+      num_microbatches: the batch is split into this many equal microbatches (it must
+        divide the batch size); the loss and gradients are their mean.
+      schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage)
+        or `Schedule.GPIPE`.
+      layer_option: `AutoLayerOption(num_layers=...)` or `ManualLayerOption()`.
+      stage_option: `AutoStageOption()`, `UniformStageOption(num_stages=...)` or
+        `ManualStageOption(...)`.
+      max_in_flight_calls: the executor waits on the call this many dispatches back (JAX on
+        simulated CPU devices hangs with too many queued collectives; see JAX_NOTES).
+
+    Example:
+        >>> method = autopar.PipeshardParallel(
+        ...     num_microbatches=8, schedule=autopar.Schedule.ONE_F_ONE_B,
+        ...     layer_option=autopar.AutoLayerOption(num_layers=4),
+        ...     stage_option=autopar.UniformStageOption(num_stages=2))
+    """
+    num_microbatches: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    layer_option: AutoLayerOption | ManualLayerOption = AutoLayerOption()
+    stage_option: StageOption = AutoStageOption()
+    max_in_flight_calls: int = 16
+
+    def __post_init__(self):
+        super(PipeshardParallel, self).__post_init__()
+        for name in ("num_microbatches", "max_in_flight_calls"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"PipeshardParallel.{name}={v!r} must be an int >= 1.")
+        if not isinstance(self.schedule, Schedule):
+            raise InvalidArgumentError(f"PipeshardParallel.schedule={self.schedule!r} is not a "
+                                       f"Schedule; use one of {[s for s in Schedule]}.")
+        if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
+            raise InvalidArgumentError(
+                f"PipeshardParallel.layer_option={self.layer_option!r}: pass "
+                "AutoLayerOption(num_layers=...) or ManualLayerOption().")
+        if not isinstance(self.stage_option, (AutoStageOption, UniformStageOption,
+                                              ManualStageOption)):
+            raise InvalidArgumentError(
+                f"PipeshardParallel.stage_option={self.stage_option!r}: pass AutoStageOption(), "
+                "UniformStageOption(num_stages=...) or ManualStageOption(...).")
+
+    @property
+    def kind(self) -> MethodKind:
+        return MethodKind.PIPESHARD
+
+
 __all__ = ["LayerReuse", "MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
-           "SolverBackend"]
+           "SolverBackend",
+           "PipeshardParallel", "AutoLayerOption", "ManualLayerOption", "AutoStageOption",
+           "UniformStageOption", "ManualStageOption", "Schedule"]

@@ -33,6 +33,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     dtype: str
     spec: Spec
+    stage: int = 0            # pipeline plans: the stage whose submesh holds the leaf
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +84,12 @@ class StagePlan:
     comm_s: float
     reshard_s: float
     peak_memory_bytes: float
+    # Pipeline stages only:
+    layers: tuple[int, int] = (0, 0)           # first and last layer
+    submesh: tuple[int, ...] = ()              # (hosts, devices per host)
+    latency_s: float = 0.0                     # forward + backward of one microbatch
+    activation_bytes: float = 0.0              # per device, per in-flight microbatch
+    scopes: tuple[str, ...] = ()               # model code in the stage (name scopes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +115,14 @@ class ParallelPlan:
     memory_budget_bytes: float
     ilp: dict = field(default_factory=dict)    # IlpStats as a dict
     timings_s: dict = field(default_factory=dict)
+    pipeline: dict = field(default_factory=dict)  # schedule, microbatches, layers, DP stats
+
+    def stage_option(self):
+        """The `ManualStageOption` that replays this plan's stages (pipeline plans)."""
+        from .options import ManualStageOption
+        return ManualStageOption(layer_spans=tuple(s.layers for s in self.stages),
+                                 submesh_shapes=tuple(s.submesh for s in self.stages),
+                                 logical_shapes=tuple(s.logical_mesh_shape for s in self.stages))
 
     @property
     def predicted_step_s(self) -> float:
@@ -133,9 +148,8 @@ class ParallelPlan:
                                for o in d["operators"])
         d["collectives"] = tuple(CollectivePlan(**c) for c in d["collectives"])
         d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
-        d["stages"] = tuple(StagePlan(**{**s, "device_ids": tuple(s["device_ids"]),
-                                         "logical_mesh_shape": tuple(s["logical_mesh_shape"]),
-                                         "axis_names": tuple(s["axis_names"])})
+        d["stages"] = tuple(StagePlan(**{**s, **{k: tuple(s[k]) for k in (
+            "device_ids", "logical_mesh_shape", "axis_names", "layers", "submesh", "scopes")}})
                             for s in d["stages"])
         for k in ("mesh_shape", "axis_names", "device_ids"):
             d[k] = tuple(d[k])

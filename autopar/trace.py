@@ -11,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -22,6 +23,7 @@ import numpy as np
 
 from . import _compat
 from .errors import InvalidArgumentError
+from .grad import VALUE_AND_GRAD, expand
 from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
 from .markers import STAGE_BOUNDARY
 from .primitives import ARITHMETIC, REDUCTION_FLOPS
@@ -96,7 +98,8 @@ def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int
 class _Builder:
     """Accumulates tensors and nodes while walking (nested) jaxprs."""
 
-    def __init__(self):
+    def __init__(self, keep_grad: bool = False):
+        self.keep_grad = keep_grad      # keep `autopar.value_and_grad` as one node (pipelines)
         self.tensors: list[Tensor] = []
         self.nodes: list[Node] = []
         self.const_values: dict[int, Any] = {}
@@ -130,8 +133,14 @@ class _Builder:
                     backward="transpose(" in _compat.name_stack(eqn.source_info)))
                 continue
             body_param = _compat.INLINE_BODY_PARAM.get(name)
-            if body_param is not None:
+            if name == VALUE_AND_GRAD and not self.keep_grad:
+                body = jax.make_jaxpr(functools.partial(expand, **eqn.params))(
+                    *(v.aval for v in eqn.invars))
+            elif body_param is not None:
                 body = eqn.params[body_param]
+            else:
+                body = None
+            if body is not None:
                 inner = getattr(body, "jaxpr", body)
                 consts = getattr(body, "consts", ())
                 inner_env = {}
@@ -159,11 +168,14 @@ class _Builder:
 
 
 def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
-          batch_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = ()) -> OpGraph:
+          batch_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
+          keep_grad: bool = False) -> OpGraph:
     """Trace `fun(*args)` into an `OpGraph`.
 
     `args` may hold concrete arrays or `jax.ShapeDtypeStruct`s. Static arguments are closed
-    over; the graph's inputs are the leaves of the remaining arguments, in order.
+    over; the graph's inputs are the leaves of the remaining arguments, in order. With
+    `keep_grad`, an `autopar.value_and_grad` stays one node (its loss jaxpr in `eqn.params`)
+    instead of being expanded into forward and backward operators.
     """
     start = time.perf_counter()
     args = tuple(args)
@@ -192,7 +204,7 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
-    b = _Builder()
+    b = _Builder(keep_grad)
     env: dict = {}
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         env[v] = b.const(c, v.aval)

@@ -1,0 +1,153 @@
+"""`autopar.grad` / `autopar.value_and_grad`: drop-in replacements for JAX's that mark where
+the gradient is taken.
+
+Outside autopar they compute exactly what `jax.grad` / `jax.value_and_grad` compute (the marker
+is a primitive whose implementation and lowering *are* `jax.value_and_grad`). Under
+`PipeshardParallel` the marker tells autopar which part of the step is the loss (split into
+microbatches and pipelined over stages, forward and backward) and which part applies the
+gradients (run once per step, per stage).
+
+Example:
+    >>> def train_step(state, batch):
+    ...     def loss_fn(params):
+    ...         return mse(state.apply_fn(params, batch["x"]), batch["y"])
+    ...     loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    ...     return state.apply_gradients(grads=grads), loss
+
+With microbatches the loss, its auxiliary floating outputs and the gradients are the mean
+over microbatches (exact for a loss that is a mean over the batch's examples); integer
+auxiliary outputs are summed.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jcore
+from jax.interpreters import mlir
+
+from .errors import InvalidArgumentError
+
+value_and_grad_p = jcore.Primitive("autopar_value_and_grad")
+value_and_grad_p.multiple_results = True
+VALUE_AND_GRAD = value_and_grad_p.name
+
+
+def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool):
+    """What the marker computes: (loss, *aux leaves, *gradient leaves) of `jaxpr` with
+    respect to its first `num_diff` inputs."""
+    fun = jcore.jaxpr_as_fun(jaxpr)
+    rest = flat_args[num_diff:]
+
+    def loss_of(*diff):
+        outs = fun(*diff, *rest)
+        return outs[0], tuple(outs[1:])
+
+    (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(num_diff)),
+                                           has_aux=True)(*flat_args[:num_diff])
+    return (loss, *aux, *grads)
+
+
+def _abstract_eval(*avals, jaxpr, num_diff, has_aux):
+    return (*jaxpr.out_avals, *(a.update(weak_type=False) if hasattr(a, "update") else a
+                                for a in avals[:num_diff]))
+
+
+value_and_grad_p.def_impl(expand)
+value_and_grad_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(value_and_grad_p, mlir.lower_fun(expand, multiple_results=True))
+
+
+def _closure_converted(fun: Callable, args: tuple) -> tuple[jcore.ClosedJaxpr, list, Any]:
+    """Trace `fun(*args)`; values it closes over (e.g. the batch, as tracers of the enclosing
+    step) become trailing inputs. Returns (jaxpr over args then closed-over values, those
+    values, output tree)."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    inner = closed.jaxpr
+    open_jaxpr = jcore.Jaxpr(constvars=(), invars=[*inner.invars, *inner.constvars],
+                             outvars=inner.outvars, eqns=inner.eqns, effects=inner.effects,
+                             debug_info=inner.debug_info)
+    return jcore.ClosedJaxpr(open_jaxpr, ()), list(closed.consts), out_shape
+
+
+def _check_argnums(argnums, num_args: int) -> tuple[int, ...]:
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+    if not nums or any(not isinstance(a, int) or not -num_args <= a < num_args for a in nums):
+        raise InvalidArgumentError(
+            f"autopar.value_and_grad: argnums={argnums!r} is not valid for a call with "
+            f"{num_args} positional argument(s). Fix: pass an int or a tuple of ints in "
+            f"[0, {num_args}).")
+    return tuple(a % num_args for a in nums)
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """Like `jax.value_and_grad(fun, argnums, has_aux)`, and marks the gradient for autopar.
+
+    Example:
+        >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        >>> (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
+    """
+    @functools.wraps(fun)
+    def wrapped(*args):
+        nums = _check_argnums(argnums, len(args))
+        tu = jax.tree_util
+        diff_args = tuple(args[i] for i in nums)
+        other = tuple(a for i, a in enumerate(args) if i not in nums)
+        diff_leaves, diff_tree = tu.tree_flatten(diff_args)
+        other_leaves, other_tree = tu.tree_flatten(other)
+
+        def flat_fun(*leaves):
+            d = tu.tree_unflatten(diff_tree, leaves[:len(diff_leaves)])
+            o = list(tu.tree_unflatten(other_tree, leaves[len(diff_leaves):]))
+            full, di = [], iter(d)
+            for i in range(len(args)):
+                full.append(next(di) if i in nums else o.pop(0))
+            out = fun(*full)
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise InvalidArgumentError(
+                        "autopar.value_and_grad(has_aux=True): the function must return a pair "
+                        f"(loss, aux), got {type(out).__name__}. Fix: return (loss, aux).")
+                return (out[0], *tu.tree_leaves(out[1])), tu.tree_structure(out[1])
+            return (out,), None
+
+        aux_tree = []
+        def record(*leaves):
+            outs, tree = flat_fun(*leaves)
+            aux_tree.append(tree)
+            return outs
+        jaxpr, consts, _ = _closure_converted(record, (*diff_leaves, *other_leaves))
+        loss_aval = jaxpr.out_avals[0]
+        if getattr(loss_aval, "shape", None) != () or not jax.numpy.issubdtype(
+                loss_aval.dtype, jax.numpy.floating):
+            raise InvalidArgumentError(
+                f"autopar.value_and_grad: the loss of `{getattr(fun, '__name__', fun)}` must be "
+                f"a float scalar, got {loss_aval}. Fix: return a scalar (e.g. the batch mean).")
+        outs = value_and_grad_p.bind(*diff_leaves, *other_leaves, *consts, jaxpr=jaxpr,
+                                     num_diff=len(diff_leaves), has_aux=has_aux)
+        n_aux = len(jaxpr.out_avals) - 1
+        loss, aux = outs[0], outs[1:1 + n_aux]
+        grads = tu.tree_unflatten(diff_tree, outs[1 + n_aux:])
+        grads = grads[0] if isinstance(argnums, int) else grads
+        value = (loss, tu.tree_unflatten(aux_tree[0], aux)) if has_aux else loss
+        return value, grads
+
+    return wrapped
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """Like `jax.grad(fun, argnums, has_aux)`, and marks the gradient for autopar.
+
+    Example:
+        >>> grads = autopar.grad(loss_fn)(params, batch)
+    """
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args):
+        value, grads = vg(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped

@@ -1,0 +1,166 @@
+"""Split a traced step for pipelining: the loss (marked by `autopar.value_and_grad`), its layers
+and its stage slices.
+
+The step is traced with the gradient marker kept as one node. Its loss jaxpr becomes a forward
+`OpGraph` whose nodes are cut into layers (at `mark_stage_boundary` calls, or automatically);
+a stage is a contiguous node range of that forward graph. Everything outside the marker (the
+optimizer update, global-norm clipping, metrics) is the apply-gradient part (`apply_grad.py`).
+
+Example:
+    >>> loss = split_step(step_graph)
+    >>> bounds = layer_boundaries(loss.forward, AutoLayerOption(num_layers=4))
+    >>> slices = slice_stages(loss, [(bounds[0], bounds[2]), (bounds[2], bounds[4])])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from ..errors import InvalidArgumentError, UnsupportedError
+from ..grad import VALUE_AND_GRAD
+from ..graph import InputRole, OpGraph, TensorKind
+from ..options import AutoLayerOption, ManualLayerOption
+from ..trace import trace
+from .layers import cluster_layers, cut_bytes_from_liveness
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LossGraph:
+    """The step with its gradient node, and the loss's forward graph."""
+    step: OpGraph                  # traced with the gradient marker kept as node `grad_node`
+    grad_node: int
+    forward: OpGraph               # inputs = the marker's operands, in order
+    num_diff: int                  # the first num_diff forward inputs are differentiated
+    batch_inputs: frozenset[int]   # forward input positions split into microbatches
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.forward.outputs) - 1
+
+
+def _batch_derived(step: OpGraph) -> set[int]:
+    """Step tensors computed from batch inputs (and from nothing but batch inputs/constants)."""
+    derived = {t for t in step.inputs if step.tensors[t].role == InputRole.BATCH}
+    for node in step.nodes:
+        ins = [t for t in node.inputs if step.tensors[t].kind != TensorKind.CONST]
+        if ins and all(t in derived for t in ins):
+            derived.update(node.outputs)
+    return derived
+
+
+def _grad_node(step: OpGraph):
+    grads = [n for n in step.nodes if n.primitive == VALUE_AND_GRAD]
+    if len(grads) != 1:
+        raise InvalidArgumentError(
+            f"PipeshardParallel needs exactly one autopar.value_and_grad / autopar.grad call in "
+            f"the step, found {len(grads)}. Fix: take the gradient with "
+            "`autopar.value_and_grad(loss_fn)(params, ...)` (a drop-in for jax's) once per step.")
+    return grads[0]
+
+
+def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGraph:
+    """Find the `autopar.value_and_grad` node of `step` and the loss's forward graph at the
+    microbatch size (from `micro`: the same step traced with batch leaves of B / M rows)."""
+    node, micro_node = _grad_node(step), _grad_node(micro)
+    params = node.eqn.params
+    closed: jcore.ClosedJaxpr = micro_node.eqn.params["jaxpr"]
+    derived = _batch_derived(step)
+    batch = set()
+    full_avals = params["jaxpr"].in_avals
+    if len(full_avals) != len(closed.in_avals):
+        raise UnsupportedError(
+            "PipeshardParallel: the loss takes a different number of inputs at the microbatch "
+            "size than at the full batch size; the step's structure must not depend on the batch "
+            "size.")
+    for pos, (tid, full, mb) in enumerate(zip(node.inputs, full_avals, closed.in_avals)):
+        if tid in derived and pos >= params["num_diff"]:
+            t = step.tensors[tid]
+            if t.rank == 0 or t.shape[0] % num_microbatches or \
+                    tuple(mb.shape) != (t.shape[0] // num_microbatches, *t.shape[1:]):
+                raise InvalidArgumentError(
+                    f"num_microbatches={num_microbatches}: the loss input computed from the batch "
+                    f"with shape {t.shape} cannot be split into {num_microbatches} equal "
+                    "microbatches along dimension 0 (it must be [batch, ...]). Fix: choose "
+                    "num_microbatches dividing the batch size, and pass the loss batch-major "
+                    "values.")
+            batch.add(pos)
+        elif tuple(full.shape) != tuple(mb.shape):
+            raise UnsupportedError(
+                f"PipeshardParallel: loss input {pos} has shape {tuple(full.shape)} for the full "
+                f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
+                "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    forward = trace(jcore.jaxpr_as_fun(closed), avals)
+    for out in forward.outputs:
+        if forward.tensors[out].kind != TensorKind.INTERMEDIATE:
+            raise UnsupportedError(
+                "PipeshardParallel: an output of the loss function is an input or a constant "
+                "rather than computed from them; the pipeline cannot place it. Fix: return "
+                "values computed in the loss function.")
+    return LossGraph(step=step, grad_node=node.id, forward=forward,
+                     num_diff=params["num_diff"], batch_inputs=frozenset(batch))
+
+
+def layer_boundaries(forward: OpGraph,
+                     option: AutoLayerOption | ManualLayerOption) -> tuple[int, ...]:
+    """Node index where each layer starts, plus the end (length L + 1)."""
+    n = len(forward.nodes)
+    if isinstance(option, ManualLayerOption):
+        cuts = sorted({m.position for m in forward.stage_markers if not m.backward} - {0, n})
+        if not cuts:
+            raise InvalidArgumentError(
+                "ManualLayerOption: the loss has no autopar.mark_stage_boundary(...) call, so it "
+                "is one layer. Fix: mark the values between layers, e.g. `x = "
+                "autopar.mark_stage_boundary(x)` after each block, or use AutoLayerOption.")
+        return (0, *cuts, n)
+    num_layers = min(option.num_layers, n)
+    flops = np.array([nd.flops for nd in forward.nodes])
+    defined = [t.producer if t.kind == TensorKind.INTERMEDIATE else -1 for t in forward.tensors]
+    last = forward.last_use()
+    cut = cut_bytes_from_liveness(defined, last, [t.nbytes for t in forward.tensors], n)
+    return cluster_layers(flops, cut, num_layers, imbalance=option.imbalance).boundaries
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageSlice:
+    """One pipeline stage: a node range of the forward graph and what crosses its edges."""
+    index: int
+    start: int
+    stop: int
+    param_inputs: tuple[int, ...]   # forward input positions < num_diff used here
+    data_inputs: tuple[int, ...]    # other forward input positions used here
+    act_inputs: tuple[int, ...]     # tensor ids made by earlier stages, used here
+    outputs: tuple[int, ...]        # tensor ids made here and used later (or loss outputs)
+
+
+def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> StageSlice:
+    """The stage made of forward nodes [start, stop): what it reads from the loss inputs and
+    from other nodes, and what it makes that other nodes (or the loss outputs) read."""
+    fwd = loss.forward
+    position = {tid: pos for pos, tid in enumerate(fwd.inputs)}
+    inside = lambda t: (fwd.tensors[t].kind == TensorKind.INTERMEDIATE
+                        and start <= fwd.tensors[t].producer < stop)
+    params, data, acts, outs = set(), set(), set(), set()
+    for node in fwd.nodes:
+        here = start <= node.id < stop
+        for t in node.inputs:
+            tensor = fwd.tensors[t]
+            if here and tensor.kind == TensorKind.INPUT:
+                (params if position[t] < loss.num_diff else data).add(position[t])
+            elif here and tensor.kind == TensorKind.INTERMEDIATE and not inside(t):
+                acts.add(t)
+            elif not here and inside(t):
+                outs.add(t)
+    outs.update(t for t in fwd.outputs if inside(t))
+    return StageSlice(index=index, start=start, stop=stop, param_inputs=tuple(sorted(params)),
+                      data_inputs=tuple(sorted(data)), act_inputs=tuple(sorted(acts)),
+                      outputs=tuple(sorted(outs)))
+
+
+def slice_stages(loss: LossGraph, ranges: Sequence[tuple[int, int]]) -> tuple[StageSlice, ...]:
+    """Stages over consecutive node ranges [start, stop) covering the forward graph."""
+    return tuple(slice_range(loss, a, b, s) for s, (a, b) in enumerate(ranges))

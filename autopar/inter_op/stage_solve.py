@@ -1,0 +1,159 @@
+"""One pipeline stage's intra-op plan: the ILP over the stage's forward + backward graph on
+one logical mesh, giving its microbatch latency, memory and the shardings at its edges.
+
+The stage's training function takes (params, microbatch data, activations in, cotangents of
+its outputs) and returns (outputs, parameter gradients, activation gradients); it is traced
+into an `OpGraph` and solved exactly like a ShardParallel step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..cluster import ClusterSpec
+from ..cost import CostModel
+from ..errors import InfeasiblePlanError
+from ..graph import OpGraph, TensorKind
+from ..intra_op import solve_intra_op
+from ..intra_op.solve import IlpStats
+from ..lower import run_nodes
+from ..options import ShardParallel
+from ..spec import Spec, num_shards
+from ..trace import trace
+from .pipeline import LossGraph, StageSlice
+
+
+def is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageIO:
+    """A stage's edges, split by differentiability (the vjp needs float values only)."""
+    float_acts: tuple[int, ...]
+    int_acts: tuple[int, ...]
+    float_outputs: tuple[int, ...]
+    int_outputs: tuple[int, ...]
+
+
+def stage_io(loss: LossGraph, sl: StageSlice) -> StageIO:
+    t = loss.forward.tensors
+    return StageIO(float_acts=tuple(a for a in sl.act_inputs if is_float(t[a].dtype)),
+                   int_acts=tuple(a for a in sl.act_inputs if not is_float(t[a].dtype)),
+                   float_outputs=tuple(o for o in sl.outputs if is_float(t[o].dtype)),
+                   int_outputs=tuple(o for o in sl.outputs if not is_float(t[o].dtype)))
+
+
+def stage_body(loss: LossGraph, sl: StageSlice, io: StageIO) -> Callable:
+    """body(params, data, float_acts, int_acts) -> (float outputs, int outputs)."""
+    fwd = loss.forward
+    nodes = fwd.nodes[sl.start:sl.stop]
+
+    def body(params, data, float_acts, int_acts):
+        env: dict[int, Any] = dict(fwd.const_values)
+        env.update(zip((fwd.inputs[p] for p in sl.param_inputs), params))
+        env.update(zip((fwd.inputs[p] for p in sl.data_inputs), data))
+        env.update(zip(io.float_acts, float_acts))
+        env.update(zip(io.int_acts, int_acts))
+        run_nodes(fwd, nodes, env)
+        return [env[t] for t in io.float_outputs], [env[t] for t in io.int_outputs]
+
+    return body
+
+
+def stage_train_fn(loss: LossGraph, sl: StageSlice, io: StageIO) -> Callable:
+    """train(params, data, float_acts, int_acts, cts) -> (float outs, int outs, param grads,
+    act grads): one microbatch's forward and backward of the stage."""
+    body = stage_body(loss, sl, io)
+
+    def train(params, data, float_acts, int_acts, cts):
+        outs, vjp_fn, int_outs = jax.vjp(lambda p, a: body(p, data, a, int_acts), params,
+                                         float_acts, has_aux=True)
+        grads, act_grads = vjp_fn(cts)
+        return outs, int_outs, grads, act_grads
+
+    return train
+
+
+def _aval(t) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype))
+
+
+def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
+    """The stage's training graph (inputs: params, data, float acts, int acts, cotangents)."""
+    io = stage_io(loss, sl)
+    fwd = loss.forward
+    ins = lambda ids: [_aval(fwd.tensors[i]) for i in ids]
+    args = (ins(fwd.inputs[p] for p in sl.param_inputs),
+            ins(fwd.inputs[p] for p in sl.data_inputs),
+            ins(io.float_acts), ins(io.int_acts), ins(io.float_outputs))
+    return trace(stage_train_fn(loss, sl, io), args, batch_argnums=(1,))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageSolution:
+    """The ILP's plan of one stage on one logical mesh (specs are per input group, in order)."""
+    logical_shape: tuple[int, ...]
+    latency_s: float             # forward + backward of one microbatch
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    peak_memory_bytes: float     # per device, one microbatch in flight
+    activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
+    param_bytes: float           # per device
+    param_specs: tuple[Spec, ...]
+    data_specs: tuple[Spec, ...]
+    act_specs: tuple[Spec, ...]  # float acts then int acts (as StageIO orders them)
+    out_specs: tuple[Spec, ...]  # float outputs then int outputs
+    grad_specs: tuple[Spec, ...]
+    ilp: IlpStats
+
+
+def _residual_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+    """Per-device bytes made by the forward and read by the backward (what a microbatch keeps
+    alive between its forward and its backward)."""
+    backward = [("transpose(" in n.name_stack) for n in graph.nodes]
+    total = 0.0
+    for node in graph.nodes:
+        if not backward[node.id]:
+            continue
+        for t in set(node.inputs):
+            tensor = graph.tensors[t]
+            if tensor.kind == TensorKind.INTERMEDIATE and not backward[tensor.producer]:
+                total += tensor.nbytes / num_shards(specs[t], mesh_shape)
+    return total
+
+
+def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
+                logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
+                method: ShardParallel) -> StageSolution | None:
+    """Solve the stage's ILP on `logical_shape`; None when it cannot fit the memory budget."""
+    logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
+    inner = ShardParallel(**{f.name: getattr(method, f.name)
+                             for f in dataclasses.fields(ShardParallel)})
+    try:
+        a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
+    except InfeasiblePlanError:
+        return None
+    specs = a.tensor_specs
+    counts = [len(sl.param_inputs), len(sl.data_inputs)]
+    n_act = len(sl.act_inputs)
+    ins = [specs[t] for t in graph.inputs]
+    p, d = counts
+    outs = a.output_specs
+    n_out = len(sl.outputs)
+    params = ins[:p]
+    param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
+                      for t in graph.inputs[:p])
+    return StageSolution(
+        logical_shape=tuple(logical_shape), latency_s=a.compute_s + a.comm_s + a.reshard_s,
+        compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
+        peak_memory_bytes=a.peak_memory_bytes,
+        activation_bytes=_residual_bytes(graph, specs, logical_shape), param_bytes=param_bytes,
+        param_specs=tuple(params), data_specs=tuple(ins[p:p + d]),
+        act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
+        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp)

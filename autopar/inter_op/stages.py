@@ -1,0 +1,230 @@
+"""The inter-op pass: layers -> pipeline stages, each with a submesh, a logical mesh and its
+intra-op plan (Alpa §5.2).
+
+`AutoStageOption` solves the intra-op ILP once per (layer, submesh, logical mesh), reusing
+the result for layers whose training graphs are identical; a span's cost is the sum of its
+layers' costs on one logical mesh (boundary resharding inside a stage is not priced); the DP
+in `stage_dp` picks the spans and submeshes. The chosen stages are then solved whole for their
+shardings. `UniformStageOption` and `ManualStageOption` skip the DP.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cluster import ClusterSpec
+from ..errors import InfeasiblePlanError, InvalidArgumentError
+from ..graph import InputRole, OpGraph
+from ..options import AutoStageOption, ManualStageOption, PipeshardParallel, UniformStageOption
+from ..plan import graph_fingerprint
+from .pipeline import LossGraph, StageSlice, slice_range
+from .stage_dp import StageCosts, SubmeshShape, candidate_submeshes, solve_stage_dp
+from .stage_solve import StageSolution, solve_stage, trace_stage
+
+log = logging.getLogger(__name__)
+AXIS_NAMES = ("data", "model")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChosenStage:
+    slice: StageSlice
+    layers: tuple[int, int]              # first, last layer
+    submesh: tuple[int, int]             # hosts, devices per host
+    device_ids: tuple[int, ...]
+    solution: StageSolution
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InterOpResult:
+    boundaries: tuple[int, ...]          # layer start nodes + end
+    stages: tuple[ChosenStage, ...]
+    num_ilps: int                        # distinct ILPs solved
+    num_reused: int                      # stage/layer solves answered from the cache
+    dp_candidates: int
+    dp_pruned: int
+    dp_time_s: float
+    profile_time_s: float
+
+
+def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
+    """2-D views of n devices: (1, n), (n, 1) for "flat"; every a x b = n for "all"."""
+    if option == "flat":
+        return list(dict.fromkeys([(1, n), (n, 1)]))
+    return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
+
+
+class _Solver:
+    """Solves stage ILPs, caching by (training-graph fingerprint, submesh, logical shape)."""
+
+    def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: PipeshardParallel):
+        self.loss, self.cluster, self.method = loss, cluster, method
+        self.cache: dict = {}
+        self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
+        self.num_ilps = self.num_reused = 0
+
+    def graph(self, sl: StageSlice) -> tuple[OpGraph, str]:
+        key = (sl.start, sl.stop)
+        if key not in self.graphs:
+            g = trace_stage(self.loss, sl)
+            self.graphs[key] = (g, graph_fingerprint(g))
+        return self.graphs[key]
+
+    def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+              ) -> StageSolution | None:
+        graph, fp = self.graph(sl)
+        key = (fp, submesh, shape)
+        if key in self.cache:
+            self.num_reused += 1
+            return self.cache[key]
+        self.num_ilps += 1
+        sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+        sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method)
+        self.cache[key] = sol
+        return sol
+
+    def best(self, sl: StageSlice, submesh: tuple[int, int], shapes) -> StageSolution | None:
+        sols = [s for s in (self.solve(sl, submesh, v) for v in shapes) if s is not None]
+        return min(sols, key=lambda s: s.latency_s) if sols else None
+
+
+def _opt_ratio(step: OpGraph) -> float:
+    """Optimizer-state bytes per parameter byte (Adam: 2), to size a stage's static memory."""
+    by_role = {r: 0 for r in InputRole}
+    for t in step.inputs:
+        by_role[step.tensors[t].role] += step.tensors[t].nbytes
+    return by_role[InputRole.OPT_STATE] / max(by_role[InputRole.PARAM], 1)
+
+
+def _static_bytes(sol: StageSolution, opt_ratio: float) -> float:
+    """Params, gradient accumulator and optimizer state, plus the working memory of one
+    microbatch beyond its kept activations."""
+    return sol.peak_memory_bytes - sol.activation_bytes + sol.param_bytes * (1 + opt_ratio)
+
+
+def _infeasible(what: str, budget: float) -> InfeasiblePlanError:
+    # needed_bytes=0: the ILP of each view was infeasible, so no smaller need is known
+    return InfeasiblePlanError(
+        f"memory: {what} does not fit memory_budget_bytes={budget:,.0f} per device under any "
+        "logical mesh. Fix: more devices per stage, more stages, fewer microbatches in flight "
+        "(1F1B), or a larger budget.", needed_bytes=0, budget_bytes=int(budget))
+
+
+def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out, start = [], 0
+    for h, d in submeshes:
+        out.append(tuple(device_ids[start:start + h * d]))
+        start += h * d
+    if start != len(device_ids):
+        raise InvalidArgumentError(
+            f"the stages' submeshes {submeshes} use {start} devices but the mesh has "
+            f"{len(device_ids)}. Fix: choose submeshes whose device counts add up to the mesh.")
+    return out
+
+
+def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, budget):
+    stages = []
+    for p, ((i, j), sub, shape, devs) in enumerate(
+            zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
+        sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
+        sol = (solver.best(sl, sub, shape) if isinstance(shape, list)
+               else solver.solve(sl, sub, tuple(shape)))
+        if sol is None:
+            raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget)
+        stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub), device_ids=devs,
+                                  solution=sol))
+    return stages
+
+
+def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: ClusterSpec,
+                  device_ids: tuple[int, ...], method: PipeshardParallel) -> InterOpResult:
+    """Run the stage option of `method` over the layers given by `boundaries`."""
+    start = time.perf_counter()
+    option = method.stage_option
+    num_layers = len(boundaries) - 1
+    n = len(device_ids)
+    budget = float(method.memory_budget_bytes or cluster.memory_bytes)
+    solver = _Solver(loss, cluster, method)
+    dp = (0, 0, 0.0)
+    dph = cluster.devices_per_host
+    if isinstance(option, ManualStageOption):
+        if option.layer_spans[-1][1] != num_layers - 1:
+            raise InvalidArgumentError(
+                f"ManualStageOption.layer_spans={option.layer_spans} ends at layer "
+                f"{option.layer_spans[-1][1]} but the model has {num_layers} layers (0.."
+                f"{num_layers - 1}). Fix: cover every layer, or change the layer option.")
+        stages = _spans_to_stages(loss, boundaries, option.layer_spans, option.submesh_shapes,
+                                  option.logical_shapes, device_ids, solver, budget)
+    elif isinstance(option, UniformStageOption):
+        s = option.num_stages
+        if s > num_layers or n % s:
+            raise InvalidArgumentError(
+                f"UniformStageOption(num_stages={s}) needs at least {s} layers (have "
+                f"{num_layers}) and a device count divisible by {s} (have {n}). Fix: change "
+                "num_stages or the layer option.")
+        per = n // s
+        sub = (per // dph, dph) if per >= dph and per % dph == 0 else (1, per)
+        cuts = np.array_split(np.arange(num_layers), s)
+        spans = [(int(c[0]), int(c[-1])) for c in cuts]
+        stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
+                                  [logical_shapes(per)] * s, device_ids, solver, budget)
+    else:
+        stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
+    log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, in %.2f s", len(stages),
+             solver.num_ilps, solver.num_reused, time.perf_counter() - start)
+    return InterOpResult(boundaries=tuple(boundaries), stages=tuple(stages),
+                         num_ilps=solver.num_ilps, num_reused=solver.num_reused,
+                         dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
+                         profile_time_s=time.perf_counter() - start)
+
+
+def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption, solver,
+          budget):
+    num_layers = len(boundaries) - 1
+    hosts = max(1, len(device_ids) // cluster.devices_per_host)
+    dph = min(cluster.devices_per_host, len(device_ids))
+    submeshes = candidate_submeshes(hosts, dph)
+    shapes_per_k = [logical_shapes(s.num_devices, option.logical_shapes) for s in submeshes]
+    opt_ratio = _opt_ratio(loss.step)
+    lat = np.full((num_layers, len(submeshes), max(map(len, shapes_per_k))), np.inf)
+    static = np.zeros_like(lat)
+    act = np.zeros_like(lat)
+    for l in range(num_layers):
+        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
+        for k, sub in enumerate(submeshes):
+            for v, shape in enumerate(shapes_per_k[k]):
+                sol = solver.solve(sl, (sub.num_hosts, sub.devices_per_host), shape)
+                if sol is not None:
+                    lat[l, k, v] = sol.latency_s
+                    static[l, k, v] = _static_bytes(sol, opt_ratio)
+                    act[l, k, v] = sol.activation_bytes
+    # Span (i..j) on submesh k: the best logical view v of the summed layer costs.
+    shape_l = (num_layers, num_layers, len(submeshes))
+    span_lat, span_static, span_act = np.full(shape_l, np.inf), np.zeros(shape_l), np.zeros(shape_l)
+    best_v = np.zeros(shape_l, dtype=np.int64)
+    for i in range(num_layers):
+        run_lat, run_static, run_act = np.zeros(lat.shape[1:]), np.zeros(lat.shape[1:]), \
+            np.zeros(lat.shape[1:])
+        for j in range(i, num_layers):
+            run_lat += lat[j]
+            run_static += static[j]
+            run_act += act[j]
+            v = np.argmin(run_lat, axis=1)
+            ks = np.arange(len(submeshes))
+            span_lat[i, j], best_v[i, j] = run_lat[ks, v], v
+            span_static[i, j], span_act[i, j] = run_static[ks, v], run_act[ks, v]
+    costs = StageCosts(latency_s=span_lat, static_bytes=np.where(np.isfinite(span_lat),
+                                                                  span_static, 0.0),
+                       activation_bytes=np.where(np.isfinite(span_lat), span_act, 0.0),
+                       memory_budget_bytes=budget)
+    choice = solve_stage_dp(costs, submeshes, len(device_ids), method.num_microbatches,
+                            max_stages=option.max_stages)
+    subs = [(submeshes[k].num_hosts, submeshes[k].devices_per_host) for k in choice.submeshes]
+    shapes = [shapes_per_k[k][best_v[i, j, k]]
+              for (i, j), k in zip(choice.layer_spans, choice.submeshes)]
+    stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
+                              solver, budget)
+    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)

@@ -1,0 +1,129 @@
+"""Lower pass for pipeline plans: per-stage jitted forward / backward executables on submesh
+`Mesh`es, and one jitted executable per apply-gradient segment.
+
+A stage's forward runs `jax.vjp` of its slice of the loss and returns its outputs and the vjp
+closure (its residuals, a pytree that stays on the stage's devices); its backward applies the
+closure to the output cotangents and adds the parameter gradients into the accumulator (donated).
+Values move between submeshes with `jax.device_put` (see `runtime.executor`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from .inter_op.apply_grad import PIPELINE, Placement, Segment
+from .inter_op.pipeline import LossGraph, StageSlice
+from .inter_op.stage_solve import StageIO, stage_body, stage_io
+from .inter_op.stages import AXIS_NAMES, ChosenStage
+from .lower import named, run_nodes
+from .runtime.schedule import PipelineSchedule, Schedule, make_schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class StageExecutable:
+    index: int
+    slice: StageSlice
+    mesh: jax.sharding.Mesh
+    io: StageIO
+    param_shardings: tuple[NamedSharding, ...]   # per slice.param_inputs
+    data_shardings: tuple[NamedSharding, ...]    # per slice.data_inputs (microbatch shape)
+    act_shardings: dict[int, NamedSharding]      # per act input tensor id
+    out_shardings: dict[int, NamedSharding]      # per output tensor id
+    forward: Callable        # (params, data, float_acts, int_acts) -> (outs, int_outs, vjp_fn)
+    backward: Callable       # (vjp_fn, cts, acc) -> (acc, act_grads); acc=None the first time
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PipelineProgram:
+    loss: LossGraph
+    placement: Placement
+    stages: tuple[StageExecutable, ...]
+    in_shardings: tuple[NamedSharding, ...]      # per step input
+    segment_fns: tuple[Callable | None, ...]     # per segment (None for the pipeline)
+    schedule: PipelineSchedule
+    num_microbatches: int
+    max_in_flight_calls: int | None              # None: never wait (accelerators)
+
+
+def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.sharding.Mesh:
+    devs = np.array([devices_by_id[d] for d in stage.device_ids], dtype=object)
+    return jax.sharding.Mesh(devs.reshape(stage.solution.logical_shape), AXIS_NAMES)
+
+
+def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecutable:
+    sl, sol = stage.slice, stage.solution
+    io = stage_io(loss, sl)
+    sh = lambda specs: tuple(named(mesh, s) for s in specs)
+    acts = dict(zip((*io.float_acts, *io.int_acts), sh(sol.act_specs)))
+    outs = dict(zip((*io.float_outputs, *io.int_outputs), sh(sol.out_specs)))
+    grads = sh(sol.grad_specs)
+    body = stage_body(loss, sl, io)
+    constrain = jax.lax.with_sharding_constraint
+
+    def forward(params, data, float_acts, int_acts):
+        out, vjp_fn, int_out = jax.vjp(lambda p, a: body(p, data, a, int_acts), params,
+                                       float_acts, has_aux=True)
+        out = [constrain(o, outs[t]) for o, t in zip(out, io.float_outputs)]
+        int_out = [constrain(o, outs[t]) for o, t in zip(int_out, io.int_outputs)]
+        return out, int_out, vjp_fn
+
+    def backward(vjp_fn, cts, acc):
+        param_grads, act_grads = vjp_fn(cts)
+        if acc is not None:
+            param_grads = [a + g for a, g in zip(acc, param_grads)]
+        param_grads = [constrain(g, s) for g, s in zip(param_grads, grads)]
+        act_grads = [constrain(g, acts[t]) for g, t in zip(act_grads, io.float_acts)]
+        return param_grads, act_grads
+
+    return StageExecutable(
+        index=sl.index, slice=sl, mesh=mesh, io=io, param_shardings=sh(sol.param_specs),
+        data_shardings=sh(sol.data_specs), act_shardings=acts, out_shardings=outs,
+        forward=jax.jit(forward), backward=jax.jit(backward, donate_argnums=(2,)))
+
+
+def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:
+    step = loss.step
+    nodes = [step.nodes[n] for n in seg.nodes]
+
+    def run(*values):
+        env = dict(step.const_values)
+        env.update(zip(seg.inputs, values))
+        run_nodes(step, nodes, env)
+        return [jax.lax.with_sharding_constraint(env[t], pinned[t]) if t in pinned else env[t]
+                for t in seg.outputs]
+
+    return jax.jit(run)
+
+
+def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
+                   devices: list, schedule: Schedule, num_microbatches: int,
+                   max_in_flight_calls: int) -> PipelineProgram:
+    by_id = {int(d.id): d for d in devices}
+    meshes = [stage_mesh(st, by_id) for st in stages]
+    execs = tuple(_stage_executable(loss, st, m) for st, m in zip(stages, meshes))
+    step = loss.step
+    in_sh = tuple(named(meshes[s], spec)
+                  for s, spec in zip(placement.input_stage, placement.input_spec))
+    segment_fns = []
+    for seg in placement.segments:
+        if seg.stage == PIPELINE:
+            segment_fns.append(None)
+            continue
+        pinned = {}
+        for pos, tid in enumerate(step.outputs):
+            spec = placement.output_spec[pos]
+            if spec is not None and placement.output_stage[pos] == seg.stage \
+                    and tid in seg.outputs:
+                pinned[tid] = named(meshes[seg.stage], spec)
+        segment_fns.append(_segment_fn(loss, seg, pinned))
+    cpu = all(d.platform == "cpu" for d in devices)
+    return PipelineProgram(
+        loss=loss, placement=placement, stages=execs, in_shardings=in_sh,
+        segment_fns=tuple(segment_fns),
+        schedule=make_schedule(schedule, len(stages), num_microbatches),
+        num_microbatches=num_microbatches,
+        max_in_flight_calls=max_in_flight_calls if cpu else None)
