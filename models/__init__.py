@@ -10,17 +10,51 @@ from models.gpt import (
     make_gpt_batch,
 )
 from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
+from models.moe import (
+    MoE,
+    MoEConfig,
+    expert_capacity,
+    make_moe_batch,
+    moe_flops_per_token,
+    moe_loss,
+    moe_param_count,
+    top2_gating,
+)
+from models.wide_resnet import (
+    Norm,
+    WideResNet,
+    WideResNetConfig,
+    classification_loss,
+    make_image_batch,
+    wide_resnet_flops_per_example,
+    wide_resnet_param_count,
+)
 
 __all__ = [
     "GPT",
     "GPTConfig",
     "MLP",
+    "MoE",
+    "MoEConfig",
     "NnxGPT",
     "NnxMLP",
+    "Norm",
+    "WideResNet",
+    "WideResNetConfig",
+    "classification_loss",
+    "expert_capacity",
     "gpt_flops_per_token",
     "gpt_loss",
     "gpt_param_count",
     "make_gpt_batch",
+    "make_image_batch",
     "make_mlp_batch",
+    "make_moe_batch",
+    "moe_flops_per_token",
+    "moe_loss",
+    "moe_param_count",
     "mse_loss",
+    "top2_gating",
+    "wide_resnet_flops_per_example",
+    "wide_resnet_param_count",
 ]

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from autopar.markers import mark_stage_boundary
+
 Dtype = Any
 
 # Added to masked attention scores (scores are in float32 at that point).
@@ -42,7 +44,9 @@ class GPTConfig:
     """Hyper-parameters of :class:`GPT` / :class:`NnxGPT`.
 
     ``dtype`` is the compute dtype (activations, matmuls); ``param_dtype`` the
-    storage dtype of the parameters.
+    storage dtype of the parameters. With ``stage_boundaries`` the activation
+    between consecutive blocks is marked with :func:`autopar.mark_stage_boundary`
+    (an identity: values and gradients are unchanged).
     """
 
     vocab_size: int = 1024
@@ -53,6 +57,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    stage_boundaries: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "mlp_ratio"):
@@ -174,6 +179,8 @@ class GPT(nn.Module):
         x = x + pos[None, :s].astype(c.dtype)
         for i in range(c.num_layers):
             x = Block(c, name=f"block_{i}")(x)
+            if c.stage_boundaries and i < c.num_layers - 1:
+                x = mark_stage_boundary(x)
         x = nn.LayerNorm(dtype=c.dtype, param_dtype=c.param_dtype, name="ln_f")(x)
         logits = nn.Dense(
             c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
@@ -263,6 +270,8 @@ class NnxGPT(nnx.Module):
         x = x + self.pos_embed[...][None, :s].astype(c.dtype)
         for i in range(c.num_layers):
             x = getattr(self, f"block_{i}")(x)
+            if c.stage_boundaries and i < c.num_layers - 1:
+                x = mark_stage_boundary(x)
         logits = self.lm_head(self.ln_f(x))
         return logits.astype(jnp.float32)
 

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 
+from autopar.markers import STAGE_BOUNDARY
 from models import (
     GPT,
     MLP,
@@ -300,3 +301,34 @@ def test_bf16_compute_float32_params():
     assert _apply_linen(mlp, mlp_params, x).dtype == jnp.bfloat16
     nnx_mlp = NnxMLP(3, IN, HID, out_dim=OUT, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert _apply_nnx(nnx_mlp, x).dtype == jnp.bfloat16
+
+
+# -- stage boundaries ----------------------------------------------------------
+
+
+def test_gpt_stage_boundaries_change_nothing(tiny_gpt):
+    """Marked linen and NNX GPTs give the unmarked linen loss and gradients."""
+    _, params, batch = tiny_gpt
+    tokens = batch["tokens"]
+    marked = dataclasses.replace(TINY, stage_boundaries=True)
+    graphdef, state = nnx.split(
+        _load_linen_params_into_nnx(NnxGPT(marked, rngs=nnx.Rngs(0)), params))
+
+    def linen_loss(config):
+        return lambda p: gpt_loss(GPT(config).apply({"params": p}, tokens), tokens)
+
+    def nnx_loss(state):
+        return gpt_loss(nnx.merge(graphdef, state)(tokens), tokens)
+
+    loss, grads = jax.jit(jax.value_and_grad(linen_loss(TINY)))(params)
+    for loss_fn, p, tol in ((linen_loss(marked), params, 1e-6), (nnx_loss, state, 1e-5)):
+        loss_m, grads_m = jax.jit(jax.value_and_grad(loss_fn))(p)
+        if p is state:
+            grads_m = nnx.to_pure_dict(grads_m)
+        np.testing.assert_allclose(loss_m, loss, rtol=tol)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=10 * tol, atol=tol),
+                     dict(grads_m), dict(grads))
+        names = [e.primitive.name for e in jax.make_jaxpr(loss_fn)(p).jaxpr.eqns]
+        assert names.count(STAGE_BOUNDARY) == TINY.num_layers - 1
+    names = [e.primitive.name for e in jax.make_jaxpr(linen_loss(TINY))(params).jaxpr.eqns]
+    assert STAGE_BOUNDARY not in names
