@@ -22,6 +22,33 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...],
     return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))] + lines
 
 
+def _pipeline_lines(plan: ParallelPlan) -> list[str]:
+    """The stages of a pipeline plan, its schedule and the stage search."""
+    p = plan.pipeline
+    lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
+             f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
+             f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
+             "(sum t_i + (B - 1) max t_i)"]
+    rows = []
+    for s, q in zip(plan.stages, p["in_flight"]):
+        devs = f"{s.device_ids[0]}..{s.device_ids[-1]}" if len(s.device_ids) > 1 else \
+            str(s.device_ids[0])
+        rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", devs,
+                     "x".join(map(str, s.submesh)),
+                     " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
+                     _time(s.latency_s), str(q),
+                     _bytes(s.peak_memory_bytes + (q - 1) * s.activation_bytes),
+                     ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
+    lines += ["  " + r for r in _table(rows, ("stage", "layers", "devices", "submesh",
+                                               "logical mesh", "fwd+bwd/mb", "in flight",
+                                               "peak mem", "model code"))]
+    lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
+                 f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
+                 f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "
+                 f"in {p['segments'] - 1} segment(s)")
+    return lines
+
+
 def dump(plan: ParallelPlan, *, max_operators: int | None = None,
          max_rows: int | None = None) -> str:
     """Text description of a plan: mesh, state shardings, heavy-operator strategies with
@@ -54,14 +81,18 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
             lines.append(f"  repeated layers: {ilp['layer_reuse']}")
         if ilp["status"] not in ("optimal", "trivial"):
             lines.append(f"  NOTE: {ilp['message']}")
+    if plan.pipeline:
+        lines += _pipeline_lines(plan)
     if plan.timings_s:
         lines.append("timings: " + ", ".join(f"{k} {_time(v)}" for k, v in plan.timings_s.items()))
     lines.append("")
     lines.append("state and inputs:")
+    staged = bool(plan.pipeline)
     rows = [(t.path, t.role, "x".join(map(str, t.shape)) or "scalar", t.dtype,
-             format_spec(t.spec, names)) for t in plan.inputs]
-    lines += ["  " + r for r in _table(rows, ("leaf", "role", "shape", "dtype", "sharding"),
-                                       max_rows)]
+             format_spec(t.spec, names)) + ((str(t.stage),) if staged else ())
+            for t in plan.inputs]
+    lines += ["  " + r for r in _table(rows, ("leaf", "role", "shape", "dtype", "sharding")
+                                       + (("stage",) if staged else ()), max_rows)]
     lines.append("")
     lines.append("results:")
     rows = [(t.path, "x".join(map(str, t.shape)) or "scalar", format_spec(t.spec, names))

@@ -64,7 +64,7 @@ def _scopes(loss: LossGraph, start: int, stop: int) -> tuple[str, ...]:
     for node in loss.forward.nodes[start:stop]:
         if node.primitive in HEAVY_OPERATORS:
             scope = node.name_stack.split("/")
-            seen.setdefault("/".join(scope[:3]) or node.source, None)
+            seen.setdefault("/".join(scope[:3]) or node.source.rsplit("/", 1)[-1], None)
     return tuple(seen)
 
 

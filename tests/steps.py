@@ -19,8 +19,10 @@ def sgd_momentum_clip():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
 
 
-def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=32, seed=0):
-    """Returns (step, state, batches): `step(state, batch) -> (state, loss, grads)`."""
+def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=32, seed=0,
+              value_and_grad=jax.value_and_grad, gpt_config=TINY_GPT):
+    """Returns (step, state, batches): `step(state, batch) -> (state, loss, grads)`; pass
+    `value_and_grad=autopar.value_and_grad` for pipeline plans."""
     key = jax.random.key(seed)
     if model == "mlp":
         batches = [make_mlp_batch(jax.random.fold_in(key, i), batch_size, hidden, hidden)
@@ -32,7 +34,7 @@ def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=3
         else:
             net = NnxMLP(num_layers, hidden, hidden, rngs=nnx.Rngs(seed))
     else:
-        cfg = TINY_GPT
+        cfg = gpt_config
         batches = [make_gpt_batch(jax.random.fold_in(key, i), batch_size, cfg) for i in range(3)]
         apply_loss = lambda out, b: gpt_loss(out, b["tokens"])
         inputs = lambda b: b["tokens"]
@@ -45,7 +47,7 @@ def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=3
         def step(state, batch):
             def loss_fn(p):
                 return apply_loss(state.apply_fn(p, inputs(batch)), batch)
-            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            loss, grads = value_and_grad(loss_fn)(state.params)
             return state.apply_gradients(grads=grads), loss, grads
         return step, state, batches
 
@@ -56,7 +58,7 @@ def make_case(model: str, api: str, tx, *, batch_size=16, num_layers=2, hidden=3
 
         def loss_fn(p):
             return apply_loss(nnx.merge(graphdef, p)(inputs(batch)), batch)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss, grads
     return step, (params, tx.init(params)), batches

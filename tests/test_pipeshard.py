@@ -1,0 +1,134 @@
+"""PipeshardParallel end to end on 8 simulated CPU devices: losses, gradients and parameters
+over 3 steps equal plain `jax.jit` on one device (same tolerances and optimizer rule as the
+ShardParallel equivalence tests, including `clip_by_global_norm`)."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from models.gpt import GPTConfig
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+
+GPT_MARKED = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4,
+                       stage_boundaries=True)
+
+
+def _check(model, api, method, *, tx=None, gpt_config=None, num_layers=4, batch_size=16):
+    kw = dict(value_and_grad=autopar.value_and_grad, num_layers=num_layers,
+              batch_size=batch_size)
+    if gpt_config is not None:
+        kw["gpt_config"] = gpt_config
+    step, state, batches = make_case(model, api, tx or sgd_momentum_clip(), **kw)
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    return par, state, batches
+
+
+def _method(stages, schedule, microbatches, layers=None):
+    return autopar.PipeshardParallel(
+        num_microbatches=microbatches, schedule=schedule,
+        layer_option=layers or autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=stages))
+
+
+G, F = autopar.Schedule.GPIPE, autopar.Schedule.ONE_F_ONE_B
+
+
+@pytest.mark.parametrize("stages,schedule,microbatches", [
+    (2, F, 4), (2, G, 1), (4, G, 8), (4, F, 4), (2, F, 8), (4, G, 1)])
+def test_mlp_pipeline_matches_single_device(stages, schedule, microbatches):
+    par, state, batches = _check("mlp", "linen", _method(stages, schedule, microbatches))
+    plan = par.get_plan(state, batches[0])
+    assert len(plan.stages) == stages
+    assert plan.pipeline["num_microbatches"] == microbatches
+    # Stages sit on disjoint devices that together make the mesh.
+    ids = [d for s in plan.stages for d in s.device_ids]
+    assert sorted(ids) == list(range(8))
+
+
+def test_adam_with_global_norm_clipping_is_exact_across_stages():
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    par, state, batches = _check("mlp", "linen", _method(2, F, 4), tx=tx)
+    # The global norm needs every stage's gradients: the apply part runs in more than one
+    # segment per stage.
+    assert par.get_plan(state, batches[0]).pipeline["segments"] > 3
+
+
+@pytest.mark.parametrize("api,stages,schedule,microbatches", [
+    ("linen", 2, F, 4), ("nnx", 2, G, 4), ("linen", 4, F, 8)])
+def test_gpt_pipeline_matches_single_device(api, stages, schedule, microbatches):
+    _check("gpt", api, _method(stages, schedule, microbatches))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpt_manual_layers(stages):
+    method = _method(stages, F, 4, layers=autopar.ManualLayerOption())
+    par, state, batches = _check("gpt", "linen", method, gpt_config=GPT_MARKED)
+    plan = par.get_plan(state, batches[0])
+    assert plan.pipeline["num_layers"] == 4      # one layer per block
+    scopes = " ".join(" ".join(s.scopes) for s in plan.stages)
+    assert "block_0" in scopes and "block_3" in scopes
+
+
+def test_auto_stages_and_replay_from_plan():
+    method = autopar.PipeshardParallel(num_microbatches=2, stage_option=autopar.AutoStageOption())
+    par, state, batches = _check("mlp", "linen", method)
+    plan = par.get_plan(state, batches[0])
+    assert plan.pipeline["num_ilps"] > 0 and plan.pipeline["dp_candidates"] >= 1
+    again = autopar.ParallelPlan.from_json(plan.to_json())
+    assert again == plan
+    replay = autopar.parallelize(par.__wrapped__, mesh=mesh_of((2, 4)), method=method, plan=again)
+    replayed = replay.get_plan(state, batches[0])
+    assert [s.layers for s in replayed.stages] == [s.layers for s in plan.stages]
+    assert [s.device_ids for s in replayed.stages] == [s.device_ids for s in plan.stages]
+    assert [s.logical_mesh_shape for s in replayed.stages] == \
+        [s.logical_mesh_shape for s in plan.stages]
+
+
+@pytest.mark.parametrize("schedule", [F, G])
+def test_live_activations_per_stage(schedule):
+    """Counted in the executor: 1F1B keeps at most S - s microbatches' residuals on stage s,
+    GPipe keeps all M."""
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
+                                     value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(4, schedule, 8))
+    par(state, batches[0])
+    live = par.get_executor(state, batches[0]).stats.max_live_microbatches
+    assert live == ([4, 3, 2, 1] if schedule is F else [8, 8, 8, 8])
+
+
+def test_dump_shows_stages_and_schedule():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
+                                     value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, F, 4))
+    text = autopar.dump(par.get_plan(state, batches[0]))
+    assert "pipeline: 2 stage(s) over 4 layer(s); schedule 1f1b, 4 microbatch(es)" in text
+    assert "predicted bubble 20.0%" in text          # (S - 1) / (M + S - 1) = 1 / 5
+    assert "0..3" in text and "4..7" in text         # each stage's devices
+
+
+def test_step_without_autopar_grad_is_rejected():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, F, 2))
+    with pytest.raises(autopar.InvalidArgumentError, match="autopar.value_and_grad"):
+        par(state, batches[0])
+
+
+def test_microbatches_must_divide_the_batch():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), batch_size=12,
+                                     value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, F, 8))
+    with pytest.raises(autopar.InvalidArgumentError, match="num_microbatches=8"):
+        par(state, batches[0])
+
+
+def test_manual_layers_without_markers_is_rejected():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(),
+                                     value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(
+        2, F, 2, layers=autopar.ManualLayerOption()))
+    with pytest.raises(autopar.InvalidArgumentError, match="mark_stage_boundary"):
+        par(state, batches[0])
