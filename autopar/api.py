@@ -97,6 +97,12 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     if mesh_shape is None:
         mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
+    if isinstance(method, PipeshardParallel):
+        return plan_pipeline(fun, tuple(args), cluster=cluster,
+                             device_ids=tuple(range(cluster.num_devices)),
+                             mesh_shape=tuple(mesh_shape), method=method,
+                             static_argnums=static_argnums, batch_argnums=batch_argnums,
+                             donate_argnums=donate_argnums)[0]
     graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                   donate_argnums=donate_argnums)
     _check_batch(graph)

@@ -132,3 +132,54 @@ def test_manual_layers_without_markers_is_rejected():
         2, F, 2, layers=autopar.ManualLayerOption()))
     with pytest.raises(autopar.InvalidArgumentError, match="mark_stage_boundary"):
         par(state, batches[0])
+
+
+def _model_case(kind: str, *, stage_boundaries: bool):
+    """(step, state, batches) for the MoE and Wide-ResNet families; step returns
+    (state, loss, grads) and takes the gradient with autopar.value_and_grad."""
+    from flax.training import train_state
+    from models import (MoE, MoEConfig, WideResNet, WideResNetConfig, classification_loss,
+                        make_image_batch, make_moe_batch, moe_loss)
+    key = jax.random.key(0)
+    if kind == "moe":
+        cfg = MoEConfig(vocab_size=32, seq_len=8, num_layers=4, hidden=16, num_heads=2,
+                        mlp_ratio=2, num_experts=4, capacity_factor=1.0,
+                        stage_boundaries=stage_boundaries)
+        model = MoE(cfg)
+        batches = [make_moe_batch(jax.random.fold_in(key, i), 8, cfg) for i in range(3)]
+        inputs = lambda b: b["tokens"]
+
+        def loss_of(p, b):
+            logits, aux = model.apply({"params": p}, b["tokens"], return_aux=True)
+            return moe_loss(logits, b["tokens"], aux)
+    else:
+        cfg = WideResNetConfig(image_size=8, num_classes=10, depth=10, width=1,
+                               base_channels=4, norm_groups=2, stage_boundaries=stage_boundaries)
+        model = WideResNet(cfg)
+        batches = [make_image_batch(jax.random.fold_in(key, i), 8, cfg) for i in range(3)]
+        inputs = lambda b: b["images"]
+
+        def loss_of(p, b):
+            return classification_loss(model.apply({"params": p}, b["images"]), b["labels"])
+    params = jax.jit(model.init)(jax.random.key(1), inputs(batches[0]))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                          tx=sgd_momentum_clip())
+
+    def step(state, batch):
+        loss, grads = autopar.value_and_grad(lambda p: loss_of(p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss, grads
+    return step, state, batches
+
+
+@pytest.mark.parametrize("kind,stages,schedule,microbatches,manual", [
+    ("moe", 2, F, 4, True), ("moe", 4, G, 2, False),
+    ("wrn", 2, G, 4, True), ("wrn", 2, F, 2, False)])
+def test_moe_and_wide_resnet_pipelines(kind, stages, schedule, microbatches, manual):
+    step, state, batches = _model_case(kind, stage_boundaries=manual)
+    ref = run_steps(jax.jit(step), state, batches)
+    layers = autopar.ManualLayerOption() if manual else autopar.AutoLayerOption(num_layers=4)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=_method(stages, schedule, microbatches, layers=layers))
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert len(par.get_plan(state, batches[0]).stages) == stages

@@ -117,15 +117,10 @@ def _residual_bytes(graph: OpGraph, specs, mesh_shape) -> float:
     """Per-device bytes made by the forward and read by the backward (what a microbatch keeps
     alive between its forward and its backward)."""
     backward = [("transpose(" in n.name_stack) for n in graph.nodes]
-    total = 0.0
-    for node in graph.nodes:
-        if not backward[node.id]:
-            continue
-        for t in set(node.inputs):
-            tensor = graph.tensors[t]
-            if tensor.kind == TensorKind.INTERMEDIATE and not backward[tensor.producer]:
-                total += tensor.nbytes / num_shards(specs[t], mesh_shape)
-    return total
+    kept = {t for node in graph.nodes if backward[node.id] for t in node.inputs
+            if graph.tensors[t].kind == TensorKind.INTERMEDIATE
+            and not backward[graph.tensors[t].producer]}
+    return float(sum(graph.tensors[t].nbytes / num_shards(specs[t], mesh_shape) for t in kept))
 
 
 def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,

@@ -102,7 +102,8 @@ def _opt_ratio(step: OpGraph) -> float:
 def _static_bytes(sol: StageSolution, opt_ratio: float) -> float:
     """Params, gradient accumulator and optimizer state, plus the working memory of one
     microbatch beyond its kept activations."""
-    return sol.peak_memory_bytes - sol.activation_bytes + sol.param_bytes * (1 + opt_ratio)
+    working = max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
+    return working + sol.param_bytes * (1 + opt_ratio)
 
 
 def _infeasible(what: str, budget: float) -> InfeasiblePlanError:
