@@ -183,3 +183,16 @@ def test_moe_and_wide_resnet_pipelines(kind, stages, schedule, microbatches, man
     got = run_steps(par, state, batches)
     assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
     assert len(par.get_plan(state, batches[0]).stages) == stages
+
+
+@pytest.mark.parametrize("stage_option", [autopar.AutoStageOption(),
+                                          autopar.UniformStageOption(num_stages=2)])
+def test_plan_that_cannot_fit_memory_says_how_much_it_needs(stage_option):
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
+                                     value_and_grad=autopar.value_and_grad)
+    method = autopar.PipeshardParallel(num_microbatches=2, memory_budget_bytes=1024,
+                                       stage_option=stage_option)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    with pytest.raises(autopar.InfeasiblePlanError, match="memory_budget_bytes=1,024") as e:
+        par(state, batches[0])
+    assert e.value.budget_bytes == 1024 and e.value.needed_bytes > 1024

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from ..cluster import ClusterSpec
 from ..cost import CostModel
-from ..errors import InfeasiblePlanError
 from ..graph import OpGraph, TensorKind
 from ..intra_op import solve_intra_op
 from ..intra_op.solve import IlpStats
@@ -125,15 +124,16 @@ def _residual_bytes(graph: OpGraph, specs, mesh_shape) -> float:
 
 def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
                 logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
-                method: ShardParallel) -> StageSolution | None:
-    """Solve the stage's ILP on `logical_shape`; None when it cannot fit the memory budget."""
+                method: ShardParallel) -> StageSolution:
+    """Solve the stage's ILP on `logical_shape`.
+
+    Raises:
+      InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
+    """
     logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
     inner = ShardParallel(**{f.name: getattr(method, f.name)
                              for f in dataclasses.fields(ShardParallel)})
-    try:
-        a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
-    except InfeasiblePlanError:
-        return None
+    a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
     specs = a.tensor_specs
     counts = [len(sl.param_inputs), len(sl.data_inputs)]
     n_act = len(sl.act_inputs)

@@ -65,6 +65,7 @@ class _Solver:
         self.cache: dict = {}
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = 0
+        self.least_needed_bytes = float("inf")    # over stage solves that did not fit
 
     def graph(self, sl: StageSlice) -> tuple[OpGraph, str]:
         key = (sl.start, sl.stop)
@@ -82,7 +83,11 @@ class _Solver:
             return self.cache[key]
         self.num_ilps += 1
         sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
-        sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method)
+        try:
+            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method)
+        except InfeasiblePlanError as e:
+            sol = None
+            self.least_needed_bytes = min(self.least_needed_bytes, e.needed_bytes)
         self.cache[key] = sol
         return sol
 
@@ -106,12 +111,12 @@ def _static_bytes(sol: StageSolution, opt_ratio: float) -> float:
     return working + sol.param_bytes * (1 + opt_ratio)
 
 
-def _infeasible(what: str, budget: float) -> InfeasiblePlanError:
-    # needed_bytes=0: the ILP of each view was infeasible, so no smaller need is known
+def _infeasible(what: str, budget: float, needed: float) -> InfeasiblePlanError:
     return InfeasiblePlanError(
         f"memory: {what} does not fit memory_budget_bytes={budget:,.0f} per device under any "
-        "logical mesh. Fix: more devices per stage, more stages, fewer microbatches in flight "
-        "(1F1B), or a larger budget.", needed_bytes=0, budget_bytes=int(budget))
+        f"logical mesh (the least any tried needs is {needed:,.0f} bytes). Fix: more devices "
+        "per stage, more stages, fewer microbatches in flight (1F1B), or a larger budget.",
+        needed_bytes=int(needed), budget_bytes=int(budget))
 
 
 def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -134,7 +139,8 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
         sol = (solver.best(sl, sub, shape) if isinstance(shape, list)
                else solver.solve(sl, sub, tuple(shape)))
         if sol is None:
-            raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget)
+            raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
+                              solver.least_needed_bytes)
         stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub), device_ids=devs,
                                   solution=sol))
     return stages
@@ -202,6 +208,10 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                     lat[l, k, v] = sol.latency_s
                     static[l, k, v] = _static_bytes(sol, opt_ratio)
                     act[l, k, v] = sol.activation_bytes
+    if not np.isfinite(lat).any(axis=(1, 2)).all():
+        layer = int(np.argmin(np.isfinite(lat).any(axis=(1, 2))))
+        raise _infeasible(f"layer {layer}, even alone on all {len(device_ids)} devices,", budget,
+                          solver.least_needed_bytes)
     # Span (i..j) on submesh k: the best logical view v of the summed layer costs.
     shape_l = (num_layers, num_layers, len(submeshes))
     span_lat, span_static, span_act = np.full(shape_l, np.inf), np.zeros(shape_l), np.zeros(shape_l)
