@@ -1,0 +1,260 @@
+"""Inter-op stage choice: a stage's training graph (trace_stage), its ILP (solve_stage), and
+choose_stages with Uniform / Manual / Auto stage options on a four-layer MLP; the logical views
+of a submesh; the option errors; and the pipeline plan's JSON round trip and replay option."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import autopar
+from autopar.cluster import ClusterSpec
+from autopar.graph import TensorKind
+from autopar.inter_op.pipeline import layer_boundaries, slice_range, slice_stages, split_step
+from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
+from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
+from autopar.trace import trace
+
+H, B = 16, 8
+KEY = jax.random.key(0)
+PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
+          for i in range(4)}
+BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
+         "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}
+DEVICES = tuple(range(8))
+
+
+def loss_fn(p, x, y):
+    """Four marked layers; layers 1 and 2 are identical (their stage ILPs are shared)."""
+    h = x
+    for i in range(4):
+        h = jnp.tanh(h @ p[f"l{i}"])
+        if i < 3:
+            h = autopar.mark_stage_boundary(h)
+    err = h - y
+    return jnp.mean(err ** 2), jnp.sum(err > 0)
+
+
+def step(params, batch):
+    (loss, count), grads = autopar.value_and_grad(loss_fn, has_aux=True)(
+        params, batch["x"], batch["y"])
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss, count
+
+
+@pytest.fixture(scope="module")
+def loss():
+    graph = trace(step, (PARAMS, BATCH), batch_argnums=(1,), keep_grad=True)
+    return split_step(graph, graph, 1)
+
+
+@pytest.fixture(scope="module")
+def bounds(loss):
+    return layer_boundaries(loss.forward, autopar.ManualLayerOption())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return ClusterSpec.from_devices(jax.devices()[:8])
+
+
+def method(stage_option, **kw):
+    return autopar.PipeshardParallel(stage_option=stage_option,
+                                     layer_option=autopar.ManualLayerOption(), **kw)
+
+
+# -- logical shapes -------------------------------------------------------------------------
+
+def test_logical_shapes():
+    assert logical_shapes(8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert logical_shapes(6) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert logical_shapes(8, "flat") == [(1, 8), (8, 1)]
+    assert logical_shapes(1) == [(1, 1)] and logical_shapes(1, "flat") == [(1, 1)]
+    assert logical_shapes(7) == [(1, 7), (7, 1)]
+
+
+# -- one stage ------------------------------------------------------------------------------
+
+def test_trace_stage_inputs_and_outputs(loss, bounds):
+    last = slice_range(loss, bounds[3], bounds[4], 3)
+    io = stage_io(loss, last)
+    assert len(io.float_acts) == 1 and io.int_acts == ()
+    assert len(io.float_outputs) == 1 and len(io.int_outputs) == 1   # the loss; the count
+    g = trace_stage(loss, last)
+    # inputs: params, data, float acts, int acts, cotangents of the float outputs
+    shapes = [g.tensors[t].shape for t in g.inputs]
+    assert shapes == [(H, H), (B, H), (B, H), ()]
+    # outputs: float outs, int outs, param grads, act grads
+    assert [g.tensors[t].shape for t in g.outputs] == [(), (), (H, H), (B, H)]
+    assert [g.tensors[t].dtype for t in g.outputs][:2] == ["float32", "int32"]
+    assert any("transpose(" in n.name_stack for n in g.nodes)        # it has a backward
+    assert sum(n.primitive == "dot_general" for n in g.nodes) == 3   # fwd + 2 in bwd
+
+
+def test_trace_stage_first_stage_reads_the_batch(loss, bounds):
+    g = trace_stage(loss, slice_range(loss, bounds[0], bounds[1], 0))
+    roles = [g.tensors[t].role.value for t in g.inputs]
+    # params, batch x, cotangent of h0 (no activation inputs)
+    assert roles == ["param", "batch", "param"]
+    assert all(g.tensors[t].kind == TensorKind.INPUT for t in g.inputs)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1)])
+def test_solve_stage(loss, bounds, cluster, shape):
+    sl = slice_range(loss, bounds[1], bounds[2], 1)
+    graph = trace_stage(loss, sl)
+    sub = cluster.with_(num_hosts=1, devices_per_host=4)
+    sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, method(autopar.AutoStageOption()))
+    assert sol.logical_shape == shape
+    assert sol.latency_s == pytest.approx(sol.compute_s + sol.comm_s + sol.reshard_s)
+    assert sol.compute_s > 0 and sol.peak_memory_bytes > 0
+    assert (len(sol.param_specs), len(sol.data_specs), len(sol.act_specs),
+            len(sol.out_specs), len(sol.grad_specs)) == (1, 0, 1, 1, 1)
+    assert all(len(s) == 2 for s in (*sol.param_specs, *sol.act_specs, *sol.grad_specs))
+    # tanh's output is kept for the backward: activations are stored per microbatch
+    assert 0 < sol.activation_bytes <= 2 * B * H * 4
+    assert 0 < sol.param_bytes <= H * H * 4
+
+
+def test_solve_stage_over_budget_raises(loss, bounds, cluster):
+    sl = slice_range(loss, bounds[0], bounds[1], 0)
+    with pytest.raises(autopar.InfeasiblePlanError) as info:
+        solve_stage(trace_stage(loss, sl), sl, cluster.with_(devices_per_host=2), (1, 2),
+                    AXIS_NAMES, method(autopar.AutoStageOption(), memory_budget_bytes=64))
+    assert info.value.budget_bytes == 64 and info.value.needed_bytes > 64
+
+
+# -- choose_stages --------------------------------------------------------------------------
+
+def test_uniform_stages(loss, bounds, cluster):
+    res = choose_stages(loss, bounds, cluster, DEVICES,
+                        method(autopar.UniformStageOption(num_stages=2)))
+    assert res.boundaries == bounds
+    assert [st.layers for st in res.stages] == [(0, 1), (2, 3)]
+    assert [st.submesh for st in res.stages] == [(1, 4), (1, 4)]
+    assert [st.device_ids for st in res.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [(st.slice.start, st.slice.stop) for st in res.stages] == \
+        [(bounds[0], bounds[2]), (bounds[2], bounds[4])]
+    for st in res.stages:
+        assert st.solution.logical_shape in logical_shapes(4)
+    assert res.num_ilps == 2 * len(logical_shapes(4)) and res.num_reused == 0
+    assert res.dp_candidates == 0          # no DP for a uniform split
+
+
+def test_uniform_stages_share_identical_layers(loss, bounds, cluster):
+    res = choose_stages(loss, bounds, cluster, DEVICES,
+                        method(autopar.UniformStageOption(num_stages=4)))
+    assert [st.layers for st in res.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [len(st.device_ids) for st in res.stages] == [2, 2, 2, 2]
+    # stages 1 and 2 have the same training graph: solved once per logical view
+    assert res.num_reused == len(logical_shapes(2))
+    assert res.num_ilps == 3 * len(logical_shapes(2))
+    assert res.stages[1].solution is res.stages[2].solution
+
+
+@pytest.mark.parametrize("num_stages,what", [(5, "at least 5 layers"),
+                                             (3, "divisible by 3")])
+def test_uniform_stage_errors(loss, bounds, cluster, num_stages, what):
+    with pytest.raises(autopar.InvalidArgumentError, match=what):
+        choose_stages(loss, bounds, cluster, DEVICES,
+                      method(autopar.UniformStageOption(num_stages=num_stages)))
+
+
+def test_manual_stages(loss, bounds, cluster):
+    option = autopar.ManualStageOption(layer_spans=((0, 0), (1, 3)),
+                                       submesh_shapes=((1, 2), (1, 6)),
+                                       logical_shapes=((2, 1), (3, 2)))
+    res = choose_stages(loss, bounds, cluster, DEVICES, method(option))
+    assert [st.layers for st in res.stages] == [(0, 0), (1, 3)]
+    assert [st.device_ids for st in res.stages] == [(0, 1), (2, 3, 4, 5, 6, 7)]
+    assert [st.solution.logical_shape for st in res.stages] == [(2, 1), (3, 2)]
+    assert [(st.slice.start, st.slice.stop) for st in res.stages] == \
+        [(bounds[0], bounds[1]), (bounds[1], bounds[4])]
+    assert res.num_ilps == 2
+
+
+def test_manual_stages_must_cover_every_layer(loss, bounds, cluster):
+    option = autopar.ManualStageOption(layer_spans=((0, 1), (2, 2)),
+                                       submesh_shapes=((1, 4), (1, 4)),
+                                       logical_shapes=((1, 4), (1, 4)))
+    with pytest.raises(autopar.InvalidArgumentError, match="ends at layer 2 .* 4 layers"):
+        choose_stages(loss, bounds, cluster, DEVICES, method(option))
+
+
+def test_manual_submeshes_must_use_the_whole_mesh(loss, bounds, cluster):
+    option = autopar.ManualStageOption(layer_spans=((0, 1), (2, 3)),
+                                       submesh_shapes=((1, 2), (1, 2)),
+                                       logical_shapes=((1, 2), (1, 2)))
+    with pytest.raises(autopar.InvalidArgumentError, match="use 4 devices but the mesh has 8"):
+        choose_stages(loss, bounds, cluster, DEVICES, method(option))
+
+
+def test_stages_over_budget_are_infeasible(loss, bounds, cluster):
+    option = autopar.ManualStageOption(layer_spans=((0, 1), (2, 3)),
+                                       submesh_shapes=((1, 4), (1, 4)),
+                                       logical_shapes=((2, 2), (2, 2)))
+    with pytest.raises(autopar.InfeasiblePlanError, match="stage 0") as info:
+        choose_stages(loss, bounds, cluster, DEVICES, method(option, memory_budget_bytes=64))
+    assert info.value.budget_bytes == 64 and info.value.needed_bytes > 64
+
+
+def test_auto_stages(loss, bounds, cluster):
+    devices = DEVICES[:4]
+    res = choose_stages(loss, bounds, cluster, devices, method(
+        autopar.AutoStageOption(logical_shapes="flat"), num_microbatches=4))
+    spans = [st.layers for st in res.stages]
+    assert spans[0][0] == 0 and spans[-1][1] == 3
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
+    assert sorted(d for st in res.stages for d in st.device_ids) == list(devices)
+    for st in res.stages:
+        assert len(st.device_ids) == st.submesh[0] * st.submesh[1]
+        assert st.solution.logical_shape in logical_shapes(len(st.device_ids), "flat")
+    assert res.dp_candidates >= 1
+    assert res.num_reused > 0               # layers 1 and 2 share their ILPs
+
+
+def test_auto_stages_capped_at_one_stage(loss, bounds, cluster):
+    res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+        autopar.AutoStageOption(max_stages=1, logical_shapes="flat")))
+    (st,) = res.stages
+    assert st.layers == (0, 3) and st.device_ids == (0, 1)
+    assert (st.slice.start, st.slice.stop) == (0, len(loss.forward.nodes))
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipeline_plan():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    par = autopar.parallelize(step, mesh=mesh, method=autopar.PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.ManualLayerOption(),
+        stage_option=autopar.UniformStageOption(num_stages=2)))
+    return par, par.get_plan(PARAMS, BATCH)
+
+
+def test_pipeline_plan_json_round_trip(pipeline_plan):
+    _, plan = pipeline_plan
+    again = autopar.ParallelPlan.from_json(plan.to_json())
+    assert again == plan
+    assert [s.layers for s in again.stages] == [(0, 1), (2, 3)]
+    assert [s.submesh for s in again.stages] == [(1, 4), (1, 4)]
+    assert [s.device_ids for s in again.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(isinstance(s.layers, tuple) and isinstance(s.submesh, tuple)
+               for s in again.stages)
+    # parameters of layers 0-1 live on stage 0, of layers 2-3 on stage 1
+    stage_of = {t.path: t.stage for t in again.inputs}
+    assert [stage_of[f"params['l{i}']"] for i in range(4)] == [0, 0, 1, 1]
+    assert again.pipeline["num_layers"] == 4 and again.pipeline["segments"] >= 3
+
+
+def test_plan_stage_option_replays_the_stages(pipeline_plan):
+    par, plan = pipeline_plan
+    option = plan.stage_option()
+    assert isinstance(option, autopar.ManualStageOption)
+    assert option.layer_spans == ((0, 1), (2, 3))
+    assert option.submesh_shapes == ((1, 4), (1, 4))
+    assert option.logical_shapes == tuple(s.logical_mesh_shape for s in plan.stages)
+    replay = autopar.parallelize(step, mesh=par.mesh, method=autopar.PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.ManualLayerOption(), stage_option=option))
+    again = replay.get_plan(PARAMS, BATCH)
+    assert [(s.layers, s.device_ids, s.logical_mesh_shape) for s in again.stages] == \
+        [(s.layers, s.device_ids, s.logical_mesh_shape) for s in plan.stages]
+    assert again.pipeline["stage_option"] == "ManualStageOption"
