@@ -101,12 +101,11 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         def flat_fun(*leaves):
             d = tu.tree_unflatten(diff_tree, leaves[:len(diff_leaves)])
             o = list(tu.tree_unflatten(other_tree, leaves[len(diff_leaves):]))
-            full, di = [], iter(d)
-            for i in range(len(args)):
-                full.append(next(di) if i in nums else o.pop(0))
+            by_pos = dict(zip(nums, d))
+            full = [by_pos[i] if i in by_pos else o.pop(0) for i in range(len(args))]
             out = fun(*full)
             if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
+                if not (isinstance(out, (tuple, list)) and len(out) == 2):
                     raise InvalidArgumentError(
                         "autopar.value_and_grad(has_aux=True): the function must return a pair "
                         f"(loss, aux), got {type(out).__name__}. Fix: return (loss, aux).")

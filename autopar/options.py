@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
+
+import numpy as np
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
@@ -131,9 +133,15 @@ class ManualLayerOption:
 
 def _check_shape_tuple(owner: str, name: str, value, length: int | None = None) -> tuple:
     try:
-        out = tuple(tuple(int(x) for x in item) for item in value)
+        items = tuple(tuple(item) for item in value)
     except TypeError:
-        raise InvalidArgumentError(f"{owner}.{name}={value!r} must be a tuple of int tuples.")
+        items = None
+    if items is None or not items or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+            for item in items for x in item):
+        raise InvalidArgumentError(f"{owner}.{name}={value!r} must be a non-empty tuple of "
+                                   "int tuples, one per stage.")
+    out = tuple(tuple(int(x) for x in item) for item in items)
     if any(x < 0 for item in out for x in item) or (length is not None and len(out) != length):
         raise InvalidArgumentError(
             f"{owner}.{name}={value!r} is invalid: need {length if length else 'some'} tuples "
@@ -155,6 +163,7 @@ class AutoStageOption:
 
     def __post_init__(self):
         if self.max_stages is not None and (not isinstance(self.max_stages, int)
+                                            or isinstance(self.max_stages, bool)
                                             or self.max_stages < 1):
             raise InvalidArgumentError(f"AutoStageOption.max_stages={self.max_stages!r} must be "
                                        "None or an int >= 1.")

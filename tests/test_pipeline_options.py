@@ -178,33 +178,21 @@ def test_manual_stage_rejects_non_tuples(value):
         manual(spans=value)
 
 
-@pytest.mark.xfail(reason="ManualStageOption with a non-numeric string entry raises int()'s "
-                          "bare ValueError, not InvalidArgumentError (_check_shape_tuple "
-                          "catches TypeError only)", strict=True)
 def test_manual_stage_rejects_non_numeric_strings():
     with pytest.raises(autopar.InvalidArgumentError, match="ManualStageOption.layer_spans"):
         manual(spans=((0, "a"), (2, 3)))
 
 
-@pytest.mark.xfail(reason="ManualStageOption accepts zero stages (all three tuples empty); "
-                          "choose_stages then fails with IndexError on layer_spans[-1]",
-                   strict=True)
 def test_manual_stage_rejects_zero_stages():
     with pytest.raises(autopar.InvalidArgumentError):
         manual(spans=(), subs=(), logical=())
 
 
-@pytest.mark.xfail(reason="ManualStageOption truncates non-integral numbers with int(): "
-                          "layer_spans=((0, 1.7), ...) silently becomes ((0, 1), ...)",
-                   strict=True)
 def test_manual_stage_rejects_non_integral_numbers():
     with pytest.raises(autopar.InvalidArgumentError):
         manual(spans=((0, 1.7), (2, 3)))
 
 
-@pytest.mark.xfail(reason="AutoStageOption.max_stages=True is accepted as 1; the other "
-                          "count options (num_stages, num_layers, num_microbatches) reject "
-                          "bools", strict=True)
 def test_auto_stage_max_stages_rejects_bool():
     with pytest.raises(autopar.InvalidArgumentError):
         Auto(max_stages=True)

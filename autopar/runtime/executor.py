@@ -42,8 +42,11 @@ def _retarget(value, mesh) -> NamedSharding:
         ok = True
         for dim, entry in zip(np.shape(value), spec):
             names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            if not all(n in mesh.shape for n in names):
+                ok = False
+                break
             size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            ok = ok and all(n in mesh.shape for n in names) and dim % size == 0
+            ok = ok and dim % size == 0
         if ok:
             return NamedSharding(mesh, spec)
     return NamedSharding(mesh, PartitionSpec())
@@ -219,7 +222,9 @@ class Executor:
             parts = by_param.get(q)
             if not parts:
                 t = fwd.tensors[fwd.inputs[q]]
-                env[out_tid] = {0: jnp.zeros(t.shape, t.dtype, device=p.stages[0].mesh.devices.flat[0])}
+                mesh = p.stages[0].mesh
+                env[out_tid] = {0: jnp.zeros(t.shape, t.dtype, device=NamedSharding(
+                    mesh, PartitionSpec()))}
                 continue
             home, first = parts[0]
             if len(parts) > 1:
