@@ -5,6 +5,8 @@ Run from the repository root (`make bench` runs exactly this with no flags):
     .venv/bin/python benchmarks/run_all.py               # 2, 6, 12, 24 layers -> BENCHMARKS.md
     .venv/bin/python benchmarks/run_all.py --layers 2 6         # a subset
     .venv/bin/python benchmarks/run_all.py --layers 2 --no-measure --out /tmp/b.md   # plan only
+    .venv/bin/python benchmarks/run_all.py --only pipeline      # only the pipeline section
+    .venv/bin/python benchmarks/run_all.py --only shard         # everything but the pipeline
 
 Workload: a flax linen GPT (hidden 768, 12 heads, vocab 8192, seq_len 128, global batch 8),
 `TrainState` with `optax.adamw`, on 8 simulated CPU devices viewed as a 2 x 4 ("data", "model")
@@ -16,6 +18,11 @@ Each (size, method) runs in its own child process, so its memory is returned bef
 starts (the 8 simulated devices share host RAM), and a child that is killed (time limit, out
 of memory) still leaves what it measured before (it saves its results after every phase).
 Progress goes to stderr.
+
+The `## Pipeline (PipeshardParallel)` section comes from `benchmarks/pipeline.py` (planning
+time for 8 and 64 GPUs, and the measured pipeline step against its ideal schedule time); its
+options (`--plan-layers`, `--stages`, ... see `--help`) are accepted here too. `--only
+pipeline` rewrites just that section of the output file, keeping the rest.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
 the reason.
@@ -357,7 +364,7 @@ def _planning_claim(rows) -> str:
             f"and solve {_fmt(ilp.get('solve_time_s'))} s).")
 
 
-def _write(results, args, started_utc, total_s) -> str:
+def _write(results, args, started_utc, total_s, pipeline_text: str | None = None) -> str:
     cmdline = "make bench" if sys.argv[1:] == [] else (
         "benchmarks/run_all.py " + " ".join(sys.argv[1:]))
     rev_end = _source_revision()
@@ -463,6 +470,8 @@ def _write(results, args, started_utc, total_s) -> str:
                   if d.get("incomplete") or r.get("error")]
     if unfinished:
         out.append("- Runs that did not finish: " + "; ".join(unfinished) + ".")
+    if pipeline_text:
+        out += ["", pipeline_text]
     out += ["", "## GPU", "", "not run: no GPU was lent to this session", ""]
     return "\n".join(out)
 
@@ -473,7 +482,9 @@ def r_kind(results) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    import pipeline as pipeline_bench      # benchmarks/pipeline.py (this script's folder)
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
                    help="GPT depths to benchmark (default: 2 6 12 24)")
     p.add_argument("--no-measure", action="store_true",
@@ -487,6 +498,10 @@ def main(argv=None) -> int:
                    help="stop timing a method after this many seconds of steps (min 3 steps)")
     p.add_argument("--size-timeout-s", type=float, default=3600.0,
                    help="kill a (size, method) worker after this long (what it measured is kept)")
+    p.add_argument("--only", choices=("all", "shard", "pipeline"), default="all",
+                   help="all (default): every section; shard: the ShardParallel/DataParallel "
+                        "sections only; pipeline: rewrite only the pipeline section of --out")
+    pipeline_bench.add_arguments(p)
     p.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_method", default="shard", choices=list(METHODS), help=argparse.SUPPRESS)
@@ -498,14 +513,33 @@ def main(argv=None) -> int:
         _worker(args)
         return 0
 
+    args.cmdline = "make bench" if sys.argv[1:] == [] else (
+        "benchmarks/run_all.py " + " ".join(sys.argv[1:]))
+    if args.no_measure:
+        args.no_run = True          # plan only: the pipeline section skips its measured part
+    if args.only == "pipeline":
+        text = pipeline_bench.section(pipeline_bench.run(args))
+        pipeline_bench.write_section(text, args.out)
+        _progress(f"wrote the pipeline section of {args.out}")
+        print(text)
+        return 0
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
     args.revision = _source_revision()
+    # The pipeline section already in --out (it carries its own date) is kept until this run
+    # replaces it; with --only shard it is kept as it is.
+    pipeline_text = pipeline_bench.read_section(args.out)
     t0 = time.perf_counter()
     results = []
     for layers in args.layers:
         results.append(_run_size(layers, args))
         # Rewrite after every size, so a long run that is stopped still leaves a report.
-        text = _write(results, args, started, time.perf_counter() - t0)
+        text = _write(results, args, started, time.perf_counter() - t0, pipeline_text)
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.only == "all":
+        _progress("pipeline section ...")
+        pipeline_text = pipeline_bench.section(pipeline_bench.run(args))
+        text = _write(results, args, started, time.perf_counter() - t0, pipeline_text)
         with open(args.out, "w") as f:
             f.write(text)
     _progress(f"wrote {args.out}")
