@@ -94,6 +94,20 @@ def _mem_total_bytes() -> int:
         return 0
 
 
+def _source_revision() -> str:
+    """The checked-out commit (read-only git calls), marked if autopar/models/benchmarks differ
+    from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar", "models",
+                                "benchmarks"], cwd=REPO, text=True, capture_output=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" +uncommitted changes" if dirty else "")
+
+
 class _Saver:
     """A result dict written to disk after every phase, so a killed child leaves what it had."""
 
@@ -428,7 +442,8 @@ def run(args) -> dict:
     """Run every selected case; returns the results for `section`."""
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
     t0 = time.perf_counter()
-    res: dict = {"started_utc": started, "plan": [], "run": [], "load_start": _load()}
+    res: dict = {"started_utc": started, "plan": [], "run": [], "load_start": _load(),
+                 "revision_start": _source_revision()}
     if not args.no_plan:
         for layers in args.plan_layers:
             for hosts in args.plan_hosts:
@@ -450,6 +465,7 @@ def run(args) -> dict:
             res["run"][-1].setdefault("stages", what)
     res["total_s"] = time.perf_counter() - t0
     res["load_end"] = _load()
+    res["revision_end"] = _source_revision()
     res["cmdline"] = args.cmdline
     res["args"] = {k: getattr(args, k) for k in ("auto_layers", "shapes_1host",
                                                   "shapes_multihost", "plan_batch",
@@ -501,7 +517,8 @@ def section(res: dict) -> str:
            f"{platform.python_version()}" + (f", jax {jx['version']}" if jx else "") + ". "
            f"Load average (1, 5, 15 min) at the start {res['load_start']}, at the end "
            f"{res['load_end']}: other processes on the machine compete for the same cores, "
-           "so every time below is wall time under that load.", ""]
+           "so every time below is wall time under that load.", "",
+           f"Source: `{_revision_text(res)}`.", ""]
 
     # --- planning ---
     if res["plan"]:
@@ -656,6 +673,14 @@ def section(res: dict) -> str:
         out += ["", *steps_rows, ""]
     out += ["### Notes", "", *_notes(res), "", END]
     return "\n".join(out)
+
+
+def _revision_text(res) -> str:
+    a, b = res.get("revision_start"), res.get("revision_end")
+    if a is None:
+        return "not recorded"
+    return a if a == b else (f"{a} at the start, {b} at the end: the source changed during "
+                             "the run")
 
 
 def _short(text: str, n: int = 160) -> str:
