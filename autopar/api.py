@@ -26,7 +26,7 @@ from .cost import CostModel
 from .errors import InvalidArgumentError, PlanMismatchError
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
-from .lower import Lowered, lower
+from .lower import Lowered, lower, put
 from .lower_pipeline import lower_pipeline
 from .options import PipeshardParallel, ShardParallel
 from .pipeshard import plan_pipeline
@@ -221,14 +221,10 @@ class ParallelizedFunction:
 
     def __call__(self, *args):
         entry = self._entry(args)
-        if entry.executor is not None:
-            shardings = entry.executor.p.in_shardings
-            flat = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-                    for x, s in zip(self._leaves(args), shardings)]
-            return jax.tree_util.tree_unflatten(entry.graph.out_tree, entry.executor.run(flat))
-        flat = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-                for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
-        out = self._compiled(args, entry)(*flat)
+        pipeline = entry.executor is not None
+        shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
+        flat = [put(x, s) for x, s in zip(self._leaves(args), shardings)]
+        out = entry.executor.run(flat) if pipeline else self._compiled(args, entry)(*flat)
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 
     def get_plan(self, *args) -> ParallelPlan:

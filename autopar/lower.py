@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _compat
@@ -29,6 +30,19 @@ class Lowered:
 
 def named(mesh, spec: Spec) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*to_names(spec, mesh.axis_names)))
+
+
+def has_sharding(x, sharding) -> bool:
+    """Whether `x` already lies as `sharding` says; equivalent shardings count (`P()` and
+    `P(None, None)` are one layout), so no copy is made for a difference in spelling."""
+    current = getattr(x, "sharding", None)
+    return current is not None and (current == sharding
+                                    or current.is_equivalent_to(sharding, len(np.shape(x))))
+
+
+def put(x, sharding):
+    """`x` on `sharding`: itself if it is already there, else a `jax.device_put` copy."""
+    return x if has_sharding(x, sharding) else jax.device_put(x, sharding)
 
 
 def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None) -> None:

@@ -86,6 +86,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:
+    """One apply-gradient segment as a jit; `pinned` outputs (the next step's state) come out
+    exactly on the sharding the step's inputs expect, the others where XLA puts them."""
     step = loss.step
     nodes = [step.nodes[n] for n in seg.nodes]
 
@@ -93,10 +95,9 @@ def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding])
         env = dict(step.const_values)
         env.update(zip(seg.inputs, values))
         run_nodes(step, nodes, env)
-        return [jax.lax.with_sharding_constraint(env[t], pinned[t]) if t in pinned else env[t]
-                for t in seg.outputs]
+        return [env[t] for t in seg.outputs]
 
-    return jax.jit(run)
+    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs])
 
 
 def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],

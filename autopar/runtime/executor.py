@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..inter_op.apply_grad import PIPELINE
+from ..lower import has_sharding
 from ..lower_pipeline import PipelineProgram
 from .schedule import Phase
 
@@ -36,20 +37,29 @@ class ExecutorStats:
 def _retarget(value, mesh) -> NamedSharding:
     """The sharding `value` gets on another stage's mesh: its partition spec where every
     sharded dimension still divides, else replicated."""
-    sh = getattr(value, "sharding", None)
-    spec = getattr(sh, "spec", None)
-    if isinstance(spec, PartitionSpec):
-        ok = True
-        for dim, entry in zip(np.shape(value), spec):
-            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-            if not all(n in mesh.shape for n in names):
-                ok = False
-                break
-            size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            ok = ok and dim % size == 0
-        if ok:
-            return NamedSharding(mesh, spec)
+    spec = getattr(getattr(value, "sharding", None), "spec", None)
+
+    def fits(dim, entry) -> bool:
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        return (all(n in mesh.shape for n in names)
+                and dim % int(np.prod([mesh.shape[n] for n in names])) == 0)
+
+    if isinstance(spec, PartitionSpec) and all(map(fits, np.shape(value), spec)):
+        return NamedSharding(mesh, spec)
     return NamedSharding(mesh, PartitionSpec())
+
+
+@dataclass(slots=True, eq=False)
+class _StepState:
+    """What one step's pipeline keeps between tasks."""
+    params: list                 # per stage: its parameters on its submesh
+    data: list                   # per stage, per microbatch: its data inputs
+    outs: dict = field(default_factory=dict)       # (tensor, microbatch) -> stage output
+    left: dict = field(default_factory=dict)       # (tensor, microbatch) -> readers to come
+    residuals: list = field(default_factory=list)  # per stage: microbatch -> vjp closure
+    cts: dict = field(default_factory=lambda: collections.defaultdict(list))
+    acc: list = field(default_factory=list)        # per stage: accumulated param gradients
+    final: dict = field(default_factory=dict)      # loss output tensor -> per-microbatch values
 
 
 class Executor:
@@ -63,6 +73,11 @@ class Executor:
                                               for i in range(m)))
         self._mean = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
         self._sum = jax.jit(lambda *xs: sum(xs[1:], xs[0]))
+        ios = [st.io for st in program.stages]
+        self._producer = {t: st.index for st, io in zip(program.stages, ios)
+                          for t in (*io.float_outputs, *io.int_outputs)}
+        self._readers = collections.Counter(t for io in ios for t in (*io.float_acts,
+                                                                        *io.int_acts))
 
     # -- dispatch bookkeeping ------------------------------------------------------------
     def _dispatched(self, out):
@@ -80,7 +95,7 @@ class Executor:
         return out
 
     def _put(self, value, sharding):
-        if getattr(value, "sharding", None) == sharding:
+        if has_sharding(value, sharding):
             return value
         self.stats.num_transfers += 1
         return jax.device_put(value, sharding)
@@ -102,7 +117,7 @@ class Executor:
 
         def get(tid, s, sharding=None):
             where = env[tid]
-            if s in where and (sharding is None or where[s].sharding == sharding):
+            if s in where and (sharding is None or has_sharding(where[s], sharding)):
                 return where[s]
             src = where[s] if s in where else next(iter(where.values()))
             val = self._put(src, sharding or _retarget(src, meshes[s]))
@@ -127,20 +142,15 @@ class Executor:
     def _pipeline(self, get, env) -> None:
         p = self.p
         loss, m_total = p.loss, p.num_microbatches
-        fwd = loss.forward
         gnode = loss.step.nodes[loss.grad_node]
-        stages = p.stages
-        slices = [st.io for st in stages]
-        sl_of = [st.slice for st in stages]
         params, data = [], []
-        for st, sl in zip(stages, sl_of):
+        for st in p.stages:
             params.append([get(gnode.inputs[q], st.index, sh)
-                           for q, sh in zip(sl.param_inputs, st.param_shardings)])
+                           for q, sh in zip(st.slice.param_inputs, st.param_shardings)])
             per_mb = [[] for _ in range(m_total)]
-            for q, sh in zip(sl.data_inputs, st.data_shardings):
+            for q, sh in zip(st.slice.data_inputs, st.data_shardings):
                 if q in loss.batch_inputs:
-                    full = get(gnode.inputs[q], st.index,
-                               NamedSharding(st.mesh, sh.spec))
+                    full = get(gnode.inputs[q], st.index, NamedSharding(st.mesh, sh.spec))
                     parts = self._dispatched(self._split(full)) if m_total > 1 else (full,)
                     parts = [self._put(x, sh) for x in parts]
                 else:
@@ -148,87 +158,84 @@ class Executor:
                 for m in range(m_total):
                     per_mb[m].append(parts[m])
             data.append(per_mb)
-        producer = {t: st.index for st, io in zip(stages, slices)
-                    for t in (*io.float_outputs, *io.int_outputs)}
-        readers = collections.Counter(t for io in slices for t in (*io.float_acts, *io.int_acts))
-        outs: dict[tuple[int, int], Any] = {}       # (tensor, microbatch) -> value
-        left: dict[tuple[int, int], int] = {}       # forward readers still to come
-        residuals: list[dict[int, Any]] = [dict() for _ in stages]
-        cts: dict[tuple[int, int], list] = collections.defaultdict(list)
-        acc: list[Any] = [None] * len(stages)
-        final = {t: [] for t in fwd.outputs}
-        loss_out = fwd.outputs[0]
+        state = _StepState(params=params, data=data, residuals=[{} for _ in p.stages],
+                           acc=[None] * len(p.stages),
+                           final={t: [] for t in loss.forward.outputs})
         for row in p.schedule.clocks:
             for s, task in enumerate(row):
-                if task is None:
-                    continue
-                st, io, m = stages[s], slices[s], task.microbatch
-                if task.phase is Phase.FORWARD:
-                    acts = []
-                    for t in (*io.float_acts, *io.int_acts):
-                        acts.append(self._put(outs[(t, m)], st.act_shardings[t]))
-                        left[(t, m)] -= 1
-                        if left[(t, m)] == 0 and t not in final:
-                            del outs[(t, m)]
-                    nf = len(io.float_acts)
-                    o, io_, vjp_fn = self._dispatched(
-                        st.forward(params[s], data[s][m], acts[:nf], acts[nf:]))
-                    for t, v in zip((*io.float_outputs, *io.int_outputs), (*o, *io_)):
-                        outs[(t, m)] = v
-                        left[(t, m)] = readers[t]
-                        if t in final:
-                            final[t].append(v)
-                    residuals[s][m] = vjp_fn
-                    live = len(residuals[s])
-                    self.stats.max_live_microbatches[s] = max(
-                        self.stats.max_live_microbatches[s], live)
-                else:
-                    ct = []
-                    for t in io.float_outputs:
-                        sh = st.out_shardings[t]
-                        parts = [self._put(g, sh) for g in cts.pop((t, m), [])]
-                        if t == loss_out:
-                            parts.append(self._const(("seed", s), lambda: jax.device_put(
-                                jnp.asarray(1.0 / m_total, fwd.tensors[t].dtype), sh)))
-                        if not parts:
-                            parts.append(self._const(("zeros", t), lambda: jax.device_put(
-                                jnp.zeros(fwd.tensors[t].shape, fwd.tensors[t].dtype), sh)))
-                        ct.append(parts[0] if len(parts) == 1 else
-                                  self._dispatched(self._sum(*parts)))
-                    acc[s], act_grads = self._dispatched(
-                        st.backward(residuals[s].pop(m), ct, acc[s]))
-                    for t, g in zip(io.float_acts, act_grads):
-                        cts[(t, m)].append(g)
-        self._finish(get, env, gnode, acc, final, producer)
+                if task is not None:
+                    run = self._forward if task.phase is Phase.FORWARD else self._backward
+                    run(state, p.stages[s], task.microbatch)
+        self._finish(env, gnode, state)
 
-    def _finish(self, get, env, gnode, acc, final, producer) -> None:
+    def _forward(self, state: _StepState, st, m: int) -> None:
+        io = st.io
+        acts = []
+        for t in (*io.float_acts, *io.int_acts):
+            acts.append(self._put(state.outs[(t, m)], st.act_shardings[t]))
+            state.left[(t, m)] -= 1
+            if state.left[(t, m)] == 0 and t not in state.final:
+                del state.outs[(t, m)]
+        nf = len(io.float_acts)
+        o, o_int, vjp_fn = self._dispatched(
+            st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
+        for t, v in zip((*io.float_outputs, *io.int_outputs), (*o, *o_int)):
+            state.outs[(t, m)] = v
+            state.left[(t, m)] = self._readers[t]
+            if t in state.final:
+                state.final[t].append(v)
+        live = state.residuals[st.index]
+        live[m] = vjp_fn
+        peak = self.stats.max_live_microbatches
+        peak[st.index] = max(peak[st.index], len(live))
+
+    def _backward(self, state: _StepState, st, m: int) -> None:
+        """Cotangent of each float output: the gradients later stages sent back, the loss seed
+        1/M for the loss, zeros for outputs nothing differentiates."""
+        fwd = self.p.loss.forward
+        ct = []
+        for t in st.io.float_outputs:
+            sh = st.out_shardings[t]
+            t_info = fwd.tensors[t]
+            parts = [self._put(g, sh) for g in state.cts.pop((t, m), [])]
+            if t == fwd.outputs[0]:
+                parts.append(self._const(("seed", st.index), lambda: jax.device_put(
+                    jnp.asarray(1.0 / self.p.num_microbatches, t_info.dtype), sh)))
+            if not parts:
+                parts.append(self._const(("zeros", t), lambda: jax.device_put(
+                    jnp.zeros(t_info.shape, t_info.dtype), sh)))
+            ct.append(parts[0] if len(parts) == 1 else self._dispatched(self._sum(*parts)))
+        state.acc[st.index], act_grads = self._dispatched(
+            st.backward(state.residuals[st.index].pop(m), ct, state.acc[st.index]))
+        for t, g in zip(st.io.float_acts, act_grads):
+            state.cts[(t, m)].append(g)
+
+    def _finish(self, env, gnode, state: _StepState) -> None:
         """The marker's results: mean loss and float aux over microbatches (integer aux
         summed), and each parameter's gradient summed over the stages that read it."""
         p = self.p
         fwd = p.loss.forward
         for pos, t in enumerate(fwd.outputs):
-            vals = final[t]
+            vals = state.final[t]
             if len(vals) > 1:
                 reduce = self._mean if jnp.issubdtype(vals[0].dtype, jnp.floating) else self._sum
                 vals = [self._dispatched(reduce(*vals))]
-            env[gnode.outputs[pos]] = {producer[t]: vals[0]}
+            env[gnode.outputs[pos]] = {self._producer[t]: vals[0]}
         n_val = len(fwd.outputs)
         by_param: dict[int, list] = collections.defaultdict(list)
         for st in p.stages:
-            for q, g in zip(st.slice.param_inputs, acc[st.index]):
+            for q, g in zip(st.slice.param_inputs, state.acc[st.index]):
                 by_param[q].append((st.index, g))
         for q in range(p.loss.num_diff):
-            out_tid = gnode.outputs[n_val + q]
             parts = by_param.get(q)
-            if not parts:
+            if not parts:        # the loss never reads it: a zero gradient on stage 0
                 t = fwd.tensors[fwd.inputs[q]]
-                mesh = p.stages[0].mesh
-                env[out_tid] = {0: jnp.zeros(t.shape, t.dtype, device=NamedSharding(
-                    mesh, PartitionSpec()))}
+                zero = self._const(("zero-grad", q), lambda: jnp.zeros(
+                    t.shape, t.dtype, device=NamedSharding(p.stages[0].mesh, PartitionSpec())))
+                env[gnode.outputs[n_val + q]] = {0: zero}
                 continue
             home, first = parts[0]
             if len(parts) > 1:
                 rest = [self._put(g, first.sharding) for _, g in parts[1:]]
                 first = self._dispatched(self._sum(first, *rest))
-            env[out_tid] = {home: first}
-
+            env[gnode.outputs[n_val + q]] = {home: first}
