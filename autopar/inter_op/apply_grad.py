@@ -60,38 +60,33 @@ def _known(loss: LossGraph, stages: tuple[ChosenStage, ...]):
     step = loss.step
     gnode = step.nodes[loss.grad_node]
     readers: list[list[int]] = [[] for _ in gnode.inputs]
-    spec_of: dict[int, tuple[int, Spec]] = {}
+    home: dict[int, tuple[int, Spec]] = {}        # loss input -> first reader, its spec there
+    grad_spec: dict[int, Spec] = {}               # parameter -> its gradient's spec at home
+    producer: dict[int, int] = {}                 # forward tensor -> stage making it
     for st in stages:
         sl, sol = st.slice, st.solution
-        for p, spec in zip(sl.param_inputs, sol.param_specs):
+        for p, g in zip(sl.param_inputs, sol.grad_specs):
+            if p not in home:
+                grad_spec[p] = g
+        for p, spec in (*zip(sl.param_inputs, sol.param_specs),
+                        *zip(sl.data_inputs, sol.data_specs)):
             readers[p].append(sl.index)
-            spec_of.setdefault(p, (sl.index, spec))
-        for p, spec in zip(sl.data_inputs, sol.data_specs):
-            readers[p].append(sl.index)
-            spec_of.setdefault(p, (sl.index, spec))
+            home.setdefault(p, (sl.index, spec))
+        producer.update((t, sl.index) for t in sl.outputs)
     stage: dict[int, int] = {}
     spec: dict[int, Spec] = {}
     for p, tid in enumerate(gnode.inputs):
-        s, sp = spec_of.get(p, (0, replicated(step.tensors[tid].rank)))
+        s, sp = home.get(p, (0, replicated(step.tensors[tid].rank)))
         stage.setdefault(tid, s)
         spec.setdefault(tid, sp)
-    fwd = loss.forward
-    producer_stage = {}
-    for st in stages:
-        for t in st.slice.outputs:
-            producer_stage[t] = st.slice.index
-    n_val = len(fwd.outputs)
+    outputs = loss.forward.outputs
     for pos, tid in enumerate(gnode.outputs):
-        if pos < n_val:
-            stage[tid] = producer_stage[fwd.outputs[pos]]
-        else:
-            p = pos - n_val
-            s, _ = spec_of.get(p, (0, None))
-            stage[tid] = s
-            grad_spec = next((sol_spec for st in stages if st.slice.index == s
-                              for q, sol_spec in zip(st.slice.param_inputs,
-                                                     st.solution.grad_specs) if q == p), None)
-            spec[tid] = grad_spec or replicated(step.tensors[tid].rank)
+        if pos < len(outputs):                     # loss and aux: where they are made
+            stage[tid] = producer[outputs[pos]]
+        else:                                      # a gradient: at its parameter's home
+            p = pos - len(outputs)
+            stage[tid] = home.get(p, (0, None))[0]
+            spec[tid] = grad_spec.get(p) or replicated(step.tensors[tid].rank)
     return stage, spec, tuple(tuple(dict.fromkeys(r)) for r in readers)
 
 

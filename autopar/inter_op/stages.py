@@ -132,12 +132,13 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
 
 
 def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, budget):
+    """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try
+    (the fastest wins)."""
     stages = []
     for p, ((i, j), sub, shape, devs) in enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
-        sol = (solver.best(sl, sub, shape) if isinstance(shape, list)
-               else solver.solve(sl, sub, tuple(shape)))
+        sol = solver.best(sl, sub, shape)
         if sol is None:
             raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
                               solver.least_needed_bytes)
@@ -164,7 +165,8 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                 f"{option.layer_spans[-1][1]} but the model has {num_layers} layers (0.."
                 f"{num_layers - 1}). Fix: cover every layer, or change the layer option.")
         stages = _spans_to_stages(loss, boundaries, option.layer_spans, option.submesh_shapes,
-                                  option.logical_shapes, device_ids, solver, budget)
+                                  [[tuple(v)] for v in option.logical_shapes], device_ids,
+                                  solver, budget)
     elif isinstance(option, UniformStageOption):
         s = option.num_stages
         if s > num_layers or n % s:
@@ -234,7 +236,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     choice = solve_stage_dp(costs, submeshes, len(device_ids), method.num_microbatches,
                             max_stages=option.max_stages)
     subs = [(submeshes[k].num_hosts, submeshes[k].devices_per_host) for k in choice.submeshes]
-    shapes = [shapes_per_k[k][best_v[i, j, k]]
+    shapes = [[shapes_per_k[k][best_v[i, j, k]]]
               for (i, j), k in zip(choice.layer_spans, choice.submeshes)]
     stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
                               solver, budget)
