@@ -21,7 +21,7 @@ auxiliary outputs are summed.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.extend.core as jcore
@@ -59,16 +59,16 @@ value_and_grad_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(value_and_grad_p, mlir.lower_fun(expand, multiple_results=True))
 
 
-def _closure_converted(fun: Callable, args: tuple) -> tuple[jcore.ClosedJaxpr, list, Any]:
+def _closure_converted(fun: Callable, args: tuple) -> tuple[jcore.ClosedJaxpr, list]:
     """Trace `fun(*args)`; values it closes over (e.g. the batch, as tracers of the enclosing
     step) become trailing inputs. Returns (jaxpr over args then closed-over values, those
-    values, output tree)."""
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    values)."""
+    closed = jax.make_jaxpr(fun)(*args)
     inner = closed.jaxpr
     open_jaxpr = jcore.Jaxpr(constvars=(), invars=[*inner.invars, *inner.constvars],
                              outvars=inner.outvars, eqns=inner.eqns, effects=inner.effects,
                              debug_info=inner.debug_info)
-    return jcore.ClosedJaxpr(open_jaxpr, ()), list(closed.consts), out_shape
+    return jcore.ClosedJaxpr(open_jaxpr, ()), list(closed.consts)
 
 
 def _check_argnums(argnums, num_args: int) -> tuple[int, ...]:
@@ -98,26 +98,25 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         diff_leaves, diff_tree = tu.tree_flatten(diff_args)
         other_leaves, other_tree = tu.tree_flatten(other)
 
+        aux_tree = None
+
         def flat_fun(*leaves):
+            """The loss on flat leaves -> (loss, *aux leaves); remembers the aux tree."""
+            nonlocal aux_tree
             d = tu.tree_unflatten(diff_tree, leaves[:len(diff_leaves)])
             o = list(tu.tree_unflatten(other_tree, leaves[len(diff_leaves):]))
             by_pos = dict(zip(nums, d))
-            full = [by_pos[i] if i in by_pos else o.pop(0) for i in range(len(args))]
-            out = fun(*full)
-            if has_aux:
-                if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                    raise InvalidArgumentError(
-                        "autopar.value_and_grad(has_aux=True): the function must return a pair "
-                        f"(loss, aux), got {type(out).__name__}. Fix: return (loss, aux).")
-                return (out[0], *tu.tree_leaves(out[1])), tu.tree_structure(out[1])
-            return (out,), None
+            out = fun(*(by_pos[i] if i in by_pos else o.pop(0) for i in range(len(args))))
+            if not has_aux:
+                return (out,)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise InvalidArgumentError(
+                    "autopar.value_and_grad(has_aux=True): the function must return a pair "
+                    f"(loss, aux), got {type(out).__name__}. Fix: return (loss, aux).")
+            aux_leaves, aux_tree = tu.tree_flatten(out[1])
+            return (out[0], *aux_leaves)
 
-        aux_tree = []
-        def record(*leaves):
-            outs, tree = flat_fun(*leaves)
-            aux_tree.append(tree)
-            return outs
-        jaxpr, consts, _ = _closure_converted(record, (*diff_leaves, *other_leaves))
+        jaxpr, consts = _closure_converted(flat_fun, (*diff_leaves, *other_leaves))
         loss_aval = jaxpr.out_avals[0]
         if getattr(loss_aval, "shape", None) != () or not jax.numpy.issubdtype(
                 loss_aval.dtype, jax.numpy.floating):
@@ -130,7 +129,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         loss, aux = outs[0], outs[1:1 + n_aux]
         grads = tu.tree_unflatten(diff_tree, outs[1 + n_aux:])
         grads = grads[0] if isinstance(argnums, int) else grads
-        value = (loss, tu.tree_unflatten(aux_tree[0], aux)) if has_aux else loss
+        value = (loss, tu.tree_unflatten(aux_tree, aux)) if has_aux else loss
         return value, grads
 
     return wrapped
