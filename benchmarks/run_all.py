@@ -30,48 +30,27 @@ the reason.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO, "BENCHMARKS.md")
-DEFAULT_LAYERS = (2, 6, 12, 24)
+import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
+import pipeline_report
+from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, fmt,
+                    gpt_state_fn, gpt_train_step, jax_info, md_row, mem_available_bytes,
+                    mem_total_bytes, ms, progress, revision_text, run_child, setup_worker,
+                    source_revision, utc_now)
 
+DEFAULT_LAYERS = (2, 6, 12, 24)
 HIDDEN, HEADS, VOCAB, SEQ_LEN, BATCH = 768, 12, 8192, 128, 8
-MESH_SHAPE, AXIS_NAMES = (2, 4), ("data", "model")
-NUM_DEVICES = MESH_SHAPE[0] * MESH_SHAPE[1]
 # Result key -> method; each (size, method) runs in its own process, SP first, then DP.
 METHODS = {"shard": lambda ap: ap.ShardParallel(), "data": lambda ap: ap.DataParallel()}
 
 
 def _progress(msg: str) -> None:
-    stamp = _dt.datetime.now().strftime("%H:%M:%S")
-    print(f"[bench {stamp}] {msg}", file=sys.stderr, flush=True)
-
-
-def _mem_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _mem_total_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
+    progress("bench", msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,26 +58,17 @@ def _mem_total_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _worker(args) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, REPO)
-
+    setup_worker(NUM_DEVICES)
     import jax
     import optax
-    from flax.training import train_state
 
     import autopar
     from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
 
     layers = args.worker
-    result: dict = {"layers": layers}
-
-    def save():
-        tmp = args.result + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.result)
+    saver = Saver(args.result)
+    save, result = saver.save, saver.data
+    result["layers"] = layers
 
     devices = jax.devices()
     result["jax"] = {"version": jax.__version__, "platform": devices[0].platform,
@@ -112,22 +82,12 @@ def _worker(args) -> None:
                     num_heads=HEADS)
     result["params"] = gpt_param_count(cfg)
     model = GPT(cfg)
-    tx = optax.adamw(1e-4, weight_decay=0.01)
-
-    def create_state(key):
-        params = model.init(key, jax.numpy.zeros((1, cfg.seq_len), jax.numpy.int32))
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    train_step = gpt_train_step(gpt_loss, jax.value_and_grad)
 
     key = jax.random.key(0)
     batch = make_gpt_batch(jax.random.fold_in(key, 1), BATCH, cfg)
     # A jitted init: fresh device buffers on device 0, never aliasing host memory.
-    make_state = jax.jit(create_state)
+    make_state = jax.jit(gpt_state_fn(model, optax.adamw(1e-4, weight_decay=0.01), cfg.seq_len))
     _progress(f"L={layers}: creating state ({result['params'] / 1e6:.1f} M parameters)")
     state = make_state(key)
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if hasattr(x, "nbytes"))
@@ -177,7 +137,7 @@ def _worker(args) -> None:
     # plan's per-device peak (and the unsharded state we start from) and skip rather than
     # swap or get killed.
     need = NUM_DEVICES * r["peak_memory_bytes"] + state_bytes
-    avail = _mem_available_bytes()
+    avail = mem_available_bytes()
     if avail and need > 0.85 * avail:
         r["not_measured"] = (f"needs about {need / 2**30:.1f} GiB of host RAM ({NUM_DEVICES} "
                              f"simulated devices x {r['peak_memory_bytes'] / 2**30:.2f} GiB "
@@ -225,37 +185,20 @@ def _worker(args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _run_worker(layers: int, method: str, args) -> dict:
-    fd, path = tempfile.mkstemp(prefix=f"autopar_bench_L{layers}_{method}_", suffix=".json")
-    os.close(fd)
-    os.unlink(path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", str(layers),
-           "--_method", method, "--_result", path,
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-           "--first-step-budget-s", str(args.first_step_budget_s),
-           "--measure-budget-s", str(args.measure_budget_s)]
+    argv = ["--_worker", str(layers), "--_method", method,
+            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+            "--first-step-budget-s", str(args.first_step_budget_s),
+            "--measure-budget-s", str(args.measure_budget_s)]
     if args.no_measure:
-        cmd.append("--no-measure")
+        argv.append("--no-measure")
     _progress(f"L={layers} {method}: starting worker")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    outcome = None
-    try:
-        rc = proc.wait(timeout=args.size_timeout_s)
-        if rc != 0:
-            outcome = f"worker exited with status {rc}" + (
-                " (killed by the OS: out of memory?)" if rc in (-9, 137) else "")
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        outcome = f"stopped after the per-worker limit of {args.size_timeout_s:.0f} s"
-    result: dict = {"layers": layers}
-    if os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
-        os.unlink(path)
+    result, outcome, wall_s = run_child(os.path.abspath(__file__), argv,
+                                        f"autopar_bench_L{layers}_{method}_",
+                                        args.size_timeout_s, "per-worker limit")
+    result = result or {"layers": layers}
     if outcome:
         result.setdefault(method, {})["incomplete"] = outcome
-    _progress(f"L={layers} {method}: worker done in {time.perf_counter() - t0:.1f} s"
+    _progress(f"L={layers} {method}: worker done in {wall_s:.1f} s"
               + (f" ({outcome})" if outcome else ""))
     return result
 
@@ -274,34 +217,14 @@ def _run_size(layers: int, args) -> dict:
     return merged
 
 
-def _fmt(x, digits=2, scale=1.0) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, (int, float)):
-        return f"{x * scale:,.{digits}f}"
-    return str(x)
-
-
-def _ms(x) -> str:
-    return "–" if x is None else f"{x * 1e3:,.1f}"
-
-
-def _source_revision() -> str:
-    """The checked-out commit (read-only git calls), marked `+changes` if the tree differs."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar", "models",
-                                "benchmarks"], cwd=REPO, text=True, capture_output=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + (" +uncommitted changes" if dirty else "")
+def _sp_dp(r: dict) -> tuple[dict, dict]:
+    """The ShardParallel and the DataParallel results of one size ({} where missing)."""
+    return r.get("shard", {}), r.get("data", {})
 
 
 def _machine(results) -> list[str]:
-    jx = next((r["jax"] for r in results if "jax" in r), None)
-    ram = _mem_total_bytes()
+    jx = jax_info(results)
+    ram = mem_total_bytes()
     lines = [f"- platform: `{platform.platform()}` ({platform.machine()}, "
              f"{platform.processor() or 'processor n/a'}), Python {platform.python_version()}",
              f"- CPU cores (`os.cpu_count()`): {os.cpu_count()}; total RAM: "
@@ -311,6 +234,11 @@ def _machine(results) -> list[str]:
                      f"(device kind `{jx['device_kind']}`), simulated with "
                      f"`XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES}`")
     return lines
+
+
+def _devices_text(results) -> str:
+    jx = jax_info(results)
+    return f"`{jx['platform']}` devices" if jx else "the devices"
 
 
 def _linearity(rows) -> list[str]:
@@ -359,20 +287,17 @@ def _planning_claim(rows) -> str:
     tm = r12["shard"].get("timings_s", {})
     ilp = r12["shard"].get("ilp", {})
     return (f"- **Planning the 12-layer GPT takes under 20 s**: {verdict}: "
-            f"`get_plan` took {t:.1f} s (trace {_fmt(tm.get('trace'))} s, intra-op "
-            f"{_fmt(tm.get('intra_op'))} s of which ILP build {_fmt(ilp.get('build_time_s'))} s "
-            f"and solve {_fmt(ilp.get('solve_time_s'))} s).")
+            f"`get_plan` took {t:.1f} s (trace {fmt(tm.get('trace'))} s, intra-op "
+            f"{fmt(tm.get('intra_op'))} s of which ILP build {fmt(ilp.get('build_time_s'))} s "
+            f"and solve {fmt(ilp.get('solve_time_s'))} s).")
 
 
 def _write(results, args, started_utc, total_s, pipeline_text: str | None = None) -> str:
-    cmdline = "make bench" if sys.argv[1:] == [] else (
-        "benchmarks/run_all.py " + " ".join(sys.argv[1:]))
-    rev_end = _source_revision()
-    rev = args.revision if rev_end == args.revision else (
-        f"{args.revision} at the start, {rev_end} at the end: the source changed during the run")
+    rev = revision_text(args.revision, source_revision())
     out = ["# autopar benchmarks", "",
-           f"Generated by `{cmdline}` (`make bench` runs `.venv/bin/python benchmarks/run_all.py`"
-           f" with no flags) on {started_utc} UTC; the whole run took {total_s / 60:.1f} min.", "",
+           f"Generated by `{args.cmdline}` (`make bench` runs `.venv/bin/python "
+           f"benchmarks/run_all.py` with no flags) on {started_utc} UTC; the whole run took "
+           f"{total_s / 60:.1f} min.", "",
            f"Source: `{rev}`.", "",
            "## Machine", ""] + _machine(results) + [
            "", "## Workload", "",
@@ -397,22 +322,23 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
             "DataParallel plan s | DataParallel compile s |",
             "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        sp, dp = r.get("shard", {}), r.get("data", {})
+        sp, dp = _sp_dp(r)
         ilp, tm = sp.get("ilp", {}), sp.get("timings_s", {})
         nv = ilp.get("num_variables")
-        out.append("| " + " | ".join([
-            str(r["layers"]), _fmt(r.get("params"), 1, 1e-6), _fmt(sp.get("plan_wall_s")),
-            _fmt(tm.get("trace")), _fmt(tm.get("intra_op")), _fmt(ilp.get("build_time_s")),
-            _fmt(ilp.get("solve_time_s")), _fmt(ilp.get("status")),
-            _fmt(ilp.get("num_groups"), 0), _fmt(ilp.get("num_edges"), 0), _fmt(nv, 0),
-            _fmt(ilp.get("num_constraints"), 0),
-            _fmt(nv / r["layers"] if nv is not None else None, 0),
-            _fmt(sp.get("compile_s")) if not r.get("measure_skipped") else "not run",
-            _fmt(dp.get("plan_wall_s")),
-            _fmt(dp.get("compile_s")) if not r.get("measure_skipped") else "not run"]) + " |")
+        out.append(md_row([
+            str(r["layers"]), fmt(r.get("params"), 1, 1e-6), fmt(sp.get("plan_wall_s")),
+            fmt(tm.get("trace")), fmt(tm.get("intra_op")), fmt(ilp.get("build_time_s")),
+            fmt(ilp.get("solve_time_s")), fmt(ilp.get("status")),
+            fmt(ilp.get("num_groups"), 0), fmt(ilp.get("num_edges"), 0), fmt(nv, 0),
+            fmt(ilp.get("num_constraints"), 0),
+            fmt(nv / r["layers"] if nv is not None else None, 0),
+            fmt(sp.get("compile_s")) if not r.get("measure_skipped") else "not run",
+            fmt(dp.get("plan_wall_s")),
+            fmt(dp.get("compile_s")) if not r.get("measure_skipped") else "not run"]))
 
     out += ["", "## Step time: predicted vs measured, ShardParallel (SP) vs DataParallel (DP)", "",
-            f"Predicted = `plan.predicted_step_s` (autopar's cost model for {r_kind(results)}). "
+            "Predicted = `plan.predicted_step_s` (autopar's cost model for "
+            f"{_devices_text(results)}). "
             f"Measured = median wall time of {args.steps} steps (fewer, but at least 3, when "
             f"they add up to more than {args.measure_budget_s:.0f} s; `n` says how many) after "
             f"1 warm-up step, each "
@@ -426,7 +352,7 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
             "measured DP ms | n | measured SP/DP | loss after last step SP / DP | notes |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--|"]
     for r in rows:
-        sp, dp = r.get("shard", {}), r.get("data", {})
+        sp, dp = _sp_dp(r)
         psp, pdp = sp.get("predicted_step_s"), dp.get("predicted_step_s")
         msp, mdp = sp.get("measured_step_s"), dp.get("measured_step_s")
         notes = []
@@ -439,19 +365,19 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
                 notes.append(f"{label} incomplete: {d['incomplete']}")
         if r.get("error"):
             notes.append(f"error: {r['error']}")
-        out.append("| " + " | ".join([
-            str(r["layers"]), _ms(psp), _ms(pdp),
-            _fmt(psp / pdp if psp and pdp else None, 3),
-            f"{_fmt(sp.get('peak_memory_bytes'), 2, 2**-30)} / "
-            f"{_fmt(dp.get('peak_memory_bytes'), 2, 2**-30)}",
-            _fmt(sp.get("first_step_s")), _fmt(dp.get("first_step_s")),
-            _ms(msp) if msp is not None else "not measured",
-            _ms(mdp) if mdp is not None else "not measured",
+        out.append(md_row([
+            str(r["layers"]), ms(psp), ms(pdp),
+            fmt(psp / pdp if psp and pdp else None, 3),
+            f"{fmt(sp.get('peak_memory_bytes'), 2, 2**-30)} / "
+            f"{fmt(dp.get('peak_memory_bytes'), 2, 2**-30)}",
+            fmt(sp.get("first_step_s")), fmt(dp.get("first_step_s")),
+            ms(msp) if msp is not None else "not measured",
+            ms(mdp) if mdp is not None else "not measured",
             "/".join(str(len(d["step_times_s"])) for d in (sp, dp) if "step_times_s" in d)
             or "–",
-            _fmt(msp / mdp if msp and mdp else None, 3),
-            f"{_fmt(sp.get('last_loss'), 4)} / {_fmt(dp.get('last_loss'), 4)}",
-            "; ".join(notes) or "–"]) + " |")
+            fmt(msp / mdp if msp and mdp else None, 3),
+            f"{fmt(sp.get('last_loss'), 4)} / {fmt(dp.get('last_loss'), 4)}",
+            "; ".join(notes) or "–"]))
 
     out += ["", "## Claims", "", *_linearity(rows), _planning_claim(rows), "",
             "## Notes", "",
@@ -465,8 +391,7 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
             "- Numbers are produced by `benchmarks/run_all.py` from one run; nothing is "
             "filled in by hand."]
     unfinished = [f"{r['layers']} layers {label}: {d.get('incomplete') or r.get('error')}"
-                  for r in rows for label, d in (("SP", r.get("shard", {})),
-                                                 ("DP", r.get("data", {})))
+                  for r in rows for label, d in zip(("SP", "DP"), _sp_dp(r))
                   if d.get("incomplete") or r.get("error")]
     if unfinished:
         out.append("- Runs that did not finish: " + "; ".join(unfinished) + ".")
@@ -476,14 +401,7 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
     return "\n".join(out)
 
 
-def r_kind(results) -> str:
-    jx = next((r["jax"] for r in results if "jax" in r), None)
-    return f"`{jx['platform']}` devices" if jx else "the devices"
-
-
 def main(argv=None) -> int:
-    import pipeline as pipeline_bench      # benchmarks/pipeline.py (this script's folder)
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
                    help="GPT depths to benchmark (default: 2 6 12 24)")
@@ -518,16 +436,16 @@ def main(argv=None) -> int:
     if args.no_measure:
         args.no_run = True          # plan only: the pipeline section skips its measured part
     if args.only == "pipeline":
-        text = pipeline_bench.section(pipeline_bench.run(args))
-        pipeline_bench.write_section(text, args.out)
+        text = pipeline_report.section(pipeline_bench.run(args))
+        pipeline_report.write_section(text, args.out)
         _progress(f"wrote the pipeline section of {args.out}")
         print(text)
         return 0
-    started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    args.revision = _source_revision()
+    started = utc_now()
+    args.revision = source_revision()
     # The pipeline section already in --out (it carries its own date) is kept until this run
     # replaces it; with --only shard it is kept as it is.
-    pipeline_text = pipeline_bench.read_section(args.out)
+    pipeline_text = pipeline_report.read_section(args.out)
     t0 = time.perf_counter()
     results = []
     for layers in args.layers:
@@ -538,7 +456,7 @@ def main(argv=None) -> int:
             f.write(text)
     if args.only == "all":
         _progress("pipeline section ...")
-        pipeline_text = pipeline_bench.section(pipeline_bench.run(args))
+        pipeline_text = pipeline_report.section(pipeline_bench.run(args))
         text = _write(results, args, started, time.perf_counter() - t0, pipeline_text)
         with open(args.out, "w") as f:
             f.write(text)

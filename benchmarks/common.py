@@ -1,0 +1,202 @@
+"""Helpers shared by `run_all.py`, `pipeline.py` and `pipeline_report.py`.
+
+The scripts are run as `python benchmarks/<script>.py`, so this folder is the first entry of
+`sys.path` and they import this module as `common`. Nothing here imports jax at module level:
+the drivers do not need it, and each worker sets its environment before importing it.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "BENCHMARKS.md")
+
+# The measured steps of both benchmarks run on 8 simulated CPU devices, a 2 x 4 mesh.
+MESH_SHAPE, AXIS_NAMES = (2, 4), ("data", "model")
+NUM_DEVICES = MESH_SHAPE[0] * MESH_SHAPE[1]
+
+
+def progress(tag: str, msg: str) -> None:
+    stamp = _dt.datetime.now().strftime("%H:%M:%S")
+    print(f"[{tag} {stamp}] {msg}", file=sys.stderr, flush=True)
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine and the source.
+# ---------------------------------------------------------------------------------------------
+
+def load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def mem_total_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def source_revision() -> str:
+    """The checked-out commit (read-only git calls), marked if autopar/models/benchmarks differ
+    from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar", "models",
+                                "benchmarks"], cwd=REPO, text=True, capture_output=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" +uncommitted changes" if dirty else "")
+
+
+def jax_info(results) -> dict | None:
+    """The `jax` entry (version, platform, device count) of the first result that has one."""
+    return next((r["jax"] for r in results if "jax" in r), None)
+
+
+def revision_text(start: str | None, end: str | None) -> str:
+    """The source revisions read at the start and the end of a run, for the report."""
+    if start is None:
+        return "not recorded"
+    return start if start == end else (f"{start} at the start, {end} at the end: the source "
+                                       "changed during the run")
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes: each case runs in its own, which saves its results after every phase.
+# ---------------------------------------------------------------------------------------------
+
+class Saver:
+    """A result dict written to disk after every phase, so a killed child leaves what it had."""
+
+    def __init__(self, path: str):
+        self.path, self.data = path, {}
+
+    def save(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def run_child(script: str, argv: list[str], prefix: str, timeout_s: float,
+              limit_name: str) -> tuple[dict | None, str | None, float]:
+    """Run `script argv --_result PATH` with this Python and wait at most `timeout_s`.
+
+    Returns (the results the child saved or None, what went wrong or None, wall seconds)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    os.close(fd)
+    os.unlink(path)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, script, *argv, "--_result", path], cwd=REPO)
+    outcome = None
+    try:
+        rc = proc.wait(timeout=timeout_s)
+        if rc != 0:
+            outcome = f"worker exited with status {rc}" + (
+                " (killed by the OS: out of memory?)" if rc in (-9, 137) else "")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        outcome = f"stopped after the {limit_name} of {timeout_s:.0f} s"
+    result = None
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+        os.unlink(path)
+    return result, outcome, time.perf_counter() - t0
+
+
+def setup_worker(num_devices: int | None = None) -> None:
+    """Environment of a worker, before it imports jax: CPU platform (`num_devices` simulated
+    devices if given) and the repository on `sys.path` (for `models`)."""
+    if num_devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={num_devices}"
+                                   ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, REPO)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPT training step and state (import jax lazily: call these in a worker only).
+# ---------------------------------------------------------------------------------------------
+
+def gpt_train_step(gpt_loss, value_and_grad):
+    """`train_step(state, batch) -> (state, loss)` for a GPT `TrainState`; `value_and_grad` is
+    `jax.value_and_grad` or `autopar.value_and_grad`."""
+    def train_step(state, batch):
+        def loss_fn(params):
+            return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
+        loss, grads = value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+    return train_step
+
+
+def gpt_state_fn(model, tx, seq_len: int):
+    """`create_state(key) -> TrainState` of `model` (a GPT) with optimizer `tx`."""
+    import jax.numpy as jnp
+    from flax.training import train_state
+
+    def create_state(key):
+        params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return create_state
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown numbers.
+# ---------------------------------------------------------------------------------------------
+
+def fmt(x, digits=2, scale=1.0) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, (int, float)):
+        return f"{x * scale:,.{digits}f}"
+    return str(x)
+
+
+def ms(x, digits=1) -> str:
+    """Seconds as milliseconds."""
+    return "–" if x is None else f"{x * 1e3:,.{digits}f}"
+
+
+def md_row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
