@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from .cluster import ClusterSpec
 from .errors import InvalidArgumentError

@@ -39,6 +39,17 @@ _MASK_VALUE = -1e9
 _POS_EMBED_INIT = jax.nn.initializers.normal(stddev=0.02)
 
 
+def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of `config`'s fields `names` that is not an int >= 1
+    (the model configs share this rule)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{type(config).__name__}.{name} must be a positive int, got {value!r}."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Hyper-parameters of :class:`GPT` / :class:`NnxGPT`.
@@ -60,12 +71,8 @@ class GPTConfig:
     stage_boundaries: bool = False
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"GPTConfig.{name} must be a positive int, got {value!r}."
-                )
+        check_positive_ints(self, ("vocab_size", "seq_len", "num_layers", "hidden",
+                                   "num_heads", "mlp_ratio"))
         if self.hidden % self.num_heads != 0:
             raise ValueError(
                 f"GPTConfig.hidden ({self.hidden}) must be divisible by "

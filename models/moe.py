@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import optax
 
 from autopar.markers import mark_stage_boundary
-from models.gpt import _POS_EMBED_INIT, CausalSelfAttention, GPTConfig, MlpBlock
+from models.gpt import (_POS_EMBED_INIT, CausalSelfAttention, GPTConfig, MlpBlock,
+                        check_positive_ints)
 
 Dtype = Any
 
@@ -68,10 +69,7 @@ class MoEConfig:
     stage_boundaries: bool = False
 
     def __post_init__(self):
-        for name in ("num_experts", "expert_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}.")
+        check_positive_ints(self, ("num_experts", "expert_every"))
         if self.num_experts < 2:
             raise ValueError(
                 f"MoEConfig.num_experts must be >= 2 for top-2 routing, got {self.num_experts}."

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from autopar.markers import mark_stage_boundary
+from models.gpt import check_positive_ints
 
 Dtype = Any
 
@@ -64,13 +65,8 @@ class WideResNetConfig:
     stage_boundaries: bool = False
 
     def __post_init__(self):
-        for name in ("image_size", "num_classes", "depth", "width", "base_channels",
-                     "num_stages", "norm_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"WideResNetConfig.{name} must be a positive int, got {value!r}."
-                )
+        check_positive_ints(self, ("image_size", "num_classes", "depth", "width",
+                                   "base_channels", "num_stages", "norm_groups"))
         per_stage = 2 * self.num_stages
         if self.depth < 4 + per_stage or (self.depth - 4) % per_stage:
             raise ValueError(

@@ -114,3 +114,17 @@ def assert_equivalent(ref, got, *, compare_params: bool, rtol=1e-5):
 def mesh_of(shape):
     n = int(np.prod(shape))
     return jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:n])
+
+
+def num_params(tree) -> int:
+    """Elements in all leaves of a parameter tree."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+# Four 16 x 16 layers and a batch of 8: the small marked-MLP data of the pipeline unit tests.
+H, B = 16, 8
+KEY = jax.random.key(0)
+PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
+          for i in range(4)}
+BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
+         "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}

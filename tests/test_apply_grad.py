@@ -18,12 +18,7 @@ from autopar.inter_op.stages import choose_stages
 from autopar.spec import replicated
 from autopar.trace import trace
 
-H, B = 16, 8
-KEY = jax.random.key(0)
-PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
-          for i in range(4)}
-BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
-         "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}
+from steps import BATCH, PARAMS  # four 16 x 16 layers, a batch of 8
 
 
 def loss_fn(p, x, y):
@@ -135,7 +130,7 @@ def test_global_norm_clipping_adds_segments(clipped_adam):
     assert len(pl.segments) > 1 + len(stages)
     assert {s.stage for s in pl.segments[1:]} == {0, 1}
     # adam's mu and nu of a parameter sit with the parameter
-    step, by_path = loss.step, inputs_by_path(loss.step)
+    by_path = inputs_by_path(loss.step)
     for i, want in enumerate([0, 0, 1, 1]):
         stages_i = {pl.input_stage[p] for path, p in by_path.items()
                     if path.endswith(f"['l{i}']")}

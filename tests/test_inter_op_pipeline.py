@@ -13,12 +13,7 @@ from autopar.inter_op.pipeline import layer_boundaries, slice_range, slice_stage
 from autopar.pipeshard import microbatch_args
 from autopar.trace import trace
 
-H, B = 16, 8
-KEY = jax.random.key(0)
-PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
-          for i in range(4)}
-BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
-         "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}
+from steps import B, BATCH, H, PARAMS  # four 16 x 16 layers, a batch of 8
 L0, L1, L2, L3, X, Y = range(6)         # loss input positions: params (sorted keys), x, y
 
 

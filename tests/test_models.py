@@ -13,6 +13,7 @@ from flax import nnx
 from flax.training import train_state
 
 from autopar.markers import STAGE_BOUNDARY
+from steps import num_params
 from models import (
     GPT,
     MLP,
@@ -31,10 +32,6 @@ from models import (
 # reused (compile time dominates on CPU).
 TINY = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=16, num_heads=2, mlp_ratio=4)
 IN, HID, OUT, BATCH = 5, 8, 3, 8
-
-
-def _num_params(tree) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
 # A linen GPT ``init`` costs seconds on CPU (eager: hundreds of tiny ops; under
@@ -99,7 +96,7 @@ def test_mlp_shapes(out_dim):
     assert _apply_linen(model, params, batch["x"]).shape == want
     nnx_model = NnxMLP(3, IN, HID, out_dim=out_dim, rngs=nnx.Rngs(0))
     assert _apply_nnx(nnx_model, batch["x"]).shape == want
-    assert _num_params(nnx.state(nnx_model)) == _num_params(params)
+    assert num_params(nnx.state(nnx_model)) == num_params(params)
 
 
 def test_mlp_without_bias_and_bad_depth():
@@ -107,7 +104,7 @@ def test_mlp_without_bias_and_bad_depth():
     params = model.init(jax.random.key(0), jnp.ones((BATCH, IN)))["params"]
     assert all(sorted(layer) == ["kernel"] for layer in params.values())
     nnx_model = NnxMLP(3, IN, HID, out_dim=OUT, use_bias=False, rngs=nnx.Rngs(0))
-    assert _num_params(nnx.state(nnx_model)) == _num_params(params)
+    assert num_params(nnx.state(nnx_model)) == num_params(params)
     with pytest.raises(ValueError, match="num_layers"):
         NnxMLP(0, IN, HID, rngs=nnx.Rngs(0))
 
@@ -118,21 +115,21 @@ def test_gpt_shapes_and_param_count(tiny_gpt):
     assert batch["tokens"].shape == (4, TINY.seq_len) and batch["tokens"].dtype == jnp.int32
     assert logits.shape == (4, TINY.seq_len, TINY.vocab_size) and logits.dtype == jnp.float32
     linen_params = _linen_param_shapes(TINY)
-    assert _num_params(linen_params) == gpt_param_count(TINY)
+    assert num_params(linen_params) == gpt_param_count(TINY)
     assert {f"block_{i}" for i in range(TINY.num_layers)} <= set(linen_params)
     assert jax.tree.map(jnp.shape, dict(linen_params)) == jax.tree.map(jnp.shape, params)
 
     nnx_model = NnxGPT(TINY, rngs=nnx.Rngs(0))
     nnx_logits = _apply_nnx(nnx_model, batch["tokens"])
     assert nnx_logits.shape == logits.shape and nnx_logits.dtype == jnp.float32
-    assert _num_params(nnx.state(nnx_model, nnx.Param)) == gpt_param_count(TINY)
+    assert num_params(nnx.state(nnx_model, nnx.Param)) == gpt_param_count(TINY)
 
 
 def test_gpt_param_count_other_config():
     config = GPTConfig(vocab_size=50, seq_len=6, num_layers=3, hidden=24, num_heads=3, mlp_ratio=2)
-    assert _num_params(_linen_param_shapes(config)) == gpt_param_count(config)
+    assert num_params(_linen_param_shapes(config)) == gpt_param_count(config)
     nnx_model = nnx.eval_shape(lambda: NnxGPT(config, rngs=nnx.Rngs(0)))
-    assert _num_params(nnx.state(nnx_model)) == gpt_param_count(config)
+    assert num_params(nnx.state(nnx_model)) == gpt_param_count(config)
 
 
 def test_gpt_shorter_sequence_and_errors(tiny_gpt):

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from autopar.markers import STAGE_BOUNDARY
+from steps import num_params
 from models import (
     MoE,
     MoEConfig,
@@ -26,10 +27,6 @@ top2_gating = jax.jit(top2_gating, static_argnums=1)  # eager: hundreds of tiny 
 # Capacity factor 1.0: capacity 4 of 8 tokens per expert, so some tokens drop.
 TINY = MoEConfig(vocab_size=32, seq_len=8, num_layers=2, hidden=16, num_heads=2,
                  mlp_ratio=2, num_experts=4, capacity_factor=1.0)
-
-
-def _num_params(tree) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +55,7 @@ def _loss_and_grad(config):
 def test_shapes_and_param_count(tiny):
     params, batch = tiny
     assert batch["tokens"].shape == (8, TINY.seq_len) and batch["tokens"].dtype == jnp.int32
-    assert _num_params(params) == moe_param_count(TINY)
+    assert num_params(params) == moe_param_count(TINY)
     assert set(params["block_1"]["moe"]) == {
         "router", "fc_kernel", "fc_bias", "proj_kernel", "proj_bias"}
     assert params["block_1"]["moe"]["fc_kernel"].shape == (4, 16, 32)
@@ -77,7 +74,7 @@ def test_param_count_other_config():
     tokens = jnp.zeros((1, config.seq_len), jnp.int32)
     shapes = jax.eval_shape(MoE(config).init, jax.random.key(0), tokens)["params"]
     assert all("moe" in shapes[f"block_{i}"] for i in range(3))
-    assert _num_params(shapes) == moe_param_count(config)
+    assert num_params(shapes) == moe_param_count(config)
 
 
 def test_config_errors_and_capacity():

@@ -2,7 +2,6 @@
 over 3 steps equal plain `jax.jit` on one device (same tolerances and optimizer rule as the
 ShardParallel equivalence tests, including `clip_by_global_norm`)."""
 import jax
-import numpy as np
 import optax
 import pytest
 

@@ -3,23 +3,17 @@ choose_stages with Uniform / Manual / Auto stage options on a four-layer MLP; th
 of a submesh; the option errors; and the pipeline plan's JSON round trip and replay option."""
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 import autopar
 from autopar.cluster import ClusterSpec
 from autopar.graph import TensorKind
-from autopar.inter_op.pipeline import layer_boundaries, slice_range, slice_stages, split_step
+from autopar.inter_op.pipeline import layer_boundaries, slice_range, split_step
 from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
 from autopar.trace import trace
 
-H, B = 16, 8
-KEY = jax.random.key(0)
-PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
-          for i in range(4)}
-BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
-         "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}
+from steps import B, BATCH, H, PARAMS  # four 16 x 16 layers, a batch of 8
 DEVICES = tuple(range(8))
 
 

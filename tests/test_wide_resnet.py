@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from autopar.markers import STAGE_BOUNDARY
+from steps import num_params
 from models import (
     Norm,
     WideResNet,
@@ -23,10 +24,6 @@ from models import (
 # WRN-10-1 on 8x8 images: one block per stage, channels 4 -> 4, 8, 16.
 TINY = WideResNetConfig(image_size=8, num_classes=10, depth=10, width=1, base_channels=4,
                         norm_groups=2)
-
-
-def _num_params(tree) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +57,7 @@ def test_shapes_and_param_count(tiny):
     params, batch = tiny
     assert batch["images"].shape == (8, 8, 8, 3) and batch["images"].dtype == jnp.float32
     assert batch["labels"].shape == (8,) and batch["labels"].dtype == jnp.int32
-    assert _num_params(params) == wide_resnet_param_count(TINY)
+    assert num_params(params) == wide_resnet_param_count(TINY)
     assert sorted(params) == ["block_0", "block_1", "block_2", "head", "norm_f", "stem"]
     assert "shortcut" not in params["block_0"]                        # 4 -> 4, stride 1
     assert params["block_1"]["shortcut"]["kernel"].shape == (1, 1, 4, 8)
@@ -75,7 +72,7 @@ def test_shapes_and_param_count(tiny):
     WideResNetConfig(depth=8, num_stages=2, image_size=16, norm="batch"),
 ])
 def test_param_count_other_configs(config):
-    assert _num_params(_param_shapes(config)) == wide_resnet_param_count(config)
+    assert num_params(_param_shapes(config)) == wide_resnet_param_count(config)
     assert wide_resnet_flops_per_example(config) > 0
 
 

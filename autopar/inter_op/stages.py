@@ -10,7 +10,6 @@ shardings. `UniformStageOption` and `ManualStageOption` skip the DP.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from ..graph import InputRole, OpGraph
 from ..options import AutoStageOption, ManualStageOption, PipeshardParallel, UniformStageOption
 from ..plan import graph_fingerprint
 from .pipeline import LossGraph, StageSlice, slice_range
-from .stage_dp import StageCosts, SubmeshShape, candidate_submeshes, solve_stage_dp
+from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
 from .stage_solve import StageSolution, solve_stage, trace_stage
 
 log = logging.getLogger(__name__)
