@@ -226,7 +226,7 @@ def _run_worker(args) -> None:
             dt, o = timed_step(par, state, batch)
             times.append(dt)
             _progress(f"run {name}: step {i + 1}/{args.measure_steps} {dt:.3f} s")
-            if len(times) >= 3 and time.perf_counter() - budget_t0 > args.measure_budget_s:
+            if len(times) >= 3 and time.perf_counter() - budget_t0 > args.pipeline_measure_budget_s:
                 break
         r["step_times_s"] = times
         r["measured_step_s"] = statistics.median(times)
@@ -278,7 +278,7 @@ def _run_worker(args) -> None:
         sync_times.append(dts)
         _progress(f"run {name}: round {i + 1}/{args.measure_steps}: step {dt:.3f} s, "
                   f"one task at a time {dts:.3f} s")
-        if len(times) >= 3 and time.perf_counter() - budget_t0 > args.measure_budget_s:
+        if len(times) >= 3 and time.perf_counter() - budget_t0 > args.pipeline_measure_budget_s:
             break
     r["step_times_s"] = times
     r["measured_step_s"] = statistics.median(times)
@@ -345,7 +345,7 @@ def run(args) -> dict:
     if not args.no_run:
         for what in [*args.stages, *([] if args.no_shard_reference else [0])]:
             opts = ["--measure-steps", str(args.measure_steps),
-                    "--pipeline-measure-budget-s", str(args.measure_budget_s)]
+                    "--pipeline-measure-budget-s", str(args.pipeline_measure_budget_s)]
             res["run"].append(_child(["--_run", str(what), *opts],
                                      f"run {what or 'ShardParallel'}", args.case_timeout_s))
             res["run"][-1].setdefault("stages", what)
@@ -379,7 +379,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="UniformStageOption(num_stages=) of the measured runs")
     g.add_argument("--measure-steps", type=int, default=7,
                    help="timed steps (each followed by a one-task-at-a-time step)")
-    g.add_argument("--pipeline-measure-budget-s", dest="measure_budget_s", type=float,
+    g.add_argument("--pipeline-measure-budget-s", dest="pipeline_measure_budget_s", type=float,
                    default=60.0, help="stop timing steps after this long (at least 3)")
     g.add_argument("--no-plan", action="store_true", help="skip the planning part")
     g.add_argument("--no-run", action="store_true", help="skip the measured part")
