@@ -21,9 +21,11 @@ from .inter_op.apply_grad import Placement, place
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from .inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from .options import PipeshardParallel
-from .plan import ParallelPlan, StagePlan, TensorPlan, graph_fingerprint
+from .plan import ParallelPlan, StagePlan, graph_fingerprint
+from .planner import output_paths, tensor_plans
 from .primitives import HEAVY_OPERATORS
 from .runtime.schedule import make_schedule
+from .spec import replicated
 from .trace import _abstract, check_argnums, trace
 
 log = logging.getLogger(__name__)
@@ -112,20 +114,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
     peak = max(s.peak_memory_bytes + (q - 1) * s.activation_bytes
                for s, q in zip(stages, in_flight))
     lat = [s.latency_s for s in stages]
-    inputs = []
-    for pos, tid in enumerate(step.inputs):
-        t = step.tensors[tid]
-        inputs.append(TensorPlan(index=pos, path=t.path, role=t.role.value, shape=t.shape,
-                                 dtype=t.dtype, spec=placement.input_spec[pos],
-                                 stage=placement.input_stage[pos]))
-    outputs = []
-    for pos, tid in enumerate(step.outputs):
-        t = step.tensors[tid]
-        spec = placement.output_spec[pos]
-        outputs.append(TensorPlan(index=pos, path=f"result[{pos}]", role="result",
-                                  shape=t.shape, dtype=t.dtype,
-                                  spec=spec if spec is not None else tuple(() for _ in t.shape),
-                                  stage=placement.output_stage[pos]))
+    out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
+                 for tid, spec in zip(step.outputs, placement.output_spec)]
     pipeline = {
         "schedule": method.schedule.value, "num_microbatches": m,
         "num_layers": len(result.boundaries) - 1, "layer_boundaries": list(result.boundaries),
@@ -137,16 +127,20 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "stage_option": type(method.stage_option).__name__,
         "layer_option": type(method.layer_option).__name__,
     }
-    total = pipeline["predicted_latency_s"]
+    # The step's compute / communication / resharding split, in the stages' proportions.
+    scale = pipeline["predicted_latency_s"] / max(sum(lat), 1e-30)
     return ParallelPlan(
         method=method.kind.value, cluster=cluster.name, mesh_shape=tuple(mesh_shape),
         axis_names=AXIS_NAMES, device_ids=tuple(device_ids),
-        graph_fingerprint=graph_fingerprint(step), inputs=tuple(inputs),
-        outputs=tuple(outputs), constraints=(), operators=(), collectives=(), fallbacks=(),
-        stages=tuple(stages),
-        predicted_compute_s=total * sum(s.compute_s for s in stages) / max(sum(lat), 1e-30),
-        predicted_comm_s=total * sum(s.comm_s for s in stages) / max(sum(lat), 1e-30),
-        predicted_reshard_s=total * sum(s.reshard_s for s in stages) / max(sum(lat), 1e-30),
+        graph_fingerprint=graph_fingerprint(step),
+        inputs=tensor_plans(step, step.inputs, placement.input_spec,
+                            stages=placement.input_stage),
+        outputs=tensor_plans(step, step.outputs, out_specs, output_paths(step),
+                             placement.output_stage),
+        constraints=(), operators=(), collectives=(), fallbacks=(), stages=tuple(stages),
+        predicted_compute_s=scale * sum(s.compute_s for s in stages),
+        predicted_comm_s=scale * sum(s.comm_s for s in stages),
+        predicted_reshard_s=scale * sum(s.reshard_s for s in stages),
         peak_memory_bytes=float(peak),
         memory_budget_bytes=float(method.memory_budget_bytes or cluster.memory_bytes),
         timings_s=timings, pipeline=pipeline)

@@ -9,14 +9,27 @@ from .plan import (CollectivePlan, FallbackPlan, OperatorPlan, ParallelPlan, Sta
                    constrained_tensors, graph_fingerprint)
 from .primitives import HEAVY_OPERATORS
 
-def _tensor_plans(graph: OpGraph, ids, specs, paths=None) -> tuple[TensorPlan, ...]:
+def tensor_plans(graph: OpGraph, ids, specs, paths=None, stages=None) -> tuple[TensorPlan, ...]:
+    """One TensorPlan per tensor id (an argument or result leaf), with its spec and, in a
+    pipeline plan, the stage holding it."""
     out = []
     for pos, tid in enumerate(ids):
         t = graph.tensors[tid]
         out.append(TensorPlan(index=pos, path=paths[pos] if paths else t.path,
                               role=t.role.value if t.role else "result", shape=t.shape,
-                              dtype=t.dtype, spec=specs[pos]))
+                              dtype=t.dtype, spec=specs[pos],
+                              stage=stages[pos] if stages else 0))
     return tuple(out)
+
+
+def output_paths(graph: OpGraph) -> list[str]:
+    """Names of the results, e.g. "result[3] (next state.params['w'])" for new state."""
+    out = []
+    for pos in range(len(graph.outputs)):
+        src = graph.carried_outputs.get(pos)
+        out.append(f"result[{pos}]" + (f" (next {graph.tensors[graph.inputs[src]].path})"
+                                       if src is not None else ""))
+    return out
 
 
 def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, cluster: str,
@@ -24,11 +37,6 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
                timings_s: dict | None = None) -> ParallelPlan:
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
-    out_paths = []
-    for pos in range(len(graph.outputs)):
-        src = graph.carried_outputs.get(pos)
-        out_paths.append(f"result[{pos}]" + (f" (next {graph.tensors[graph.inputs[src]].path})"
-                                             if src is not None else ""))
     operators = []
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:
@@ -58,8 +66,9 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         method=method, cluster=cluster, mesh_shape=assignment.mesh_shape,
         axis_names=assignment.axis_names, device_ids=tuple(device_ids),
         graph_fingerprint=graph_fingerprint(graph),
-        inputs=_tensor_plans(graph, graph.inputs, in_specs),
-        outputs=_tensor_plans(graph, graph.outputs, assignment.output_specs, out_paths),
+        inputs=tensor_plans(graph, graph.inputs, in_specs),
+        outputs=tensor_plans(graph, graph.outputs, assignment.output_specs,
+                             output_paths(graph)),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
         operators=tuple(operators), collectives=collectives, fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
