@@ -131,17 +131,15 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
       InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
     """
     logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
+    # The stage is sharded like a ShardParallel step (the method's solver settings, its kind).
     inner = ShardParallel(**{f.name: getattr(method, f.name)
                              for f in dataclasses.fields(ShardParallel)})
     a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
     specs = a.tensor_specs
-    counts = [len(sl.param_inputs), len(sl.data_inputs)]
-    n_act = len(sl.act_inputs)
-    ins = [specs[t] for t in graph.inputs]
-    p, d = counts
-    outs = a.output_specs
-    n_out = len(sl.outputs)
-    params = ins[:p]
+    ins = [specs[t] for t in graph.inputs]          # params, data, acts, output cotangents
+    outs = a.output_specs                           # outputs, param grads, act grads
+    p, d = len(sl.param_inputs), len(sl.data_inputs)
+    n_act, n_out = len(sl.act_inputs), len(sl.outputs)
     param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
                       for t in graph.inputs[:p])
     return StageSolution(
@@ -149,6 +147,6 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, specs, logical_shape), param_bytes=param_bytes,
-        param_specs=tuple(params), data_specs=tuple(ins[p:p + d]),
+        param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
         grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp)

@@ -64,7 +64,7 @@ class _Solver:
         self.cache: dict = {}
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = 0
-        self.least_needed_bytes = float("inf")    # over stage solves that did not fit
+        self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
 
     def graph(self, sl: StageSlice) -> tuple[OpGraph, str]:
         key = (sl.start, sl.stop)
@@ -86,7 +86,8 @@ class _Solver:
             sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method)
         except InfeasiblePlanError as e:
             sol = None
-            self.least_needed_bytes = min(self.least_needed_bytes, e.needed_bytes)
+            span = (sl.start, sl.stop)
+            self.needed[span] = min(self.needed.get(span, float("inf")), e.needed_bytes)
         self.cache[key] = sol
         return sol
 
@@ -140,7 +141,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
         sol = solver.best(sl, sub, shape)
         if sol is None:
             raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
-                              solver.least_needed_bytes)
+                              solver.needed[(sl.start, sl.stop)])
         stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub), device_ids=devs,
                                   solution=sol))
     return stages
@@ -212,7 +213,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     if not np.isfinite(lat).any(axis=(1, 2)).all():
         layer = int(np.argmin(np.isfinite(lat).any(axis=(1, 2))))
         raise _infeasible(f"layer {layer}, even alone on all {len(device_ids)} devices,", budget,
-                          solver.least_needed_bytes)
+                          solver.needed[(boundaries[layer], boundaries[layer + 1])])
     # Span (i..j) on submesh k: the best logical view v of the summed layer costs.
     shape_l = (num_layers, num_layers, len(submeshes))
     span_lat, span_static, span_act = np.full(shape_l, np.inf), np.zeros(shape_l), np.zeros(shape_l)
