@@ -9,6 +9,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+import autopar
 from models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
 from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 
@@ -128,3 +129,13 @@ PARAMS = {f"l{i}": jax.random.normal(jax.random.fold_in(KEY, i), (H, H)) * 0.3
           for i in range(4)}
 BATCH = {"x": jax.random.normal(jax.random.fold_in(KEY, 10), (B, H)),
          "y": jax.random.normal(jax.random.fold_in(KEY, 11), (B, H))}
+
+
+def marked_layers(p, x):
+    """tanh(x @ l0) ... tanh(. @ l3), with a stage boundary after each of the first three."""
+    h = x
+    for i in range(4):
+        h = jnp.tanh(h @ p[f"l{i}"])
+        if i < 3:
+            h = autopar.mark_stage_boundary(h)
+    return h

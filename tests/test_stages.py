@@ -13,17 +13,13 @@ from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
 from autopar.trace import trace
 
-from steps import B, BATCH, H, PARAMS  # four 16 x 16 layers, a batch of 8
+from steps import B, BATCH, H, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 DEVICES = tuple(range(8))
 
 
 def loss_fn(p, x, y):
     """Four marked layers; layers 1 and 2 are identical (their stage ILPs are shared)."""
-    h = x
-    for i in range(4):
-        h = jnp.tanh(h @ p[f"l{i}"])
-        if i < 3:
-            h = autopar.mark_stage_boundary(h)
+    h = marked_layers(p, x)
     err = h - y
     return jnp.mean(err ** 2), jnp.sum(err > 0)
 
