@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 
 from autopar.errors import InvalidArgumentError
-from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
+from autopar.inter_op.layers import _solve, cluster_layers, cut_bytes_from_liveness
 
 
-def brute_force(flops, cuts, num_layers, limit):
+def brute_force(flops, cuts, num_layers, limit, floor=0.0):
     n = len(flops)
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     best = None
     for inner in itertools.combinations(range(1, n), num_layers - 1):
         bounds = (0, *inner, n)
         segs = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
-        if max(segs) > limit * (1 + 1e-12):
+        if max(segs) > limit * (1 + 1e-12) or min(segs) < floor * (1 - 1e-12):
             continue
         key = (sum(cuts[b] for b in inner), max(segs))
         if best is None or key < best[0]:
@@ -37,16 +37,51 @@ def test_matches_brute_force(seed):
     cuts = np.concatenate([[0.0], rng.integers(0, 20, n - 1).astype(float), [0.0]])
     res = cluster_layers(flops, cuts, layers, imbalance=0.5)
     total = flops.sum()
-    limit = 1.5 * total / layers if total > 0 else np.inf
-    expected = brute_force(flops, cuts, layers, limit)
+    mean = total / layers
+    limit = 1.5 * mean if total > 0 else np.inf
+    expected = brute_force(flops, cuts, layers, limit, floor=mean / 1.5)
     assert res.num_layers == layers
     assert sum(res.layer_flops) == pytest.approx(total)
-    if expected is not None:       # the bound was met: same optimum, bytes then balance
-        (exp_bytes, exp_peak), _ = expected
+    if expected is not None:       # both bounds met: same optimum, bytes then balance
+        (exp_bytes, exp_peak), bounds = expected
         assert res.cut_bytes == pytest.approx(exp_bytes)
         assert max(res.layer_flops) == pytest.approx(exp_peak)
     else:                          # relaxed: still a valid partition into non-empty layers
         assert all(b > a for a, b in zip(res.boundaries, res.boundaries[1:]))
+    if np.count_nonzero(flops) >= layers:     # enough operators with work for every layer
+        assert min(res.layer_flops) > 0, res
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_matches_brute_force_with_both_bounds(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 9))
+    layers = int(rng.integers(1, n + 1))
+    flops = rng.integers(0, 10, n).astype(float)
+    cuts = np.concatenate([[0.0], rng.integers(0, 20, n - 1).astype(float), [0.0]])
+    mean = flops.sum() / layers
+    floor, limit = mean * rng.uniform(0, 1), mean * rng.uniform(1, 3)
+    got = _solve(np.concatenate([[0.0], np.cumsum(flops)]), cuts, layers, floor, limit)
+    expected = brute_force(flops, cuts, layers, limit, floor=floor)
+    if expected is None:
+        assert got is None
+    else:
+        prefix = np.concatenate([[0.0], np.cumsum(flops)])
+        segs = [prefix[b] - prefix[a] for a, b in zip(got, got[1:])]
+        assert (sum(cuts[b] for b in got[1:-1]), max(segs)) == pytest.approx(expected[0])
+
+
+def test_a_heavy_head_does_not_leave_layers_without_work():
+    # one operator (an LM head, 3.5 units) outweighs the mean layer (9.5 / 6 = 1.58): the
+    # upper bound must relax to fit it, and the cheap cuts around the zero-FLOP embedding
+    # and loss nodes must not become layers of their own
+    flops = np.array([0.0, 1, 1, 1, 1, 1, 1, 3.5, 0])
+    cuts = np.array([0.0, .01, 1, 1, 1, 1, 1, 1, .01, 0])
+    res = cluster_layers(flops, cuts, 6)
+    assert min(res.layer_flops) >= 1.0, res
+    assert res.layer_flops[-1] == 3.5 and res.num_layers == 6
+    # with more layers than operators that do work, empty layers are unavoidable, not an error
+    assert cluster_layers(np.array([0.0, 1, 0, 0]), np.zeros(5), 3).num_layers == 3
 
 
 def test_balance_beats_a_cheap_but_lopsided_cut():

@@ -3,8 +3,11 @@
 Nodes are taken in their traced (topological) order. A cut between node c-1 and node c costs
 the bytes of every tensor made before c and read at or after c (what a pipeline would send
 across that boundary). `cluster_layers` chooses L - 1 cuts that minimize the total bytes cut,
-subject to every layer's FLOPs staying within `(1 + imbalance)` of the mean; among equal cuts
-it prefers the better-balanced plan. Pure numpy: tested without JAX.
+subject to every layer's FLOPs staying within a factor `(1 + imbalance)` of the mean, above
+and below; among equal cuts it prefers the better-balanced plan. The lower bound matters when
+one operator (a language model's head) is heavier than the mean: the upper bound must then be
+relaxed, and without a floor the cheapest cuts would isolate operators with no work, giving
+layers (and, later, pipeline stages) that only hold devices. Pure numpy: tested without JAX.
 
 Example:
     >>> flops = np.array([1, 1, 1, 1.0]); cut = np.array([0, 5, 1, 5, 0.0])
@@ -56,8 +59,11 @@ def cluster_layers(node_flops: np.ndarray, cut_bytes: np.ndarray, num_layers: in
       node_flops: FLOPs per node, length N.
       cut_bytes: bytes crossing cut position c for c = 0..N (0 and N are the ends).
       num_layers: L, 1 <= L <= N.
-      imbalance: each layer's FLOPs must stay <= (1 + imbalance) * total / L; if no cut
-        meets that, the bound is relaxed step by step (doubling the slack) until one does.
+      imbalance: each layer's FLOPs must stay within [mean / (1 + imbalance),
+        (1 + imbalance) * mean], mean = total / L. If no cut meets the upper bound it is
+        relaxed step by step (doubling the slack) until one does; then the floor is relaxed
+        the same way, down to "at least one operator with FLOPs", and dropped only if even
+        that admits no plan (more layers than operators with work).
     """
     flops = np.asarray(node_flops, dtype=float)
     cuts = np.asarray(cut_bytes, dtype=float)
@@ -74,25 +80,39 @@ def cluster_layers(node_flops: np.ndarray, cut_bytes: np.ndarray, num_layers: in
         raise InvalidArgumentError(f"imbalance={imbalance!r} must be >= 0.")
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     total = prefix[-1]
-    slack = imbalance
-    while True:
-        limit = (1 + slack) * total / num_layers if total > 0 else np.inf
-        result = _solve(prefix, cuts, num_layers, limit)
-        if result is not None:
-            break
-        slack = max(2 * slack, 0.05)
+    mean = total / num_layers
+    if total <= 0:
+        result = _solve(prefix, cuts, num_layers, 0.0, np.inf)
+    else:
+        slack = imbalance
+        while (result := _solve(prefix, cuts, num_layers, 0.0, (1 + slack) * mean)) is None:
+            slack = _relax(slack)
+        upper = (1 + slack) * mean
+        smallest = float(flops[flops > 0].min())
+        low_slack = imbalance
+        while True:      # the highest floor that still admits a plan; 0 (no floor) last
+            floor = mean / (1 + low_slack)
+            floored = _solve(prefix, cuts, num_layers, floor, upper)
+            if floored is not None or floor < smallest:
+                break
+            low_slack = _relax(low_slack)
+        result = floored if floored is not None else result
     bounds = tuple(int(b) for b in result)
     layer_flops = tuple(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:]))
-    mean = total / num_layers if total > 0 else 0.0
     return LayerClustering(
         boundaries=bounds, layer_flops=layer_flops,
         cut_bytes=float(sum(cuts[b] for b in bounds[1:-1])),
         max_imbalance=float(max(layer_flops) / mean - 1) if mean > 0 else 0.0)
 
 
-def _solve(prefix: np.ndarray, cuts: np.ndarray, num_layers: int, limit: float):
+def _relax(slack: float) -> float:
+    return max(2 * slack, 0.05)
+
+
+def _solve(prefix: np.ndarray, cuts: np.ndarray, num_layers: int, floor: float,
+           limit: float):
     """DP over (layers placed, end node): min (cut bytes, max layer FLOPs) with every layer
-    non-empty and under `limit`. Returns the boundaries or None."""
+    non-empty and its FLOPs in [floor, limit]. Returns the boundaries or None."""
     n = prefix.size - 1
     inf = np.inf
     # best[k][e]: (bytes, peak) of the best k layers covering nodes [0, e)
@@ -105,7 +125,7 @@ def _solve(prefix: np.ndarray, cuts: np.ndarray, num_layers: int, limit: float):
         for e in range(k, n - (num_layers - k) + 1):
             starts = np.arange(k - 1, e)
             seg = prefix[e] - prefix[starts]
-            ok = (seg <= limit * (1 + 1e-12)) & np.isfinite(best_bytes[k - 1, starts])
+            ok = (seg <= limit * (1 + 1e-12)) & (seg >= floor * (1 - 1e-12)) & np.isfinite(best_bytes[k - 1, starts])
             if not ok.any():
                 continue
             cost = best_bytes[k - 1, starts] + (cuts[e] if k < num_layers else 0.0)
