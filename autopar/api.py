@@ -29,7 +29,7 @@ from .intra_op import solve_intra_op
 from .lower import Lowered, lower, put
 from .lower_pipeline import lower_pipeline
 from .options import PipeshardParallel, ShardParallel
-from .pipeshard import plan_pipeline
+from .pipeshard import accumulation_method, plan_pipeline
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .planner import build_plan
@@ -78,6 +78,19 @@ def _check_batch(graph: OpGraph) -> None:
             f"leaves all start with the same batch size.")
 
 
+def _pipelined(method: ShardParallel) -> bool:
+    """Pipelines and gradient accumulation run on the pipeline machinery."""
+    return isinstance(method, PipeshardParallel) or method.num_microbatches > 1
+
+
+def _pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,
+                      ) -> tuple[PipeshardParallel, ShardParallel | None]:
+    """(the pipeline to run, the method its stage ILPs follow: None for a real pipeline)."""
+    if isinstance(method, PipeshardParallel):
+        return method, None
+    return accumulation_method(method, mesh_shape, cluster), method
+
+
 def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
          mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
          batch_argnums: Sequence[int] = (1,), static_argnums: Sequence[int] = (),
@@ -97,12 +110,13 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     if mesh_shape is None:
         mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
-    if isinstance(method, PipeshardParallel):
+    if _pipelined(method):
+        pipe, stage_method = _pipeline_methods(method, mesh_shape, cluster)
         return plan_pipeline(fun, tuple(args), cluster=cluster,
                              device_ids=tuple(range(cluster.num_devices)),
-                             mesh_shape=tuple(mesh_shape), method=method,
+                             mesh_shape=tuple(mesh_shape), method=pipe,
                              static_argnums=static_argnums, batch_argnums=batch_argnums,
-                             donate_argnums=donate_argnums)[0]
+                             donate_argnums=donate_argnums, stage_method=stage_method)[0]
     graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                   donate_argnums=donate_argnums)
     _check_batch(graph)
@@ -159,7 +173,7 @@ class ParallelizedFunction:
         if entry is not None:
             return entry
         mesh = self.mesh
-        if isinstance(self._method, PipeshardParallel):
+        if _pipelined(self._method):
             entry = self._pipeline_entry(args, mesh)
             self._cache[key] = entry
             return entry
@@ -185,15 +199,15 @@ class ParallelizedFunction:
         return entry
 
     def _pipeline_entry(self, args, mesh) -> _Entry:
-        method = self._method
+        cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
+        method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
         if self._saved_plan is not None:
             method = dataclasses.replace(method, stage_option=self._saved_plan.stage_option())
-        cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
         plan_, parts, graph = plan_pipeline(
             self._fun, args, cluster=cluster, device_ids=tuple(int(d.id) for d in
                                                                 mesh.devices.flat),
             mesh_shape=tuple(mesh.devices.shape), method=method, static_argnums=self._static,
-            batch_argnums=self._batch, donate_argnums=self._donate)
+            batch_argnums=self._batch, donate_argnums=self._donate, stage_method=stage_method)
         if self._saved_plan is not None and \
                 self._saved_plan.graph_fingerprint != plan_.graph_fingerprint:
             raise PlanMismatchError(
@@ -204,8 +218,10 @@ class ParallelizedFunction:
         program = lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
                                  list(mesh.devices.flat), method.schedule,
                                  method.num_microbatches, method.max_in_flight_calls)
-        log.info("autopar: %s planned as a %d-stage pipeline; XLA compiles each stage on the "
-                 "first call", getattr(self._fun, "__name__", "step"), len(plan_.stages))
+        log.info("autopar: %s planned as %s; XLA compiles each stage on the first call",
+                 getattr(self._fun, "__name__", "step"),
+                 f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
+                 f"{method.num_microbatches}-microbatch gradient accumulation")
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
 
     def _leaves(self, args) -> list:
@@ -246,8 +262,8 @@ class ParallelizedFunction:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""
         entry = self._entry(args)
         if entry.executor is None:
-            raise InvalidArgumentError("get_executor: this plan is not a pipeline "
-                                       "(method is not PipeshardParallel).")
+            raise InvalidArgumentError("get_executor: this plan is not a pipeline (method is "
+                                       "not PipeshardParallel, num_microbatches is 1).")
         return entry.executor
 
 
@@ -261,8 +277,9 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
       fun: the step, e.g. `train_step(state, batch) -> (state, loss)`.
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None uses every device as a
         1 x N mesh.
-      method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()` or
-        `Zero3Parallel()`.
+      method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()`,
+        `Zero3Parallel()` (any of them with `num_microbatches=M` for gradient accumulation)
+        or `PipeshardParallel(...)`.
       static_argnums, donate_argnums: as in `jax.jit`.
       batch_argnums: positional arguments whose leaves carry the batch as dimension 0.
       plan: a saved `ParallelPlan` (e.g. `ParallelPlan.from_json(text)`): skip the search.
@@ -286,7 +303,7 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
     if method is not None and not isinstance(method, ShardParallel):
         raise InvalidArgumentError(
             f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
-            f"DataParallel(), Zero2Parallel() or Zero3Parallel().")
+            f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
     return ParallelizedFunction(fun, mesh=mesh, method=method, static_argnums=static_argnums,
                                 donate_argnums=donate_argnums, batch_argnums=batch_argnums,
                                 plan=plan, cluster=cluster)

@@ -25,6 +25,12 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...],
 def _pipeline_lines(plan: ParallelPlan) -> list[str]:
     """The stages of a pipeline plan, its schedule and the stage search."""
     p = plan.pipeline
+    if p.get("gradient_accumulation"):
+        s = plan.stages[0]
+        return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
+                f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
+                f"then the update; predicted step {_time(p['predicted_latency_s'])}, peak "
+                f"memory {_bytes(s.peak_memory_bytes)} per device"]
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
@@ -37,7 +43,7 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
                      "x".join(map(str, s.submesh)),
                      " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
                      _time(s.latency_s), str(q),
-                     _bytes(s.peak_memory_bytes + (q - 1) * s.activation_bytes),
+                     _bytes(s.peak_memory_bytes),
                      ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
     lines += ["  " + r for r in _table(rows, ("stage", "layers", "devices", "submesh",
                                                "logical mesh", "fwd+bwd/mb", "in flight",

@@ -44,13 +44,29 @@ class ShardParallel:
         greedy plan. Either way the dump and a log warning say so.
       layer_reuse: tie the ILP variables of repeated layers (`block_0`, `block_1`, ...) so a
         deep model is solved about as fast as one layer; see `LayerReuse`.
+      num_microbatches: gradient accumulation. With M > 1 the batch is split into M equal
+        microbatches (M must divide the batch size); one executable runs forward and backward
+        on each and adds its gradient into an accumulator, then one executable applies the
+        update, so activation memory is that of one microbatch. The loss and gradients are the
+        microbatches' mean, which equals the full batch's for a loss that is a mean over
+        examples. The step must take its gradient with `autopar.value_and_grad` /
+        `autopar.grad`. The shardings come from the ILP at the microbatch's size.
+
+    Example:
+        >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
+        >>> autopar.Zero3Parallel(num_microbatches=2)
     """
     memory_budget_bytes: int | None = None
     solver: SolverBackend = SolverBackend.HIGHS
     solver_time_limit_s: float = 60.0
     layer_reuse: LayerReuse = LayerReuse.AUTO
+    num_microbatches: int = 1
 
     def __post_init__(self):
+        v = self.num_microbatches
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidArgumentError(f"{type(self).__name__}.num_microbatches={v!r} must be "
+                                       "an int >= 1.")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise InvalidArgumentError(
                 f"memory_budget_bytes={self.memory_budget_bytes!r} must be positive or None.")
@@ -249,7 +265,6 @@ class PipeshardParallel(ShardParallel):
         ...     layer_option=autopar.AutoLayerOption(num_layers=4),
         ...     stage_option=autopar.UniformStageOption(num_stages=2))
     """
-    num_microbatches: int = 1
     schedule: Schedule = Schedule.ONE_F_ONE_B
     layer_option: AutoLayerOption | ManualLayerOption = AutoLayerOption()
     stage_option: StageOption = AutoStageOption()
@@ -257,10 +272,10 @@ class PipeshardParallel(ShardParallel):
 
     def __post_init__(self):
         super(PipeshardParallel, self).__post_init__()
-        for name in ("num_microbatches", "max_in_flight_calls"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidArgumentError(f"PipeshardParallel.{name}={v!r} must be an int >= 1.")
+        v = self.max_in_flight_calls
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidArgumentError(f"PipeshardParallel.max_in_flight_calls={v!r} must be "
+                                       "an int >= 1.")
         if not isinstance(self.schedule, Schedule):
             raise InvalidArgumentError(f"PipeshardParallel.schedule={self.schedule!r} is not a "
                                        f"Schedule; use one of {[s for s in Schedule]}.")

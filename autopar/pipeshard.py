@@ -1,6 +1,11 @@
 """The driver for `PipeshardParallel`: trace -> split the loss -> layers -> stages (DP over
 intra-op ILP costs) -> apply-gradient placement -> plan; then lower and run.
 
+Gradient accumulation (`ShardParallel(num_microbatches=M)` and its data / ZeRO variants) runs
+through the same machinery as a one-stage pipeline on the whole mesh (`accumulation_method`):
+the stage's forward+backward executable accumulates each microbatch's gradient, then the
+apply-gradient executable updates the state, as Alpa did it.
+
 Example:
     >>> method = autopar.PipeshardParallel(num_microbatches=4,
     ...                                    stage_option=autopar.UniformStageOption(num_stages=2))
@@ -20,7 +25,8 @@ from .errors import InvalidArgumentError
 from .inter_op.apply_grad import Placement, place
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from .inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
-from .options import PipeshardParallel
+from .options import (AutoLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
+                      ShardParallel)
 from .plan import ParallelPlan, StagePlan, graph_fingerprint
 from .planner import output_paths, tensor_plans
 from .primitives import HEAVY_OPERATORS
@@ -59,6 +65,33 @@ def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches:
     return tuple(out)
 
 
+def accumulation_method(method: ShardParallel, mesh_shape: Sequence[int],
+                        cluster: ClusterSpec) -> PipeshardParallel:
+    """The one-stage pipeline that runs `method` with gradient accumulation: one layer, one
+    stage on every device, its logical mesh the user's mesh (a 1-D mesh as 1 x n).
+
+    Example:
+        >>> accumulation_method(autopar.ShardParallel(num_microbatches=4), (2, 4), cluster)
+    """
+    shape = tuple(int(d) for d in mesh_shape)
+    if len(shape) == 1:
+        shape = (1, shape[0])
+    if len(shape) != 2:
+        raise InvalidArgumentError(
+            f"num_microbatches={method.num_microbatches} (gradient accumulation) runs on a 1-D "
+            f"or 2-D mesh; this mesh has shape {tuple(mesh_shape)}. Fix: reshape the mesh to "
+            "two axes, e.g. jax.make_mesh((2, 4), ('data', 'model')).")
+    n = shape[0] * shape[1]
+    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
+    submesh = (hosts, per_host) if hosts * per_host == n else (1, n)
+    return PipeshardParallel(
+        memory_budget_bytes=method.memory_budget_bytes, solver=method.solver,
+        solver_time_limit_s=method.solver_time_limit_s, layer_reuse=method.layer_reuse,
+        num_microbatches=method.num_microbatches, layer_option=AutoLayerOption(num_layers=1),
+        stage_option=ManualStageOption(layer_spans=((0, 0),), submesh_shapes=(submesh,),
+                                       logical_shapes=(shape,)))
+
+
 def _scopes(loss: LossGraph, start: int, stop: int) -> tuple[str, ...]:
     """Model scopes of the heavy operators in a node range, e.g. ('GPT/block_0/attn', ...)."""
     seen = {}
@@ -72,8 +105,11 @@ def _scopes(loss: LossGraph, start: int, stop: int) -> tuple[str, ...]:
 def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                   device_ids: tuple[int, ...], mesh_shape: tuple[int, ...],
                   method: PipeshardParallel, static_argnums=(), batch_argnums=(1,),
-                  donate_argnums=()) -> tuple[ParallelPlan, PipelineParts, Any]:
-    """Plan a pipeline; returns (plan, the parts the lowering needs, the step graph)."""
+                  donate_argnums=(), stage_method: ShardParallel | None = None,
+                  ) -> tuple[ParallelPlan, PipelineParts, Any]:
+    """Plan a pipeline; returns (plan, the parts the lowering needs, the step graph).
+    `stage_method` (gradient accumulation) is the user's method: its rules shape the stage's
+    ILP and its name is the plan's method."""
     t0 = time.perf_counter()
     kw = dict(static_argnums=static_argnums, batch_argnums=batch_argnums,
               donate_argnums=donate_argnums, keep_grad=True)
@@ -86,16 +122,18 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
     log.info("autopar: loss cut into %d layers (%d forward operators)", len(bounds) - 1,
              len(loss.forward.nodes))
     t1 = time.perf_counter()
-    result = choose_stages(loss, tuple(bounds), cluster, tuple(device_ids), method)
+    result = choose_stages(loss, tuple(bounds), cluster, tuple(device_ids), method,
+                           stage_method)
     placement = place(loss, result.stages)
     t_stages = time.perf_counter() - t1
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
-                       {"trace": t_trace, "inter_op": t_stages})
+                       {"trace": t_trace, "inter_op": t_stages},
+                       (stage_method or method).kind)
     return plan, PipelineParts(loss=loss, inter_op=result, placement=placement), step
 
 
 def _build_plan(loss, result: InterOpResult, placement: Placement, method, cluster,
-                device_ids, mesh_shape, timings) -> ParallelPlan:
+                device_ids, mesh_shape, timings, kind: MethodKind) -> ParallelPlan:
     step = loss.step
     m = method.num_microbatches
     stages = []
@@ -105,14 +143,13 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             index=st.slice.index, device_ids=st.device_ids,
             logical_mesh_shape=sol.logical_shape, axis_names=AXIS_NAMES,
             compute_s=sol.compute_s, comm_s=sol.comm_s, reshard_s=sol.reshard_s,
-            peak_memory_bytes=sol.peak_memory_bytes,
+            peak_memory_bytes=st.peak_bytes,
             layers=st.layers, submesh=st.submesh, latency_s=sol.latency_s,
             activation_bytes=sol.activation_bytes,
             scopes=_scopes(loss, st.slice.start, st.slice.stop)))
     schedule = make_schedule(method.schedule, len(stages), m)
     in_flight = schedule.in_flight()
-    peak = max(s.peak_memory_bytes + (q - 1) * s.activation_bytes
-               for s, q in zip(stages, in_flight))
+    peak = max(s.peak_memory_bytes for s in stages)
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
                  for tid, spec in zip(step.outputs, placement.output_spec)]
@@ -126,11 +163,12 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "dp_time_s": result.dp_time_s, "segments": len(placement.segments),
         "stage_option": type(method.stage_option).__name__,
         "layer_option": type(method.layer_option).__name__,
+        "gradient_accumulation": kind != MethodKind.PIPESHARD,
     }
     # The step's compute / communication / resharding split, in the stages' proportions.
     scale = pipeline["predicted_latency_s"] / max(sum(lat), 1e-30)
     return ParallelPlan(
-        method=method.kind.value, cluster=cluster.name, mesh_shape=tuple(mesh_shape),
+        method=kind.value, cluster=cluster.name, mesh_shape=tuple(mesh_shape),
         axis_names=AXIS_NAMES, device_ids=tuple(device_ids),
         graph_fingerprint=graph_fingerprint(step),
         inputs=tensor_plans(step, step.inputs, placement.input_spec,

@@ -83,7 +83,8 @@ class StagePlan:
     compute_s: float
     comm_s: float
     reshard_s: float
-    peak_memory_bytes: float
+    peak_memory_bytes: float                   # a pipeline stage's: with optimizer state,
+                                               # accumulator and in-flight activations
     # Pipeline stages only:
     layers: tuple[int, int] = (0, 0)           # first and last layer
     submesh: tuple[int, ...] = ()              # (hosts, devices per host)

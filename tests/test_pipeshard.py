@@ -6,6 +6,8 @@ import optax
 import pytest
 
 import autopar
+from autopar.pipeshard import accumulation_method
+from autopar.spec import num_shards
 from models.gpt import GPTConfig
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
@@ -195,3 +197,57 @@ def test_plan_that_cannot_fit_memory_says_how_much_it_needs(stage_option):
     with pytest.raises(autopar.InfeasiblePlanError, match="memory_budget_bytes=1,024") as e:
         par(state, batches[0])
     assert e.value.budget_bytes == 1024 and e.value.needed_bytes > 1024
+
+
+# Gradient accumulation: ShardParallel and its data / ZeRO variants with num_microbatches > 1
+# run as a one-stage pipeline on the whole mesh.
+
+@pytest.mark.parametrize("model,api,method", [
+    ("gpt", "linen", autopar.ShardParallel(num_microbatches=4)),
+    ("gpt", "nnx", autopar.ShardParallel(num_microbatches=2)),
+    ("mlp", "linen", autopar.Zero3Parallel(num_microbatches=2)),
+    ("mlp", "nnx", autopar.DataParallel(num_microbatches=2))])
+def test_gradient_accumulation_matches_single_device(model, api, method):
+    par, state, batches = _check(model, api, method, num_layers=2)
+    plan = par.get_plan(state, batches[0])
+    assert plan.method == method.kind.value and plan.pipeline["gradient_accumulation"]
+    assert plan.pipeline["num_microbatches"] == method.num_microbatches
+    (stage,) = plan.stages
+    assert stage.device_ids == tuple(range(8)) and stage.logical_mesh_shape == (2, 4)
+    live = par.get_executor(state, batches[0]).stats.max_live_microbatches
+    assert live == [1]                      # one microbatch's activations at a time
+    if method.kind == autopar.MethodKind.ZERO3:       # the method's rules still hold
+        params = [t for t in plan.inputs if t.role == "param" and t.shape]
+        assert params and all(num_shards(t.spec, (2, 4)) == 8 for t in params)
+    if method.kind == autopar.MethodKind.DATA:
+        assert all(num_shards(t.spec, (2, 4)) == 1 for t in plan.inputs if t.role == "param")
+    assert "gradient accumulation: " in autopar.dump(plan)
+
+
+def test_gradient_accumulation_needs_less_memory():
+    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=64,
+                                     value_and_grad=autopar.value_and_grad)
+    peaks = [autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
+        num_microbatches=m)).get_plan(state, batches[0]).peak_memory_bytes for m in (1, 4)]
+    assert peaks[1] < peaks[0], peaks
+
+
+def test_gradient_accumulation_needs_autopar_grad():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=2))
+    with pytest.raises(autopar.InvalidArgumentError, match="gradient accumulation"):
+        par(state, batches[0])
+
+
+def test_accumulation_method_mesh_shapes():
+    cluster = autopar.ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2)
+    m = accumulation_method(autopar.Zero2Parallel(num_microbatches=4, memory_budget_bytes=2**30),
+                            (16,), cluster)
+    assert m.stage_option.logical_shapes == ((1, 16),)
+    assert m.stage_option.submesh_shapes == ((2, 8),)       # the cluster's hosts x devices
+    assert (m.num_microbatches, m.memory_budget_bytes) == (4, 2**30)
+    assert accumulation_method(autopar.ShardParallel(num_microbatches=2), (2, 4),
+                               cluster).stage_option.submesh_shapes == ((1, 8),)
+    with pytest.raises(autopar.InvalidArgumentError, match="1-D or 2-D mesh"):
+        accumulation_method(autopar.ShardParallel(num_microbatches=2), (2, 2, 2), cluster)

@@ -56,8 +56,9 @@ def _grad_node(step: OpGraph):
     grads = [n for n in step.nodes if n.primitive == VALUE_AND_GRAD]
     if len(grads) != 1:
         raise InvalidArgumentError(
-            f"PipeshardParallel needs exactly one autopar.value_and_grad / autopar.grad call in "
-            f"the step, found {len(grads)}. Fix: take the gradient with "
+            f"PipeshardParallel and gradient accumulation (num_microbatches > 1) need exactly "
+            f"one autopar.value_and_grad / autopar.grad call in the step, found {len(grads)} "
+            "(jax.value_and_grad does not count: it leaves no mark). Fix: take the gradient with "
             "`autopar.value_and_grad(loss_fn)(params, ...)` (a drop-in for jax's) once per step.")
     return grads[0]
 

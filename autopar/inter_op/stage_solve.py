@@ -20,7 +20,7 @@ from ..graph import OpGraph, TensorKind
 from ..intra_op import solve_intra_op
 from ..intra_op.solve import IlpStats
 from ..lower import run_nodes
-from ..options import ShardParallel
+from ..options import MethodKind, ShardParallel
 from ..spec import Spec, num_shards
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
@@ -131,9 +131,10 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
       InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
     """
     logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
-    # The stage is sharded like a ShardParallel step (the method's solver settings, its kind).
-    inner = ShardParallel(**{f.name: getattr(method, f.name)
-                             for f in dataclasses.fields(ShardParallel)})
+    # A pipeline's stage is sharded like a ShardParallel step with the pipeline's solver
+    # settings; gradient accumulation's one stage keeps its method's rules (data, ZeRO).
+    inner = method if method.kind != MethodKind.PIPESHARD else ShardParallel(
+        **{f.name: getattr(method, f.name) for f in dataclasses.fields(ShardParallel)})
     a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
     specs = a.tensor_specs
     ins = [specs[t] for t in graph.inputs]          # params, data, acts, output cotangents

@@ -9,6 +9,7 @@ shardings. `UniformStageOption` and `ManualStageOption` skip the DP.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import InputRole, OpGraph
-from ..options import AutoStageOption, ManualStageOption, PipeshardParallel, UniformStageOption
+from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, ShardParallel,
+                       UniformStageOption)
 from ..plan import graph_fingerprint
 from .pipeline import LossGraph, StageSlice, slice_range
+from ..runtime.schedule import make_schedule
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
 from .stage_solve import StageSolution, solve_stage, trace_stage
 
@@ -35,6 +38,8 @@ class ChosenStage:
     submesh: tuple[int, int]             # hosts, devices per host
     device_ids: tuple[int, ...]
     solution: StageSolution
+    peak_bytes: float = 0.0              # per device: state, accumulator, working memory and
+                                         # the schedule's in-flight activations
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +64,7 @@ def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
 class _Solver:
     """Solves stage ILPs, caching by (training-graph fingerprint, submesh, logical shape)."""
 
-    def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: PipeshardParallel):
+    def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: ShardParallel):
         self.loss, self.cluster, self.method = loss, cluster, method
         self.cache: dict = {}
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
@@ -111,11 +116,14 @@ def _static_bytes(sol: StageSolution, opt_ratio: float) -> float:
     return working + sol.param_bytes * (1 + opt_ratio)
 
 
-def _infeasible(what: str, budget: float, needed: float) -> InfeasiblePlanError:
+def _infeasible(what: str, budget: float, needed: float, *,
+                any_mesh: bool = True) -> InfeasiblePlanError:
+    need = (f"under any logical mesh (the least any tried needs is {needed:,.0f} bytes)"
+            if any_mesh else f"(it needs {needed:,.0f} bytes)")
     return InfeasiblePlanError(
-        f"memory: {what} does not fit memory_budget_bytes={budget:,.0f} per device under any "
-        f"logical mesh (the least any tried needs is {needed:,.0f} bytes). Fix: more devices "
-        "per stage, more stages, fewer microbatches in flight (1F1B), or a larger budget.",
+        f"memory: {what} does not fit memory_budget_bytes={budget:,.0f} per device {need}. "
+        "Fix: more devices per stage, more stages, more microbatches (smaller ones), fewer in "
+        "flight (1F1B), or a larger budget.",
         needed_bytes=int(needed), budget_bytes=int(budget))
 
 
@@ -148,14 +156,21 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
 
 
 def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: ClusterSpec,
-                  device_ids: tuple[int, ...], method: PipeshardParallel) -> InterOpResult:
-    """Run the stage option of `method` over the layers given by `boundaries`."""
+                  device_ids: tuple[int, ...], method: PipeshardParallel,
+                  stage_method: ShardParallel | None = None) -> InterOpResult:
+    """Run the stage option of `method` over the layers given by `boundaries`; each stage's
+    ILP follows `stage_method` (default: `method`'s solver settings, free shardings).
+
+    Raises:
+      InfeasiblePlanError: a stage does not fit the memory budget with its optimizer state,
+        gradient accumulator and the activations its schedule keeps in flight.
+    """
     start = time.perf_counter()
     option = method.stage_option
     num_layers = len(boundaries) - 1
     n = len(device_ids)
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
-    solver = _Solver(loss, cluster, method)
+    solver = _Solver(loss, cluster, stage_method or method)
     dp = (0, 0, 0.0)
     dph = cluster.devices_per_host
     if isinstance(option, ManualStageOption):
@@ -182,12 +197,30 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   [logical_shapes(per)] * s, device_ids, solver, budget)
     else:
         stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
+    stages = _with_peaks(stages, loss, method, budget)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, in %.2f s", len(stages),
              solver.num_ilps, solver.num_reused, time.perf_counter() - start)
     return InterOpResult(boundaries=tuple(boundaries), stages=tuple(stages),
                          num_ilps=solver.num_ilps, num_reused=solver.num_reused,
                          dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
                          profile_time_s=time.perf_counter() - start)
+
+
+def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:
+    """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
+    choice that does not fit raises here, as the DP never picks one."""
+    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).in_flight()
+    opt_ratio = _opt_ratio(loss.step)
+    out = []
+    for st, q in zip(stages, in_flight):
+        peak = _static_bytes(st.solution, opt_ratio) + q * st.solution.activation_bytes
+        if peak > budget * (1 + 1e-9):
+            raise _infeasible(
+                f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
+                f"{st.submesh} with its optimizer state, gradient accumulator and {q} "
+                "microbatch(es) of activations in flight", budget, peak, any_mesh=False)
+        out.append(dataclasses.replace(st, peak_bytes=peak))
+    return out
 
 
 def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption, solver,
