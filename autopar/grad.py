@@ -14,6 +14,9 @@ Example:
     ...     loss, grads = autopar.value_and_grad(loss_fn)(state.params)
     ...     return state.apply_gradients(grads=grads), loss
 
+Under `jax.vmap` and differentiation (`jax.jvp`, `jax.hessian`) the marker turns into what
+it computes, so per-example gradients and gradient penalties work, unmarked.
+
 With microbatches the loss, its auxiliary floating outputs and the gradients are the mean
 over microbatches (exact for a loss that is a mean over the batch's examples); integer
 auxiliary outputs are summed.
@@ -25,7 +28,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.extend.core as jcore
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from .errors import InvalidArgumentError
 
@@ -54,9 +57,26 @@ def _abstract_eval(*avals, jaxpr, num_diff, has_aux):
                                 for a in avals[:num_diff]))
 
 
+def _batch(args, dims, **params):
+    """vmap of the marker is vmap of what it computes: the mark is dropped (a vmapped
+    gradient, e.g. per-example gradients, is not a training step's loss)."""
+    in_axes = [d if isinstance(d, int) else None for d in dims]     # None: not mapped
+    outs = jax.vmap(functools.partial(expand, **params), in_axes=in_axes)(*args)
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, **params):
+    """Differentiating the marker (a Hessian-vector product, a gradient penalty)
+    differentiates what it computes; the mark is dropped."""
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(expand, **params), tuple(primals), tuple(tangents))
+
+
 value_and_grad_p.def_impl(expand)
 value_and_grad_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(value_and_grad_p, mlir.lower_fun(expand, multiple_results=True))
+batching.primitive_batchers[value_and_grad_p] = _batch
+ad.primitive_jvps[value_and_grad_p] = _jvp
 
 
 def _closure_converted(fun: Callable, args: tuple) -> tuple[jcore.ClosedJaxpr, list]:

@@ -23,7 +23,9 @@ executor whose stage forward/backward and apply-gradient executables are wrapped
 at a time (inputs ready before the clock starts, outputs ready before it stops), which gives
 every task's time alone. From those the ideal step time is computed (see `_ideal`), and the
 executor overhead is measured / ideal - 1. The same step under ShardParallel is timed for
-reference.
+reference, and under ShardParallel(num_microbatches=M) for each `--accumulate` M (default 4):
+gradient accumulation, which autopar runs as a one-stage pipeline on the whole mesh; its step
+time is compared with the reference's, its predicted peak memory per device and first loss too.
 
 Each case runs in its own child process (memory returned, a stuck case killed after
 `--case-timeout-s`); progress goes to stderr. Nothing is invented: what was not measured says
@@ -42,7 +44,7 @@ from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, gpt
                     gpt_train_step, load_avg, progress, run_child, setup_worker, source_revision,
                     utc_now)
 from pipeline_report import (PLAN_CFG, PLAN_FALLBACK_BATCH, PLAN_MICROBATCHES, PRESET, RUN_BATCH,
-                             RUN_CFG, RUN_MICROBATCHES, section, write_section)
+                             RUN_CFG, RUN_MICROBATCHES, _short, section, write_section)
 
 # Defaults of the options (the workload itself is described in pipeline_report.py).
 PLAN_LAYERS = (12, 24, 48)
@@ -132,7 +134,8 @@ def _plan_worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker 2: run one pipeline (or the ShardParallel reference) on 8 simulated CPU devices.
+# Worker 2: run one pipeline (or ShardParallel, with or without gradient accumulation) on 8
+# simulated CPU devices.
 # ---------------------------------------------------------------------------------------------
 
 def _ideal(schedule, fwd_s, bwd_s, seg_s):
@@ -156,6 +159,16 @@ def _ideal(schedule, fwd_s, bwd_s, seg_s):
 
 
 def _run_worker(args) -> None:
+    out = Saver(args.result_)
+    try:
+        _run_case(args, out)
+    except Exception as e:      # recorded for the report, then the worker fails as before
+        out.data["error"] = f"{type(e).__name__}: {_short(e, 300)}"
+        out.save()
+        raise
+
+
+def _run_case(args, out: Saver) -> None:
     setup_worker(NUM_DEVICES)
     import collections
     import dataclasses
@@ -167,10 +180,12 @@ def _run_worker(args) -> None:
     from autopar.runtime.executor import Executor
     from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
 
-    what = args.stages_          # 0: ShardParallel reference; else the number of stages
-    out = Saver(args.result_)
+    what = args.stages_          # 0: ShardParallel; else the number of stages
+    acc = args.accumulate_       # ShardParallel(num_microbatches=acc) when given (what is 0)
     r = out.data
     r.update(stages=what, load_start=load_avg())
+    if not what:
+        r["num_microbatches"] = acc or 1
     devices = jax.devices()
     r["jax"] = {"version": jax.__version__, "platform": devices[0].platform,
                 "device_count": len(devices)}
@@ -191,15 +206,23 @@ def _run_worker(args) -> None:
             num_microbatches=RUN_MICROBATCHES, schedule=autopar.Schedule.ONE_F_ONE_B,
             layer_option=autopar.ManualLayerOption(),
             stage_option=autopar.UniformStageOption(num_stages=what))
+    elif acc:
+        method = autopar.ShardParallel(num_microbatches=acc)
     else:
         method = autopar.ShardParallel()
-    name = f"{what} stages" if what else "ShardParallel"
+    name = f"{what} stages" if what else "ShardParallel" + (f" M={acc}" if acc else "")
     par = autopar.parallelize(step, mesh=mesh, method=method)
     _progress(f"run {name}: planning ...")
     t0 = time.perf_counter()
     plan = par.get_plan(state, batch)
     r["plan_s"] = time.perf_counter() - t0
     r["predicted_step_s"] = plan.predicted_step_s
+    r["peak_memory_bytes"] = plan.peak_memory_bytes
+    if acc:
+        pl = plan.pipeline or {}
+        r["gradient_accumulation"] = pl.get("gradient_accumulation")
+        r["num_microbatches"] = pl.get("num_microbatches")
+        r["num_plan_stages"] = len(plan.stages)
     if what:
         r["stages_info"] = [{"layers": list(s.layers), "devices": len(s.device_ids),
                              "logical": list(s.logical_mesh_shape), "latency_s": s.latency_s}
@@ -328,8 +351,8 @@ def _child(argv: list[str], label: str, timeout_s: float) -> dict:
 def run(args) -> dict:
     """Run every selected case; returns the results for `section`."""
     t0 = time.perf_counter()
-    res: dict = {"started_utc": utc_now(), "plan": [], "run": [], "load_start": load_avg(),
-                 "revision_start": source_revision()}
+    res: dict = {"started_utc": utc_now(), "plan": [], "run": [], "accumulate": [],
+                 "load_start": load_avg(), "revision_start": source_revision()}
     if not args.no_plan:
         for layers in args.plan_layers:
             for hosts in args.plan_hosts:
@@ -343,12 +366,17 @@ def run(args) -> dict:
                 res["plan"][-1].setdefault("hosts", hosts)
                 res["plan"][-1].setdefault("shapes", shapes)
     if not args.no_run:
+        opts = ["--measure-steps", str(args.measure_steps),
+                "--pipeline-measure-budget-s", str(args.pipeline_measure_budget_s)]
         for what in [*args.stages, *([] if args.no_shard_reference else [0])]:
-            opts = ["--measure-steps", str(args.measure_steps),
-                    "--pipeline-measure-budget-s", str(args.pipeline_measure_budget_s)]
             res["run"].append(_child(["--_run", str(what), *opts],
                                      f"run {what or 'ShardParallel'}", args.case_timeout_s))
             res["run"][-1].setdefault("stages", what)
+        for m in [] if args.no_accumulate else args.accumulate:
+            res["accumulate"].append(_child(["--_run", "0", "--_accumulate", str(m), *opts],
+                                            f"run ShardParallel M={m}", args.case_timeout_s))
+            res["accumulate"][-1].setdefault("stages", 0)
+            res["accumulate"][-1].setdefault("num_microbatches", m)
     res["total_s"] = time.perf_counter() - t0
     res["load_end"] = load_avg()
     res["revision_end"] = source_revision()
@@ -356,6 +384,7 @@ def run(args) -> dict:
     res["args"] = {k: getattr(args, k) for k in ("auto_layers", "shapes_1host",
                                                   "shapes_multihost", "plan_batch",
                                                   "measure_steps")}
+    res["args"]["accumulate"] = [] if args.no_accumulate else args.accumulate
     if args.save_json:
         with open(args.save_json, "w") as f:
             json.dump(res, f, indent=1)
@@ -384,6 +413,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plan", action="store_true", help="skip the planning part")
     g.add_argument("--no-run", action="store_true", help="skip the measured part")
     g.add_argument("--no-shard-reference", action="store_true")
+    g.add_argument("--accumulate", type=int, nargs="*", default=[4], metavar="M",
+                   help="also measure ShardParallel(num_microbatches=M) (gradient "
+                        "accumulation) for each M; none: skip")
+    g.add_argument("--no-accumulate", action="store_true", help="same as --accumulate alone")
     g.add_argument("--case-timeout-s", type=float, default=900.0)
     g.add_argument("--save-json", default=None, help="also write the raw results here")
 
@@ -399,6 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--_plan", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shapes", default="all", help=argparse.SUPPRESS)
     p.add_argument("--_run", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_accumulate", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.result_ = args._result
@@ -408,7 +442,7 @@ def main(argv=None) -> int:
         _plan_worker(args)
         return 0
     if args._run is not None:
-        args.stages_ = args._run
+        args.stages_, args.accumulate_ = args._run, args._accumulate
         _run_worker(args)
         return 0
     args.cmdline = ("benchmarks/pipeline.py " + " ".join(

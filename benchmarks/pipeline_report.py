@@ -208,8 +208,50 @@ def section(res: dict) -> str:
                     label, mtxt, str(len(r.get("step_times_s", []))), "–", "–", "–", "–",
                     "–", steps, fmt(r.get("loss"), 4), "–", "–"]))
         out += ["", *steps_rows, ""]
+    if res.get("accumulate"):
+        out += _accumulation(res)
     out += ["### Notes", "", *_notes(res), "", END]
     return "\n".join(out)
+
+
+def _accumulation(res: dict) -> list[str]:
+    """The gradient-accumulation table: the ShardParallel reference (M=1) and each measured
+    ShardParallel(num_microbatches=M)."""
+    ref = next((r for r in res["run"] if not r.get("stages")), None)
+    ref_s = (ref or {}).get("measured_step_s")
+    ref_loss = (ref or {}).get("first_loss")
+    out = ["### Gradient accumulation (ShardParallel, measured on the CPU mesh)", "",
+           "The same step, state and batch on the same mesh under `ShardParallel("
+           "num_microbatches=M)`, which autopar runs as a one-stage pipeline on the whole mesh "
+           "(a forward+backward executable per microbatch adding into a gradient accumulator, "
+           "then the apply-gradient executable), timed like the ShardParallel reference (M=1, "
+           "above): `vs M=1` is the median step over the reference's, `predicted peak` is "
+           "`plan.peak_memory_bytes` (per device; with M > 1 it counts the state, optimizer "
+           "state, gradient accumulator and one microbatch's activations), and the first "
+           "step's loss should equal the reference's up to float rounding.", "",
+           "| method | microbatches | measured ms (min) | n | vs M=1 | predicted peak MiB/device | "
+           "predicted ms | plan s | first step s (compiles) | first loss | first loss - M=1 |",
+           "|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [("ShardParallel (reference)", ref)]
+    rows += [(f"ShardParallel(num_microbatches={r.get('num_microbatches')})", r)
+             for r in res["accumulate"]]
+    for label, r in rows:
+        if r is None:
+            out.append(md_row([label, "1", "not run (`--no-shard-reference`)"] + ["–"] * 8))
+            continue
+        meas, loss = r.get("measured_step_s"), r.get("first_loss")
+        notes = "; ".join(x for x in (r.get("incomplete"), r.get("error")) if x)
+        mtxt = (f"{ms(meas)} ({ms(min(r['step_times_s']))})" if meas is not None
+                else "not measured" + (f": {_short(notes, 300)}" if notes else ""))
+        vs = (f"{meas / ref_s:.2f}x" if meas is not None and ref_s and r is not ref
+              else "1.00x" if r is ref and meas is not None else "–")
+        dloss = ("–" if loss is None or ref_loss is None or r is ref
+                 else f"{loss - ref_loss:+.1e}")
+        out.append(md_row([
+            label, str(r.get("num_microbatches", 1)), mtxt, str(len(r.get("step_times_s", []))),
+            vs, fmt(r.get("peak_memory_bytes"), 1, 2**-20), ms(r.get("predicted_step_s")),
+            fmt(r.get("plan_s"), 1), fmt(r.get("first_step_s"), 1), fmt(loss, 5), dloss]))
+    return out + [""]
 
 
 def _short(text: str, n: int = 160) -> str:

@@ -158,18 +158,12 @@ def test_has_aux_accepts_a_list_pair_like_jax():
                        jax.value_and_grad(loss, has_aux=True)(W))
 
 
-@pytest.mark.xfail(reason="autopar_value_and_grad has no batching rule: "
-                          "jax.vmap(autopar.grad(f)) raises NotImplementedError",
-                   raises=NotImplementedError, strict=True)
 def test_vmap_of_grad_gives_per_example_gradients():
     xs = X[:, None, :]
     assert_trees_close(jax.vmap(autopar.grad(f), in_axes=(None, 0))(W, xs),
                        jax.vmap(jax.grad(f), in_axes=(None, 0))(W, xs))
 
 
-@pytest.mark.xfail(reason="autopar_value_and_grad has no JVP rule: differentiating "
-                          "autopar.grad (jax.hessian, jax.jvp) raises NotImplementedError",
-                   raises=NotImplementedError, strict=True)
 def test_second_derivative_through_grad():
     g = lambda w: jnp.sum(autopar.grad(f)(w, X) ** 2)
     assert_trees_close(jax.grad(g)(W), jax.grad(lambda w: jnp.sum(jax.grad(f)(w, X) ** 2))(W))
