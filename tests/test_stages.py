@@ -186,6 +186,32 @@ def test_stages_over_budget_are_infeasible(loss, bounds, cluster):
     assert info.value.budget_bytes == 64 and info.value.needed_bytes > 64
 
 
+def test_stage_peaks_count_the_schedule_and_respect_the_budget(loss, bounds, cluster):
+    """A stage's peak: its ILP's working memory, the gradient accumulator and the activations
+    its schedule keeps in flight (GPipe keeps all 8 microbatches, 1F1B at most S); a budget
+    below it is met by another sharding or refused with the numbers, never exceeded."""
+    uniform = autopar.UniformStageOption(num_stages=2)
+    peaks = {}
+    for schedule in autopar.Schedule:
+        res = choose_stages(loss, bounds, cluster, DEVICES,
+                            method(uniform, num_microbatches=8, schedule=schedule))
+        peaks[schedule] = [st.peak_bytes for st in res.stages]
+        for st in res.stages:
+            assert st.peak_bytes > st.solution.peak_memory_bytes   # + accumulator, in flight
+    gpipe, one_f = peaks[autopar.Schedule.GPIPE], peaks[autopar.Schedule.ONE_F_ONE_B]
+    assert all(g > f for g, f in zip(gpipe, one_f))
+    for fraction in (0.99, 0.9, 0.7, 0.5):
+        budget = int(max(gpipe) * fraction)
+        try:
+            res = choose_stages(loss, bounds, cluster, DEVICES, method(
+                uniform, num_microbatches=8, schedule=autopar.Schedule.GPIPE,
+                memory_budget_bytes=budget))
+        except autopar.InfeasiblePlanError as e:
+            assert e.budget_bytes == budget and e.needed_bytes > budget
+        else:
+            assert all(st.peak_bytes <= budget for st in res.stages)
+
+
 def test_auto_stages(loss, bounds, cluster):
     devices = DEVICES[:4]
     res = choose_stages(loss, bounds, cluster, devices, method(
