@@ -1,10 +1,14 @@
 """Lower pass for pipeline plans: per-stage jitted forward / backward executables on submesh
 `Mesh`es, and one jitted executable per apply-gradient segment.
 
-A stage's forward runs `jax.vjp` of its slice of the loss and returns its outputs and the vjp
-closure (its residuals, a pytree that stays on the stage's devices); its backward applies the
-closure to the output cotangents and adds the parameter gradients into the accumulator (donated).
-Values move between submeshes with `jax.device_put` (see `runtime.executor`).
+A stage's executables re-emit its training graph (the one its ILP solved) cut in two by
+`split_train_graph`, with every intermediate pinned to the ILP's sharding: the forward returns
+the stage outputs and the residuals (a list of arrays that stays on the stage's devices); the
+backward reads the residuals and the output cotangents and adds the parameter gradients into
+the accumulator (donated). Where the last stage's backward of a microbatch directly follows
+its forward (1F1B, and so every microbatch of gradient accumulation) `fused` runs both in one
+executable and keeps no residuals. Values move between submeshes with
+`jax.device_put` (see `runtime.executor`).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from .inter_op.apply_grad import PIPELINE, Placement, Segment
 from .inter_op.pipeline import LossGraph, StageSlice
-from .inter_op.stage_solve import StageIO, stage_body, stage_io
+from .inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from .inter_op.stages import AXIS_NAMES, ChosenStage
 from .lower import named, run_nodes
 from .runtime.schedule import PipelineSchedule, Schedule, make_schedule
@@ -33,8 +37,10 @@ class StageExecutable:
     data_shardings: tuple[NamedSharding, ...]    # per slice.data_inputs (microbatch shape)
     act_shardings: dict[int, NamedSharding]      # per act input tensor id
     out_shardings: dict[int, NamedSharding]      # per output tensor id
-    forward: Callable        # (params, data, float_acts, int_acts) -> (outs, int_outs, vjp_fn)
-    backward: Callable       # (vjp_fn, cts, acc) -> (acc, act_grads); acc=None the first time
+    forward: Callable     # (params, data, float_acts, int_acts) -> (outs, int_outs, residuals)
+    backward: Callable    # (residuals, cts, acc) -> (acc, act_grads); acc=None the first time
+    fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
+                          # acc, act_grads)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -55,34 +61,60 @@ def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.shardin
 
 
 def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecutable:
-    sl, sol = stage.slice, stage.solution
+    sl, sol, graph = stage.slice, stage.solution, stage.graph
     io = stage_io(loss, sl)
     sh = lambda specs: tuple(named(mesh, s) for s in specs)
     acts = dict(zip((*io.float_acts, *io.int_acts), sh(sol.act_specs)))
     outs = dict(zip((*io.float_outputs, *io.int_outputs), sh(sol.out_specs)))
     grads = sh(sol.grad_specs)
-    body = stage_body(loss, sl, io)
-    constrain = jax.lax.with_sharding_constraint
+    constrain = {t: named(mesh, spec) for t, spec in sol.constraints}
+    split = split_train_graph(graph, sl)
+    nodes = lambda ids: [graph.nodes[n] for n in ids]
+    fwd_nodes, bwd_nodes = nodes(split.forward_nodes), nodes(split.backward_nodes)
+    all_nodes = graph.nodes
+    n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
+    n_out = len(io.float_outputs) + len(io.int_outputs)
+    n_grads = len(sl.param_inputs)
 
-    def forward(params, data, float_acts, int_acts):
-        out, vjp_fn, int_out = jax.vjp(lambda p, a: body(p, data, a, int_acts), params,
-                                       float_acts, has_aux=True)
-        out = [constrain(o, outs[t]) for o, t in zip(out, io.float_outputs)]
-        int_out = [constrain(o, outs[t]) for o, t in zip(int_out, io.int_outputs)]
-        return out, int_out, vjp_fn
+    def env_of(inputs, values):
+        env = dict(graph.const_values)
+        env.update(zip(inputs, values))
+        return env
 
-    def backward(vjp_fn, cts, acc):
-        param_grads, act_grads = vjp_fn(cts)
+    def finish(env, acc):
+        """(acc + param grads, act grads) on the ILP's shardings."""
+        param_grads = [env[t] for t in graph.outputs[n_out:n_out + n_grads]]
         if acc is not None:
             param_grads = [a + g for a, g in zip(acc, param_grads)]
-        param_grads = [constrain(g, s) for g, s in zip(param_grads, grads)]
-        act_grads = [constrain(g, acts[t]) for g, t in zip(act_grads, io.float_acts)]
-        return param_grads, act_grads
+        param_grads = [jax.lax.with_sharding_constraint(g, s)
+                       for g, s in zip(param_grads, grads)]
+        return param_grads, [env[t] for t in graph.outputs[n_out + n_grads:]]
 
+    def forward(params, data, float_acts, int_acts):
+        env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
+        run_nodes(graph, fwd_nodes, env, constrain)
+        out = [env[t] for t in graph.outputs[:n_out]]
+        return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
+            [env[t] for t in split.residuals]
+
+    def backward(residuals, cts, acc):
+        env = env_of((*split.residuals, *graph.inputs[n_in:]), [*residuals, *cts])
+        run_nodes(graph, bwd_nodes, env, constrain)
+        return finish(env, acc)
+
+    def fused(params, data, float_acts, int_acts, cts, acc):
+        env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
+        run_nodes(graph, all_nodes, env, constrain)
+        out = [env[t] for t in graph.outputs[:n_out]]
+        return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
+
+    out_sh = ([outs[t] for t in io.float_outputs], [outs[t] for t in io.int_outputs])
     return StageExecutable(
         index=sl.index, slice=sl, mesh=mesh, io=io, param_shardings=sh(sol.param_specs),
         data_shardings=sh(sol.data_specs), act_shardings=acts, out_shardings=outs,
-        forward=jax.jit(forward), backward=jax.jit(backward, donate_argnums=(2,)))
+        forward=jax.jit(forward, out_shardings=(*out_sh, None)),
+        backward=jax.jit(backward, donate_argnums=(2,)),
+        fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)))
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:

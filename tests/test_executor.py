@@ -14,7 +14,7 @@ import autopar
 from autopar.inter_op.apply_grad import PIPELINE
 from autopar.inter_op.stages import AXIS_NAMES
 from autopar.lower_pipeline import PipelineProgram
-from autopar.runtime.executor import Executor, _retarget
+from autopar.runtime.executor import Executor, _fused_tasks, _retarget
 from autopar.runtime.schedule import Schedule, make_schedule
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
@@ -48,12 +48,15 @@ def mlp():
     return case
 
 
-def run_program(mlp, program):
-    """Executor.run on a (modified) program, called the way ParallelizedFunction calls it."""
+def run_program(mlp, program, fused=None):
+    """Executor.run on a (modified) program, called the way ParallelizedFunction calls it;
+    `fused` overrides which (stage, microbatch) tasks run forward and backward as one call."""
     par, state, batch = mlp["par"], mlp["state"], mlp["batches"][0]
     leaves = jax.tree_util.tree_leaves((state, batch))
     flat = [jax.device_put(x, s) for x, s in zip(leaves, program.in_shardings)]
     ex = Executor(program)
+    if fused is not None:
+        ex._fused = fused
     out = ex.run(flat)
     return ex, jax.tree_util.tree_unflatten(par.get_graph(state, batch).out_tree, out)
 
@@ -89,8 +92,9 @@ def test_program_structure(mlp):
 def test_stats_of_a_1f1b_step(mlp):
     par, state, batch = mlp["par"], mlp["state"], mlp["batches"][0]
     stats = par.get_executor(state, batch).stats
-    assert stats.max_live_microbatches == [2, 1]
-    stage_calls = 2 * 2 * M                          # forward + backward, 2 stages, M each
+    # the last stage runs each microbatch's forward and backward in one call: keeps none
+    assert stats.max_live_microbatches == [2, 0]
+    stage_calls = 2 * M + M                          # stage 0: forward + backward; stage 1 fused
     apply_calls = sum(s.stage != PIPELINE for s in mlp["program"].placement.segments)
     assert stats.num_dispatches >= stage_calls + apply_calls
     # activations forward and cotangents backward cross the submeshes for every microbatch
@@ -123,7 +127,7 @@ def test_in_flight_throttle_keeps_results(mlp, limit):
 def test_gpipe_schedule_on_the_same_executables(mlp):
     program = dataclasses.replace(mlp["program"], schedule=make_schedule(Schedule.GPIPE, 2, M))
     ex, out = run_program(mlp, program)
-    assert ex.stats.max_live_microbatches == [M, M]
+    assert ex.stats.max_live_microbatches == [M, M]   # GPipe: B0 follows F3, nothing fused
     close(out, mlp["direct"])
 
 
@@ -222,7 +226,7 @@ def test_three_stages_with_aux_tied_parameter_and_skip_match_jit():
     (h0,) = slices[1].act_inputs
     assert h0 in slices[0].outputs and h0 in slices[2].act_inputs    # skips stage 1
     assert h0 not in slices[1].outputs
-    assert par.get_executor(params, BATCH).stats.max_live_microbatches == [3, 2, 1]
+    assert par.get_executor(params, BATCH).stats.max_live_microbatches == [3, 2, 0]
 
 
 def test_parameter_unused_by_the_loss_gets_a_zero_gradient():
@@ -232,3 +236,19 @@ def test_parameter_unused_by_the_loss_gets_a_zero_gradient():
     want = jax.jit(aux_step)(params, BATCH)
     np.testing.assert_array_equal(np.asarray(grads["unused"]), np.zeros(H))
     close((new, loss, grads), (want[0], want[1], want[3]))
+
+
+# -- fused last-stage tasks -------------------------------------------------------------------
+
+def test_fused_tasks_are_the_last_stages_adjacent_forward_and_backward():
+    assert _fused_tasks(make_schedule(Schedule.ONE_F_ONE_B, 2, 3)) == {(1, 0), (1, 1), (1, 2)}
+    assert _fused_tasks(make_schedule(Schedule.GPIPE, 2, 3)) == set()    # F0 F1 F2 B0 ...
+    assert _fused_tasks(make_schedule(Schedule.GPIPE, 2, 1)) == {(1, 0)}
+    assert _fused_tasks(make_schedule(Schedule.ONE_F_ONE_B, 1, 4)) == {(0, m) for m in range(4)}
+
+
+def test_unfused_last_stage_gives_the_same_step(mlp):
+    """The fused call and the forward/backward pair compute the same thing."""
+    ex, out = run_program(mlp, mlp["program"], fused=frozenset())
+    close(out, mlp["direct"])
+    assert ex.stats.max_live_microbatches == [2, 1]

@@ -1,9 +1,11 @@
 """One pipeline stage's intra-op plan: the ILP over the stage's forward + backward graph on
-one logical mesh, giving its microbatch latency, memory and the shardings at its edges.
+one logical mesh, giving its microbatch latency, memory and the sharding of every tensor.
 
 The stage's training function takes (params, microbatch data, activations in, cotangents of
 its outputs) and returns (outputs, parameter gradients, activation gradients); it is traced
-into an `OpGraph` and solved exactly like a ShardParallel step.
+into an `OpGraph` and solved exactly like a ShardParallel step. `split_train_graph` cuts that
+graph into its forward part (what does not depend on the cotangents) and its backward part;
+the residuals are what the backward reads from the forward.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..intra_op.solve import IlpStats
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
 from ..spec import Spec, num_shards
+from ..plan import constrained_tensors
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
 
@@ -109,17 +112,54 @@ class StageSolution:
     act_specs: tuple[Spec, ...]  # float acts then int acts (as StageIO orders them)
     out_specs: tuple[Spec, ...]  # float outputs then int outputs
     grad_specs: tuple[Spec, ...]
+    constraints: tuple[tuple[int, Spec], ...] = ()   # (stage-graph tensor, spec) pinned inside
     ilp: IlpStats
 
 
-def _residual_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSplit:
+    """A stage training graph cut in two: node ids of each part (in graph order) and the
+    residuals, the tensors the backward reads from the forward or from the stage's inputs."""
+    forward_nodes: tuple[int, ...]
+    backward_nodes: tuple[int, ...]
+    residuals: tuple[int, ...]
+
+
+def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
+    """The backward is every node that depends on the cotangent inputs (one per float output
+    of the stage, the graph's last inputs); nodes computed from constants alone go to both
+    parts (each recomputes what it needs, so they are never kept)."""
+    n_out = len(sl.outputs)            # graph outputs: stage outputs, then the gradients
+    num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
+    late = set(graph.inputs[len(graph.inputs) - num_cts:])
+    const_only = {t.id for t in graph.tensors if t.kind == TensorKind.CONST}
+    forward, backward = [], []
+    for node in graph.nodes:
+        if any(t in late for t in node.inputs):
+            late.update(node.outputs)
+            backward.append(node.id)
+        elif all(t in const_only for t in node.inputs):
+            const_only.update(node.outputs)
+            forward.append(node.id)
+            backward.append(node.id)
+        else:
+            forward.append(node.id)
+    made_late = set(backward)
+    read = [t for n in backward for t in graph.nodes[n].inputs] + list(graph.outputs[n_out:])
+    residuals = dict.fromkeys(
+        t for t in read if t not in late and t not in const_only
+        and not (graph.tensors[t].kind == TensorKind.INTERMEDIATE
+                 and graph.tensors[t].producer in made_late))
+    return TrainSplit(forward_nodes=tuple(forward), backward_nodes=tuple(backward),
+                      residuals=tuple(residuals))
+
+
+def _residual_bytes(graph: OpGraph, split: TrainSplit, specs, mesh_shape) -> float:
     """Per-device bytes made by the forward and read by the backward (what a microbatch keeps
-    alive between its forward and its backward)."""
-    backward = [("transpose(" in n.name_stack) for n in graph.nodes]
-    kept = {t for node in graph.nodes if backward[node.id] for t in node.inputs
-            if graph.tensors[t].kind == TensorKind.INTERMEDIATE
-            and not backward[graph.tensors[t].producer]}
-    return float(sum(graph.tensors[t].nbytes / num_shards(specs[t], mesh_shape) for t in kept))
+    alive between its forward and its backward; inputs are held anyway)."""
+    return float(sum(graph.tensors[t].nbytes / num_shards(specs[t], mesh_shape)
+                     for t in split.residuals
+                     if graph.tensors[t].kind == TensorKind.INTERMEDIATE))
 
 
 def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
@@ -143,11 +183,15 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
     n_act, n_out = len(sl.act_inputs), len(sl.outputs)
     param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
                       for t in graph.inputs[:p])
+    split = split_train_graph(graph, sl)
     return StageSolution(
         logical_shape=tuple(logical_shape), latency_s=a.compute_s + a.comm_s + a.reshard_s,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
-        activation_bytes=_residual_bytes(graph, specs, logical_shape), param_bytes=param_bytes,
+        activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
+        param_bytes=param_bytes,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
-        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp)
+        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,
+        constraints=tuple((t, specs[t]) for t in constrained_tensors(graph,
+                                                                        a.constant_tensors)))

@@ -38,6 +38,7 @@ class ChosenStage:
     submesh: tuple[int, int]             # hosts, devices per host
     device_ids: tuple[int, ...]
     solution: StageSolution
+    graph: OpGraph                       # the stage's training graph (solution's tensor ids)
     peak_bytes: float = 0.0              # per device: state, accumulator, working memory and
                                          # the schedule's in-flight activations
 
@@ -151,7 +152,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
             raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
                               solver.needed[(sl.start, sl.stop)])
         stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub), device_ids=devs,
-                                  solution=sol))
+                                  solution=sol, graph=solver.graph(sl)[0]))
     return stages
 
 

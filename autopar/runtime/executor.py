@@ -29,7 +29,7 @@ from .schedule import Phase
 @dataclass(slots=True)
 class ExecutorStats:
     """What the last step did (for tests and benchmarks)."""
-    max_live_microbatches: list[int] = field(default_factory=list)  # per stage: vjp residuals
+    max_live_microbatches: list[int] = field(default_factory=list)  # per stage: residuals kept
     num_dispatches: int = 0
     num_transfers: int = 0
 
@@ -49,6 +49,17 @@ def _retarget(value, mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _fused_tasks(schedule) -> frozenset[tuple[int, int]]:
+    """(stage, microbatch) pairs whose forward and backward run as one call: on the last
+    stage (nothing later sends it cotangents), when its next task after the forward of m is
+    the backward of m (every microbatch under 1F1B; under GPipe only with one microbatch)."""
+    last = schedule.num_stages - 1
+    tasks = [row[last] for row in schedule.clocks if row[last] is not None]
+    return frozenset((last, a.microbatch) for a, b in zip(tasks, tasks[1:])
+                     if a.phase is Phase.FORWARD and b.phase is Phase.BACKWARD
+                     and a.microbatch == b.microbatch)
+
+
 @dataclass(slots=True, eq=False)
 class _StepState:
     """What one step's pipeline keeps between tasks."""
@@ -56,7 +67,7 @@ class _StepState:
     data: list                   # per stage, per microbatch: its data inputs
     outs: dict = field(default_factory=dict)       # (tensor, microbatch) -> stage output
     left: dict = field(default_factory=dict)       # (tensor, microbatch) -> readers to come
-    residuals: list = field(default_factory=list)  # per stage: microbatch -> vjp closure
+    residuals: list = field(default_factory=list)  # per stage: microbatch -> residuals
     cts: dict = field(default_factory=lambda: collections.defaultdict(list))
     acc: list = field(default_factory=list)        # per stage: accumulated param gradients
     final: dict = field(default_factory=dict)      # loss output tensor -> per-microbatch values
@@ -78,6 +89,7 @@ class Executor:
                           for t in (*io.float_outputs, *io.int_outputs)}
         self._readers = collections.Counter(t for io in ios for t in (*io.float_acts,
                                                                         *io.int_acts))
+        self._fused = _fused_tasks(program.schedule)
 
     # -- dispatch bookkeeping ------------------------------------------------------------
     def _dispatched(self, out):
@@ -163,33 +175,65 @@ class Executor:
                            final={t: [] for t in loss.forward.outputs})
         for row in p.schedule.clocks:
             for s, task in enumerate(row):
-                if task is not None:
-                    run = self._forward if task.phase is Phase.FORWARD else self._backward
-                    run(state, p.stages[s], task.microbatch)
+                if task is None:
+                    continue
+                fused = (s, task.microbatch) in self._fused
+                if task.phase is Phase.FORWARD:
+                    (self._train if fused else self._forward)(state, p.stages[s],
+                                                              task.microbatch)
+                elif not fused:       # a fused microbatch's backward ran with its forward
+                    self._backward(state, p.stages[s], task.microbatch)
         self._finish(env, gnode, state)
 
-    def _forward(self, state: _StepState, st, m: int) -> None:
-        io = st.io
+    def _acts(self, state: _StepState, st, m: int) -> list:
+        """The stage's activation inputs for microbatch m, on its shardings; a value no later
+        stage reads is dropped from the step state."""
         acts = []
-        for t in (*io.float_acts, *io.int_acts):
+        for t in (*st.io.float_acts, *st.io.int_acts):
             acts.append(self._put(state.outs[(t, m)], st.act_shardings[t]))
             state.left[(t, m)] -= 1
             if state.left[(t, m)] == 0 and t not in state.final:
                 del state.outs[(t, m)]
-        nf = len(io.float_acts)
-        o, o_int, vjp_fn = self._dispatched(
-            st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
-        for t, v in zip((*io.float_outputs, *io.int_outputs), (*o, *o_int)):
+        return acts
+
+    def _outputs(self, state: _StepState, st, m: int, o, o_int) -> None:
+        for t, v in zip((*st.io.float_outputs, *st.io.int_outputs), (*o, *o_int)):
             state.outs[(t, m)] = v
             state.left[(t, m)] = self._readers[t]
             if t in state.final:
                 state.final[t].append(v)
+
+    def _forward(self, state: _StepState, st, m: int) -> None:
+        acts = self._acts(state, st, m)
+        nf = len(st.io.float_acts)
+        o, o_int, residuals = self._dispatched(
+            st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
+        self._outputs(state, st, m, o, o_int)
         live = state.residuals[st.index]
-        live[m] = vjp_fn
+        live[m] = residuals
         peak = self.stats.max_live_microbatches
         peak[st.index] = max(peak[st.index], len(live))
 
+    def _train(self, state: _StepState, st, m: int) -> None:
+        """Forward and backward of microbatch m in one call (the last stage, whose output
+        cotangents are known before its forward): no residuals are kept."""
+        acts = self._acts(state, st, m)
+        nf = len(st.io.float_acts)
+        o, o_int, state.acc[st.index], act_grads = self._dispatched(st.fused(
+            state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:],
+            self._cotangents(state, st, m), state.acc[st.index]))
+        self._outputs(state, st, m, o, o_int)
+        for t, g in zip(st.io.float_acts, act_grads):
+            state.cts[(t, m)].append(g)
+
     def _backward(self, state: _StepState, st, m: int) -> None:
+        state.acc[st.index], act_grads = self._dispatched(
+            st.backward(state.residuals[st.index].pop(m), self._cotangents(state, st, m),
+                        state.acc[st.index]))
+        for t, g in zip(st.io.float_acts, act_grads):
+            state.cts[(t, m)].append(g)
+
+    def _cotangents(self, state: _StepState, st, m: int) -> list:
         """Cotangent of each float output: the gradients later stages sent back, the loss seed
         1/M for the loss, zeros for outputs nothing differentiates."""
         fwd = self.p.loss.forward
@@ -205,10 +249,7 @@ class Executor:
                 parts.append(self._const(("zeros", t), lambda: jax.device_put(
                     jnp.zeros(t_info.shape, t_info.dtype), sh)))
             ct.append(parts[0] if len(parts) == 1 else self._dispatched(self._sum(*parts)))
-        state.acc[st.index], act_grads = self._dispatched(
-            st.backward(state.residuals[st.index].pop(m), ct, state.acc[st.index]))
-        for t, g in zip(st.io.float_acts, act_grads):
-            state.cts[(t, m)].append(g)
+        return ct
 
     def _finish(self, env, gnode, state: _StepState) -> None:
         """The marker's results: mean loss and float aux over microbatches (integer aux
