@@ -275,7 +275,8 @@ def _run_case(args, out: Saver) -> None:
         return timed
 
     stages = tuple(dataclasses.replace(s, forward=wrap(s.forward, ("F", s.index)),
-                                       backward=wrap(s.backward, ("B", s.index)))
+                                       backward=wrap(s.backward, ("B", s.index)),
+                                       fused=wrap(s.fused, ("T", s.index)))
                    for s in prog.stages)
     segs = tuple(None if f is None else wrap(f, ("seg", j))
                  for j, f in enumerate(prog.segment_fns))
@@ -308,14 +309,20 @@ def _run_case(args, out: Saver) -> None:
     r["loss"] = float(o[1])
     med = lambda key: statistics.median(w for w, _ in rec[key])   # noqa: E731
     n_st = len(prog.stages)
-    fwd = [med(("F", s)) for s in range(n_st)]
-    bwd = [med(("B", s)) for s in range(n_st)]
+    # A stage whose forward and backward run as one fused call (the last under 1F1B): its
+    # call's time counts as the forward, its backward as 0.
+    fused = [s for s in range(n_st) if ("F", s) not in rec and ("T", s) in rec]
+    fwd = [med(("T" if s in fused else "F", s)) for s in range(n_st)]
+    bwd = [0.0 if s in fused else med(("B", s)) for s in range(n_st)]
+    tmin = lambda key: min(w for w, _ in rec[key])   # noqa: E731
     seg = [med(k) for k in sorted(k for k in rec if k[0] == "seg")]
     cpu_util = {f"{k[0]}{k[1]}": sum(c for _, c in rec[k]) / max(sum(w for w, _ in rec[k]), 1e-9)
                 for k in rec}
     r["tasks"] = {"forward_s": fwd, "backward_s": bwd, "segments_s": seg,
-                  "forward_min_s": [min(w for w, _ in rec[("F", s)]) for s in range(n_st)],
-                  "backward_min_s": [min(w for w, _ in rec[("B", s)]) for s in range(n_st)],
+                  "forward_min_s": [tmin(("T" if s in fused else "F", s)) for s in range(n_st)],
+                  "backward_min_s": [0.0 if s in fused else tmin(("B", s))
+                                     for s in range(n_st)],
+                  "fused_stages": fused,
                   "samples_per_task": len(rec[("F", 0)]),
                   "cpu_per_wall": cpu_util,
                   "sync_step_times_s": sync_times,

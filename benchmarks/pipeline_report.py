@@ -137,7 +137,9 @@ def section(res: dict) -> str:
                 "warm-up step; `n` is how many. **Task times**: the program from "
                 "`par.get_compiled(state, batch)` (a `PipelineProgram`) is also run by a "
                 "fresh `autopar.runtime.executor.Executor` over a copy whose stage "
-                "`forward`/`backward` and apply-gradient segment executables are wrapped: each "
+                "`forward`/`backward`/`fused` and apply-gradient segment executables are "
+                "wrapped (the last stage runs each microbatch's forward and backward as one "
+                "`fused` call under 1F1B: `(F+B)`, counted in its forward clock): each "
                 "call waits for its inputs, then times the call until its outputs are ready. So "
                 "every task runs alone, on real inputs, in the schedule's order (including the "
                 "first backward, whose accumulator is empty). After one warm-up step of each, "
@@ -185,8 +187,10 @@ def section(res: dict) -> str:
                 ex = r.get("executor_stats", {})
                 out.append(md_row([
                     label, ", ".join(str(s["devices"]) for s in r.get("stages_info", [])),
-                    " / ".join(ms(x) for x in tk["forward_s"]),
-                    " / ".join(ms(x) for x in tk["backward_s"]),
+                    " / ".join(ms(x) + (" (F+B)" if i in tk.get("fused_stages", ()) else "")
+                               for i, x in enumerate(tk["forward_s"])),
+                    " / ".join("fused" if i in tk.get("fused_stages", ()) else ms(x)
+                               for i, x in enumerate(tk["backward_s"])),
                     f"{ms(sum(tk['segments_s']))} ({len(tk['segments_s'])})",
                     f"{min(busy):.2f}-{max(busy):.2f}", ms(cp, 0), ms(ser, 0),
                     ms(r.get("predicted_step_s")), fmt(r.get("first_step_s"), 1)]))
@@ -300,7 +304,7 @@ def _notes(res) -> list[str]:
             tsum = tk["sum_tasks_per_step_s"]
             parts["one-task-at-a-time step (sync - tasks)"].append(
                 (lab, (statistics.mean(tk["sync_step_times_s"]) - tsum) / tsum))
-            shortest = min(tk["forward_s"] + tk["backward_s"])
+            shortest = min(x for x in tk["forward_s"] + tk["backward_s"] if x > 0)
             if shortest < 0.010:
                 small.append(f"{lab}: shortest task {shortest * 1e3:.1f} ms")
         verdicts = []
