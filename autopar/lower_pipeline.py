@@ -82,13 +82,14 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
         return env
 
     def finish(env, acc):
-        """(acc + param grads, act grads) on the ILP's shardings."""
+        """(acc + param grads, act grads) on the ILP's shardings of params and acts."""
+        constrain_to = jax.lax.with_sharding_constraint
         param_grads = [env[t] for t in graph.outputs[n_out:n_out + n_grads]]
         if acc is not None:
             param_grads = [a + g for a, g in zip(acc, param_grads)]
-        param_grads = [jax.lax.with_sharding_constraint(g, s)
-                       for g, s in zip(param_grads, grads)]
-        return param_grads, [env[t] for t in graph.outputs[n_out + n_grads:]]
+        act_grads = [env[t] for t in graph.outputs[n_out + n_grads:]]
+        return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
+                [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
 
     def forward(params, data, float_acts, int_acts):
         env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])

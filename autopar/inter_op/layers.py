@@ -125,7 +125,8 @@ def _solve(prefix: np.ndarray, cuts: np.ndarray, num_layers: int, floor: float,
         for e in range(k, n - (num_layers - k) + 1):
             starts = np.arange(k - 1, e)
             seg = prefix[e] - prefix[starts]
-            ok = (seg <= limit * (1 + 1e-12)) & (seg >= floor * (1 - 1e-12)) & np.isfinite(best_bytes[k - 1, starts])
+            ok = ((seg <= limit * (1 + 1e-12)) & (seg >= floor * (1 - 1e-12))
+                  & np.isfinite(best_bytes[k - 1, starts]))
             if not ok.any():
                 continue
             cost = best_bytes[k - 1, starts] + (cuts[e] if k < num_layers else 0.0)

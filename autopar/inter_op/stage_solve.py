@@ -23,8 +23,8 @@ from ..intra_op import solve_intra_op
 from ..intra_op.solve import IlpStats
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
-from ..spec import Spec, num_shards
 from ..plan import constrained_tensors
+from ..spec import Spec, num_shards
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
 

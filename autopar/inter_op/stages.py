@@ -22,8 +22,8 @@ from ..graph import InputRole, OpGraph
 from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, ShardParallel,
                        UniformStageOption)
 from ..plan import graph_fingerprint
-from .pipeline import LossGraph, StageSlice, slice_range
 from ..runtime.schedule import make_schedule
+from .pipeline import LossGraph, StageSlice, slice_range
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
 from .stage_solve import StageSolution, solve_stage, trace_stage
 
