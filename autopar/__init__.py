@@ -9,22 +9,24 @@ from .api import ParallelizedFunction, parallelize, plan
 from .cluster import ClusterSpec, LogicalMesh
 from .cost import CostModel
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
-                     UnsupportedError)
+                     ProfileError, UnsupportedError)
 from .inspect import dump
 from .grad import grad, value_and_grad
 from .markers import mark_stage_boundary
+from .measure import profile
 from .options import (AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
                       ManualLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
                       Schedule, ShardParallel, SolverBackend, UniformStageOption, Zero2Parallel,
                       Zero3Parallel)
 from .plan import ParallelPlan
+from .profile import DeviceProfile
 
 __all__ = [
     "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
-    "ClusterSpec", "LogicalMesh", "CostModel",
+    "ClusterSpec", "LogicalMesh", "CostModel", "profile", "DeviceProfile", "ProfileError",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",
 ]

@@ -210,6 +210,43 @@ class ClusterSpec:
             base, name=f"{platform}:{kind}", device_kind=kind, num_hosts=len(per_host),
             devices_per_host=counts.pop(), memory_bytes=memory_bytes)
 
+    @classmethod
+    def from_profile(cls, profile: Any, *, num_hosts: int | None = None,
+                     base: ClusterSpec | None = None) -> ClusterSpec:
+        """The cluster a measured `DeviceProfile` describes: `base` (default: the known numbers
+        for its device kind) for memory and HBM bandwidth, measured matmul flop/s as the peaks,
+        and measured
+        link alpha/beta: the fastest measured axis as the intra-host link, the slowest as the
+        inter-host one (on one host both come from inside it).
+
+        Example:
+            >>> cluster = ClusterSpec.from_profile(autopar.profile(mesh))
+        """
+        base = base or _base_for(profile.platform, profile.device_kind)
+        axes = [a for a in profile.axes if a.size > 1]
+        if not axes:
+            raise InvalidArgumentError(
+                f"ClusterSpec.from_profile: the profile of mesh {profile.mesh_shape} has no axis "
+                "with more than one device, so no link was measured. Fix: profile a mesh with "
+                "at least 2 devices.")
+        fast = min(axes, key=lambda a: a.beta_s_per_byte)
+        slow = max(axes, key=lambda a: a.beta_s_per_byte) if profile.num_hosts > 1 else fast
+        flops = profile.matmul_flops_per_s
+        fp32 = flops.get("float32", max(flops.values()))
+        hosts = num_hosts or profile.num_hosts
+        devices = math.prod(profile.mesh_shape)
+        if devices % profile.num_hosts:
+            raise InvalidArgumentError(
+                f"ClusterSpec.from_profile: {devices} devices do not split over "
+                f"{profile.num_hosts} hosts.")
+        return dataclasses.replace(
+            base, name=f"profile:{profile.platform}:{profile.device_kind}",
+            device_kind=profile.device_kind, num_hosts=hosts,
+            devices_per_host=devices // profile.num_hosts,
+            peak_flops_fp32_per_s=fp32, peak_flops_bf16_per_s=flops.get("bfloat16", fp32),
+            intra_host_alpha_s=fast.alpha_s, intra_host_beta_s_per_byte=fast.beta_s_per_byte,
+            inter_host_alpha_s=slow.alpha_s, inter_host_beta_s_per_byte=slow.beta_s_per_byte)
+
     def logical_mesh(self, shape: Sequence[int],
                      axis_names: Sequence[str] | None = None) -> LogicalMesh:
         """View the devices as a row-major mesh of `shape`; each axis gets intra- or inter-host

@@ -32,3 +32,7 @@ class UnsupportedError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A saved plan does not match the function or arguments it is applied to."""
+
+
+class ProfileError(AutoparError):
+    """A device profile is corrupt, of another version, or for another device or mesh."""

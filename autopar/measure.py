@@ -1,0 +1,155 @@
+"""`autopar.profile(mesh)`: measure the devices the plans will run on.
+
+Matmul throughput per dtype (one device, square matmuls), and per mesh axis the time of
+all-reduce, all-gather, reduce-scatter and all-to-all over that axis alone (`jax.shard_map`
+with the collective on one axis name) for a range of sizes; each axis's link alpha/beta are
+fitted through the cost model's formulas (`profile.fit_link`). The result is cached as JSON by
+device kind and mesh shape, and reused unless `refresh=True`.
+
+Example:
+    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+    >>> p = autopar.profile(mesh)
+    >>> p.axes[1].beta_s_per_byte, p.matmul_flops_per_s["float32"]
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import statistics
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .errors import InvalidArgumentError, ProfileError
+from .profile import COLLECTIVES, AxisProfile, DeviceProfile, cache_path, default_cache_dir, \
+    fit_link
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21)     # bytes per collective (full tensor)
+
+
+def _timed(fn, *args, repeats: int) -> float:
+    """Median wall time of `fn(*args)` after one warm-up call (which compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(device, dtype: str, n: int, repeats: int) -> float:
+    """Achieved flop/s of an n x n x n matmul on one device."""
+    x = jax.device_put(jnp.ones((n, n), dtype), device)
+    f = jax.jit(lambda a: a @ a)
+    return 2.0 * n ** 3 / _timed(f, x, repeats=repeats)
+
+
+def _collective_fn(kind: str, mesh, axis: str):
+    """A jitted collective over `axis` alone, on a [n * rows, 128] float32 array sharded over
+    every mesh axis along dimension 0 (each device holds its own rows)."""
+    spec = P(tuple(mesh.axis_names))
+    if kind == "all-reduce":
+        body = lambda x: jax.lax.psum(x, axis)                       # noqa: E731
+    elif kind == "all-gather":
+        body = lambda x: jax.lax.all_gather(x, axis, tiled=True)     # noqa: E731
+    elif kind == "reduce-scatter":
+        body = lambda x: jax.lax.psum_scatter(x, axis, tiled=True)   # noqa: E731
+    else:
+        body = lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
+
+
+def measure_collective(kind: str, mesh, axis: str, nbytes: int, repeats: int) -> tuple[float,
+                                                                                       float]:
+    """(bytes of the full tensor the cost model prices, seconds) of one collective over `axis`.
+
+    The cost model prices an all-gather / all-to-all / reduce-scatter by the full tensor and an
+    all-reduce by the tensor each device holds; the local block here is sized so that this
+    number is about `nbytes`."""
+    n = mesh.shape[axis]
+    total = mesh.devices.size
+    cols = 128
+    if kind == "all-reduce":
+        rows = max(1, nbytes // (4 * cols))                # per device
+    elif kind == "all-gather":
+        rows = max(1, nbytes // (4 * cols * n))            # the gathered result is n x local
+    else:
+        rows = max(n, (nbytes // (4 * cols)) // n * n)     # divisible by n for the split
+    x = jax.device_put(jnp.ones((rows * total, cols), jnp.float32),
+                       NamedSharding(mesh, P(tuple(mesh.axis_names))))
+    seconds = _timed(_collective_fn(kind, mesh, axis), x, repeats=repeats)
+    local = rows * cols * 4
+    priced = local if kind == "all-reduce" else (local * n if kind == "all-gather" else local)
+    return float(priced), seconds
+
+
+def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
+            dtypes: Sequence[str] = ("float32", "bfloat16"), matmul_size: int = 1024,
+            repeats: int = 5, cache_dir: str | None = None, refresh: bool = False,
+            use_cache: bool = True) -> DeviceProfile:
+    """Measure `mesh` (or read its cached profile); see the module docstring.
+
+    Args:
+      sizes: collective sizes in bytes (at least 2; each axis is fitted over all of them).
+      dtypes: matmul dtypes to measure.
+      matmul_size: n of the n x n x n matmul.
+      repeats: timed calls per measurement (median; one warm-up call first).
+      cache_dir: where profiles live (default `profile.default_cache_dir()`).
+      refresh: measure even if a cached profile exists (and replace it).
+      use_cache: False neither reads nor writes the cache.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise InvalidArgumentError(f"profile: mesh={mesh!r} is not a jax.sharding.Mesh. Fix: "
+                                   "jax.make_mesh((2, 4), ('data', 'model')).")
+    if len(sizes) < 2 or any(int(s) <= 0 for s in sizes):
+        raise InvalidArgumentError(f"profile: sizes={tuple(sizes)!r} needs 2 or more positive "
+                                   "byte counts (a line needs two points).")
+    first = mesh.devices.flat[0]
+    kind, shape = str(first.device_kind), tuple(int(n) for n in mesh.devices.shape)
+    path = cache_path(cache_dir or default_cache_dir(), kind, shape)
+    if use_cache and not refresh and os.path.exists(path):
+        try:
+            cached = DeviceProfile.load(path)
+            cached.check_matches(kind, shape, f"cached profile {path!r}")
+            log.info("autopar: using the cached profile %s", path)
+            return cached
+        except ProfileError as e:
+            log.warning("autopar: ignoring the cached profile (%s); measuring again", e)
+    t0 = time.perf_counter()
+    log.info("autopar: profiling %s x %s (matmul, then %d collectives per axis)", kind, shape,
+             len(COLLECTIVES) * len(sizes))
+    flops = {d: measure_matmul(first, d, matmul_size, repeats) for d in dtypes}
+    axes = []
+    for axis, n in zip(mesh.axis_names, shape):
+        if n == 1:       # no link to measure: the fit of a 1-device axis is never used
+            axes.append(AxisProfile(name=str(axis), size=1, samples={}, alpha_s=1e-15,
+                                    beta_s_per_byte=1e-15))
+            continue
+        samples = {k: tuple(measure_collective(k, mesh, axis, int(s), repeats) for s in sizes)
+                   for k in COLLECTIVES}
+        alpha, beta = fit_link(samples, n)
+        axes.append(AxisProfile(name=str(axis), size=n, samples=samples, alpha_s=alpha,
+                                beta_s_per_byte=beta))
+    prof = DeviceProfile(
+        platform=str(first.platform), device_kind=kind, mesh_shape=shape,
+        num_hosts=len({d.process_index for d in mesh.devices.flat}),
+        matmul_flops_per_s=flops, axes=tuple(axes), jax_version=jax.__version__,
+        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        extra={"sizes": [int(s) for s in sizes], "repeats": repeats,
+               "matmul_size": matmul_size, "seconds": time.perf_counter() - t0})
+    prof.check()
+    if use_cache:
+        prof.save(path)
+        log.info("autopar: profile saved to %s (%.1f s)", path, time.perf_counter() - t0)
+    return prof
+
+
+__all__ = ["profile", "measure_matmul", "measure_collective", "DEFAULT_SIZES"]
