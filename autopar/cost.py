@@ -169,6 +169,21 @@ class CostModel:
         """All-reduce of `nbytes` per device over mesh `axes`: min over algorithms."""
         return self._cheapest(all_reduce_options_s, nbytes, axes)
 
+    def all_reduce_algorithm(self, nbytes: float, axes: Sequence[int]) -> CollectiveAlgorithm:
+        """The algorithm `all_reduce_s` prices: the cheapest at this size and group size (the
+        dump names it). Small messages favour few steps (butterfly), large ones the least
+        volume (recursive halving on a power of two, the ring otherwise).
+
+        Example:
+            >>> from autopar.cluster import ClusterSpec
+            >>> cm = CostModel(mesh=ClusterSpec.preset("dgx-a100").logical_mesh((1, 8)))
+            >>> cm.all_reduce_algorithm(1e3, [1]).value, cm.all_reduce_algorithm(1e9, [1]).value
+            ('butterfly', 'recursive_halving')
+        """
+        n, alpha_s, beta_s_per_byte = self._group(axes)
+        options = all_reduce_options_s(n, nbytes, alpha_s, beta_s_per_byte)
+        return min(options, key=options.get)
+
     def all_gather_s(self, nbytes: float, axes: Sequence[int]) -> float:
         """All-gather over mesh `axes`; `nbytes` is the per-device size of the result."""
         return self._cheapest(all_gather_options_s, nbytes, axes)

@@ -5,6 +5,8 @@ Example:
 """
 from __future__ import annotations
 
+import collections
+
 from ._format import format_bytes as _bytes, format_time as _time
 from .plan import ParallelPlan
 from .spec import format_spec
@@ -115,11 +117,13 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     if len(ops) < len(plan.operators):
         lines.append(f"  ... {len(plan.operators) - len(ops)} more")
     lines.append("")
-    kinds: dict[str, int] = {}
-    for c in plan.collectives:
-        kinds[c.kind] = kinds.get(c.kind, 0) + 1
-    lines.append("predicted collectives: " + (", ".join(f"{n} x {k}" for k, n in kinds.items())
-                                             or "none") + " (XLA combines independent ones)")
+    kinds: dict[str, collections.Counter] = {}
+    for c in plan.collectives:      # detail: "all-reduce(data) 4 B ring" (algorithm last)
+        algorithm = c.detail.rsplit(" ", 1)[-1] if c.detail.count(" ") >= 2 else "?"
+        kinds.setdefault(c.kind, collections.Counter())[algorithm] += 1
+    lines.append("predicted collectives: " + (", ".join(
+        f"{sum(n.values())} x {k} ({', '.join(f'{a} {m}' for a, m in n.most_common())})"
+        for k, n in kinds.items()) or "none") + " (XLA combines independent ones)")
     if plan.fallbacks:
         lines.append(f"fallbacks ({len(plan.fallbacks)}):")
         for f in plan.fallbacks:

@@ -122,6 +122,16 @@ def test_tiny_message_on_many_devices_prefers_log_latency():
     assert cm.all_gather_s(8.0, [0]) == pytest.approx(8 * 1e-5 + 255 / 256 * 8 * 1e-9)
 
 
+def test_the_priced_all_reduce_algorithm_is_named():
+    cm = CostModel(mesh=make_mesh(shape=(6,), alpha=(1e-5,), beta=(1e-9,)))
+    for size in (8.0, 1e4, 1e10):
+        got = all_reduce_options_s(6, size, 1e-5, 1e-9)
+        algorithm = cm.all_reduce_algorithm(size, [0])
+        assert got[algorithm] == min(got.values()) == cm.all_reduce_s(size, [0])
+    assert cm.all_reduce_algorithm(1e10, [0]) is CollectiveAlgorithm.RING   # bandwidth-bound
+    assert cm.all_reduce_algorithm(8.0, [0]) is not CollectiveAlgorithm.RING  # latency-bound
+
+
 def test_single_device_groups_cost_nothing():
     cm = model(shape=(1, 8))
     for fn in (cm.all_reduce_s, cm.all_gather_s, cm.reduce_scatter_s, cm.all_to_all_s):

@@ -264,3 +264,17 @@ def test_dump_max_rows_clips_state_and_result_tables():
     assert f"... {n_in - 4} more" in short
     assert plan.inputs[-1].path in short and plan.inputs[5].path not in short.split("results:")[0]
     assert len(short.splitlines()) < len(full.splitlines())
+
+
+def test_collectives_name_the_priced_algorithm():
+    from autopar.cost import CollectiveAlgorithm
+    state = jax.eval_shape(_create_state)
+    batch = {"x": _sds(BATCH, IN_DIM), "y": _sds(BATCH, HIDDEN)}
+    plan = autopar.plan(train_step, state, batch, cluster=CLUSTER, mesh_shape=(2, 4),
+                        method=autopar.DataParallel())      # gradients must be all-reduced
+    comms = [c.detail for c in plan.collectives if c.kind == "all-reduce"]
+    assert comms, "a data-parallel plan without an all-reduce"
+    names = {a.value.replace("_", "-") for a in CollectiveAlgorithm}
+    assert all(c.split()[-1] in names for c in comms), comms
+    algorithm = comms[0].split()[-1]
+    assert f"{len(comms)} x all-reduce ({algorithm}" in autopar.dump(plan)

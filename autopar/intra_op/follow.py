@@ -11,7 +11,6 @@ from typing import Callable
 
 from ..graph import Node
 from ..spec import Spec, num_shards, replicated, without_axes
-from .._format import format_bytes
 from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
 from .rules import RuleContext, Strategy
 
@@ -140,7 +139,7 @@ def reduce(ctx, node, pos, spec):
     out = ctx.t(node.outputs[0])
     nbytes = out.nbytes / num_shards(out_spec, ctx.mesh_shape)
     comm_s = ctx.all_reduce(node, nbytes, red)
-    comm = f"all-reduce({ctx.axis_label(red)}) {format_bytes(nbytes)}" if red else ""
+    comm = ctx.all_reduce_label(nbytes, red)
     return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm)
 
 

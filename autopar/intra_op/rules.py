@@ -64,6 +64,14 @@ class RuleContext:
             t -= self.cost.all_reduce_s(0.0, axes)
         return t
 
+    def all_reduce_label(self, nbytes: float, axes: Sequence[int]) -> str:
+        """e.g. "all-reduce(model) 32.0 KiB ring": the collective, its size per device and the
+        algorithm the cost model priced; "" without axes."""
+        if not axes:
+            return ""
+        algorithm = self.cost.all_reduce_algorithm(nbytes, axes).value.replace("_", "-")
+        return f"all-reduce({self.axis_label(axes)}) {format_bytes(nbytes)} {algorithm}"
+
     def axis_label(self, axes: Sequence[int]) -> str:
         return "*".join(self.cost.mesh.axis_names[a] for a in axes)
 
@@ -119,8 +127,7 @@ def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]
         shards = math.prod(ctx.mesh_shape[a] for axes in used.values() for a in axes)
         out_bytes = out_t.nbytes / num_shards(specs[-1], ctx.mesh_shape)
         comm_s = ctx.all_reduce(node, out_bytes, red_axes)
-        comm = (f"all-reduce({ctx.axis_label(red_axes)}) {format_bytes(out_bytes)}"
-                if red_axes else "")
+        comm = ctx.all_reduce_label(out_bytes, red_axes)
         strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=tuple(specs[:-1]),
                                    out_specs=(specs[-1],), compute_s=ctx.compute(node, shards),
                                    comm_s=comm_s, comm=comm))
