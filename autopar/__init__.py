@@ -6,6 +6,7 @@
     >>> print(autopar.dump(step.get_plan(state, batch)))
 """
 from .api import ParallelizedFunction, parallelize, plan
+from .calibrate import Calibration, calibrate
 from .cluster import ClusterSpec, LogicalMesh
 from .cost import CostModel
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
@@ -27,6 +28,7 @@ __all__ = [
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
     "ClusterSpec", "LogicalMesh", "CostModel", "profile", "DeviceProfile", "ProfileError",
+    "calibrate", "Calibration",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",
 ]

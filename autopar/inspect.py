@@ -78,6 +78,13 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
                  f"   total {_time(plan.predicted_step_s)}")
     lines.append(f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
                  f"{_bytes(plan.memory_budget_bytes)}")
+    if plan.measured:
+        m = plan.measured
+        peak = m.get("peak_bytes")
+        lines.append(f"measured (autopar.calibrate, {m.get('steps', '?')} steps): step "
+                     f"{_time(m['step_s'])} vs predicted {_time(plan.predicted_step_s)} "
+                     f"({plan.predicted_step_s / m['step_s'] - 1:+.0%}); peak memory "
+                     + (f"{_bytes(peak)}" if peak is not None else "not reported by the backend"))
     ilp = plan.ilp
     if ilp:
         lines.append(f"ILP: {ilp['num_groups']} strategy groups, {ilp['num_edges']} edges, "

@@ -117,6 +117,7 @@ class ParallelPlan:
     ilp: dict = field(default_factory=dict)    # IlpStats as a dict
     timings_s: dict = field(default_factory=dict)
     pipeline: dict = field(default_factory=dict)  # schedule, microbatches, layers, DP stats
+    measured: dict = field(default_factory=dict)  # from autopar.calibrate: step_s, peak_bytes
 
     def stage_option(self):
         """The `ManualStageOption` that replays this plan's stages (pipeline plans)."""
