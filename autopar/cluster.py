@@ -39,6 +39,20 @@ def _positive_number(owner: str, field: str, value: Any) -> None:
             f"{field}=1e-6.")
 
 
+# The collective algorithms of `cost.CollectiveAlgorithm` (by value; cost imports this module).
+ALGORITHMS = ("ring", "tree", "butterfly", "recursive_halving")
+# NCCL implements all-reduce as Ring or Tree (CollNet / NVLS need switch hardware) and
+# all-gather / reduce-scatter / all-to-all as rings; it picks by size.
+_NCCL = ("ring", "tree")
+
+
+def _check_algorithms(owner: str, names: Any) -> None:
+    if not isinstance(names, tuple) or any(n not in ALGORITHMS for n in names):
+        raise InvalidArgumentError(
+            f"{owner}.collective_algorithms={names!r} must be a tuple of names from "
+            f"{ALGORITHMS} (empty: all of them).")
+
+
 def _positive_int(owner: str, field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(
@@ -63,8 +77,10 @@ class LogicalMesh:
     peak_flops_fp32_per_s: float
     hbm_bandwidth_bytes_per_s: float
     memory_bytes: int
+    collective_algorithms: tuple[str, ...] = ()   # what the backend implements; (): every one
 
     def __post_init__(self) -> None:
+        _check_algorithms("LogicalMesh", self.collective_algorithms)
         rank = len(self.shape)
         for field in ("axis_names", "alpha_s", "beta_s_per_byte"):
             if len(getattr(self, field)) != rank:
@@ -122,8 +138,10 @@ class ClusterSpec:
     intra_host_beta_s_per_byte: float
     inter_host_alpha_s: float
     inter_host_beta_s_per_byte: float
+    collective_algorithms: tuple[str, ...] = ()   # what the backend implements; (): every one
 
     def __post_init__(self) -> None:
+        _check_algorithms("ClusterSpec", self.collective_algorithms)
         for field in ("name", "device_kind"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
@@ -279,7 +297,7 @@ class ClusterSpec:
             beta_s_per_byte=tuple(betas), peak_flops_bf16_per_s=self.peak_flops_bf16_per_s,
             peak_flops_fp32_per_s=self.peak_flops_fp32_per_s,
             hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_bytes_per_s,
-            memory_bytes=self.memory_bytes)
+            memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of
@@ -292,13 +310,15 @@ class ClusterSpec:
 
 def _gpu(name: str, kind: str, *, bf16_tflops: float, fp32_tflops: float, memory_bytes: int,
          hbm_bytes_per_s: float, intra_bytes_per_s: float, inter_bytes_per_s: float,
-         intra_alpha_s: float, inter_alpha_s: float, devices_per_host: int = 8) -> ClusterSpec:
+         intra_alpha_s: float, inter_alpha_s: float, devices_per_host: int = 8,
+         collective_algorithms: tuple[str, ...] = _NCCL) -> ClusterSpec:
     return ClusterSpec(
         name=name, num_hosts=1, devices_per_host=devices_per_host, device_kind=kind,
         peak_flops_bf16_per_s=bf16_tflops * _TFLOP, peak_flops_fp32_per_s=fp32_tflops * _TFLOP,
         memory_bytes=memory_bytes, hbm_bandwidth_bytes_per_s=hbm_bytes_per_s,
         intra_host_alpha_s=intra_alpha_s, intra_host_beta_s_per_byte=1.0 / intra_bytes_per_s,
-        inter_host_alpha_s=inter_alpha_s, inter_host_beta_s_per_byte=1.0 / inter_bytes_per_s)
+        inter_host_alpha_s=inter_alpha_s, inter_host_beta_s_per_byte=1.0 / inter_bytes_per_s,
+        collective_algorithms=collective_algorithms)
 
 
 _PRESETS: dict[str, ClusterSpec] = {
@@ -327,6 +347,7 @@ _PRESETS: dict[str, ClusterSpec] = {
         memory_bytes=80 * _GIB, hbm_bytes_per_s=3.35e12, intra_bytes_per_s=360 * _GB,
         inter_bytes_per_s=_EFFICIENCY * 400 * _GBIT_BYTES, intra_alpha_s=5e-6,
         inter_alpha_s=20e-6),
+    # (TPU collectives are XLA's own over the ICI torus: no algorithm set is assumed.)
     # Google Cloud TPU v4 system architecture page / Jouppi et al. ISCA'23: 4 chips per host,
     # 275 TFLOP/s bf16, 32 GiB HBM2 at 1.2 TB/s, ICI 6 links x 50 GB/s in a 3-D torus (a mesh axis
     # uses the 2 links of its ring: ~100 GB/s). No native fp32 MXU: fp32 matmuls run as 3 bf16
@@ -335,14 +356,14 @@ _PRESETS: dict[str, ClusterSpec] = {
         "tpu-v4", "TPU v4", bf16_tflops=275.0, fp32_tflops=275.0 / 3, memory_bytes=32 * _GIB,
         hbm_bytes_per_s=1.2e12, intra_bytes_per_s=_EFFICIENCY * 100 * _GB,
         inter_bytes_per_s=_EFFICIENCY * 100 * _GB, intra_alpha_s=2e-6, inter_alpha_s=4e-6,
-        devices_per_host=4),
+        devices_per_host=4, collective_algorithms=()),
     # Google Cloud TPU v5p page: 4 chips per host, 459 TFLOP/s bf16, 95 GB HBM2e at 2.76 TB/s,
     # ICI 4800 Gb/s per chip over 6 links in a 3-D torus (~200 GB/s per mesh axis).
     "tpu-v5p": _gpu(
         "tpu-v5p", "TPU v5p", bf16_tflops=459.0, fp32_tflops=459.0 / 3, memory_bytes=95 * 10**9,
         hbm_bytes_per_s=2.76e12, intra_bytes_per_s=_EFFICIENCY * 200 * _GB,
         inter_bytes_per_s=_EFFICIENCY * 200 * _GB, intra_alpha_s=2e-6, inter_alpha_s=4e-6,
-        devices_per_host=4),
+        devices_per_host=4, collective_algorithms=()),
     # Simulated host-platform devices (XLA_FLAGS=--xla_force_host_platform_device_count=8):
     # round numbers so CPU plans behave like a small, slow cluster.
     "cpu": ClusterSpec(

@@ -170,18 +170,18 @@ class CostModel:
         return self._cheapest(all_reduce_options_s, nbytes, axes)
 
     def all_reduce_algorithm(self, nbytes: float, axes: Sequence[int]) -> CollectiveAlgorithm:
-        """The algorithm `all_reduce_s` prices: the cheapest at this size and group size (the
-        dump names it). Small messages favour few steps (butterfly), large ones the least
-        volume (recursive halving on a power of two, the ring otherwise).
+        """The algorithm `all_reduce_s` prices: the cheapest at this size among those the
+        backend implements (the dump names it). NCCL (the GPU presets) has ring and tree: tree
+        for small messages, ring for large, as NCCL itself switches; with every algorithm
+        allowed, small messages favour butterfly and large ones recursive halving.
 
         Example:
             >>> from autopar.cluster import ClusterSpec
             >>> cm = CostModel(mesh=ClusterSpec.preset("dgx-a100").logical_mesh((1, 8)))
             >>> cm.all_reduce_algorithm(1e3, [1]).value, cm.all_reduce_algorithm(1e9, [1]).value
-            ('butterfly', 'recursive_halving')
+            ('tree', 'ring')
         """
-        n, alpha_s, beta_s_per_byte = self._group(axes)
-        options = all_reduce_options_s(n, nbytes, alpha_s, beta_s_per_byte)
+        options = self._options(all_reduce_options_s, nbytes, axes)
         return min(options, key=options.get)
 
     def all_gather_s(self, nbytes: float, axes: Sequence[int]) -> float:
@@ -283,13 +283,21 @@ class CostModel:
         return (math.prod(mesh.shape[a] for a in real), max(mesh.alpha_s[a] for a in real),
                 max(mesh.beta_s_per_byte[a] for a in real))
 
-    def _cheapest(self, options, nbytes: float, axes: Sequence[int]) -> float:
+    def _options(self, options, nbytes: float, axes: Sequence[int],
+                 ) -> dict[CollectiveAlgorithm, float]:
+        """Time per algorithm the backend implements (`mesh.collective_algorithms`; all of
+        them when it names none, or none that applies to this collective)."""
         n, alpha_s, beta_s_per_byte = self._group(axes)
-        if n == 1:
-            if not nbytes >= 0:
-                raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes!r}.")
-            return 0.0
-        return min(options(n, nbytes, alpha_s, beta_s_per_byte).values())
+        if n == 1 and not nbytes >= 0:
+            raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes!r}.")
+        got = options(n, nbytes, alpha_s, beta_s_per_byte) if n > 1 else \
+            {CollectiveAlgorithm.RING: 0.0}
+        allowed = self.mesh.collective_algorithms
+        kept = {a: t for a, t in got.items() if a.value in allowed}
+        return kept or got
+
+    def _cheapest(self, options, nbytes: float, axes: Sequence[int]) -> float:
+        return min(self._options(options, nbytes, axes).values())
 
 
 def _placement(spec: Spec) -> dict[int, tuple[int, tuple[int, ...]]]:

@@ -263,3 +263,24 @@ def test_reshard_scales_with_tensor_size():
     small = cm.reshard_s((16, 32), 4, ((0,), ()), ((), ()))
     big = cm.reshard_s((1024, 1024), 4, ((0,), ()), ((), ()))
     assert big > small > 0 and math.isfinite(big)
+
+
+def test_backend_algorithms_restrict_the_choice():
+    """A backend that implements only ring and tree (NCCL, the GPU presets) is priced with
+    them alone: tree for small messages, ring for large; the others are never named."""
+    from autopar.cluster import ClusterSpec
+    nccl = CostModel(mesh=ClusterSpec.preset("dgx-a100").logical_mesh((1, 8)))
+    any_alg = CostModel(mesh=make_mesh(shape=(1, 8), alpha=(6e-6,) * 2,
+                                       beta=(nccl.mesh.beta_s_per_byte[1],) * 2))
+    assert nccl.mesh.collective_algorithms == ("ring", "tree")
+    for size in (8.0, 1e3, 1e6, 1e9):
+        got = all_reduce_options_s(8, size, *nccl._group([1])[1:])
+        algorithm = nccl.all_reduce_algorithm(size, [1])
+        assert algorithm in (CollectiveAlgorithm.RING, CollectiveAlgorithm.TREE)
+        assert nccl.all_reduce_s(size, [1]) == min(got[CollectiveAlgorithm.RING],
+                                                   got[CollectiveAlgorithm.TREE])
+        assert any_alg.all_reduce_s(size, [1]) <= nccl.all_reduce_s(size, [1])
+    assert nccl.all_reduce_algorithm(1e3, [1]) is CollectiveAlgorithm.TREE
+    assert nccl.all_reduce_algorithm(1e9, [1]) is CollectiveAlgorithm.RING
+    with pytest.raises(InvalidArgumentError, match="collective_algorithms"):
+        make_mesh(collective_algorithms=("nvls",))
