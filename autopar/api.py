@@ -189,7 +189,7 @@ class ParallelizedFunction:
                     f"{graph_fingerprint(graph)}). Fix: re-plan, or call with the shapes the "
                     "plan was made for.")
         else:
-            cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
+            cluster = self.cluster
             plan_ = _plan_graph(graph, cluster, mesh.devices.shape, mesh.axis_names,
                                 self._method, tuple(int(d.id) for d in mesh.devices.flat))
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
@@ -199,7 +199,7 @@ class ParallelizedFunction:
         return entry
 
     def _pipeline_entry(self, args, mesh) -> _Entry:
-        cluster = self._cluster or ClusterSpec.from_devices(mesh.devices.flat)
+        cluster = self.cluster
         method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
         if self._saved_plan is not None:
             method = dataclasses.replace(method, stage_option=self._saved_plan.stage_option())
@@ -257,6 +257,23 @@ class ParallelizedFunction:
         if entry.executor is not None:
             return entry.executor.p
         return self._compiled(args, entry)
+
+    def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
+        """The same step, mesh, method and argnums, planned against `cluster` (a fresh
+        function: nothing planned yet; a saved plan is not carried over)."""
+        return ParallelizedFunction(self._fun, mesh=self.mesh, method=self._method,
+                                    static_argnums=self._static, donate_argnums=self._donate,
+                                    batch_argnums=self._batch, plan=None, cluster=cluster)
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The cluster description plans are costed with (read off the mesh's devices unless
+        one was given)."""
+        return self._cluster or ClusterSpec.from_devices(self.mesh.devices.flat)
+
+    @property
+    def donate_argnums(self) -> tuple[int, ...]:
+        return self._donate
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 
 import jax
 
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, memory_stats
 from .errors import InvalidArgumentError
-from .measure import profile
+from .measure import median_time, profile
 from .plan import ParallelPlan
 
 log = logging.getLogger(__name__)
@@ -49,30 +47,16 @@ class Calibration:
 def measure_step(fn, args: tuple, steps: int) -> dict:
     """Median wall time of `fn(*args)` over `steps` calls after one compiling call; donated
     arguments are copied before each call (outside the timing)."""
-    donate = set(getattr(fn, "_donate", ()))
+    donate = set(fn.donate_argnums)
 
     def fresh():
         return tuple(jax.tree_util.tree_map(lambda x: x.copy() if hasattr(x, "copy") else x, a)
                      if i in donate else a for i, a in enumerate(args))
 
-    jax.block_until_ready(fn(*fresh()))
-    times = []
-    for _ in range(steps):
-        call_args = fresh()
-        jax.block_until_ready(call_args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*call_args))
-        times.append(time.perf_counter() - t0)
-    peaks = []
-    for d in fn.mesh.devices.flat:
-        try:
-            stats = d.memory_stats() or {}
-        except (NotImplementedError, RuntimeError, AttributeError):
-            stats = {}
-        if isinstance(stats.get("peak_bytes_in_use"), int):
-            peaks.append(stats["peak_bytes_in_use"])
-    return {"step_s": statistics.median(times), "steps": steps,
-            "peak_bytes": max(peaks) if peaks else None}
+    step_s = median_time(fn, repeats=steps, fresh_args=fresh)
+    peaks = [s["peak_bytes_in_use"] for s in map(memory_stats, fn.mesh.devices.flat)
+             if s and isinstance(s.get("peak_bytes_in_use"), int)]
+    return {"step_s": step_s, "steps": steps, "peak_bytes": max(peaks) if peaks else None}
 
 
 def _scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
@@ -92,7 +76,7 @@ def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,
               profile_kwargs: dict | None = None) -> Calibration:
     """Measure `fn`'s plan on `args`, refit the model and re-plan if it was off (see the module
     docstring). `fn` is what `autopar.parallelize` returned."""
-    from .api import ParallelizedFunction, parallelize     # api imports the passes
+    from .api import ParallelizedFunction     # api imports the passes
     if not isinstance(fn, ParallelizedFunction):
         raise InvalidArgumentError(
             f"calibrate: {fn!r} is not a parallelized function. Fix: pass what "
@@ -105,13 +89,10 @@ def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,
     err0 = before.predicted_step_s / m0["step_s"] - 1
     prof = profile(mesh, refresh=refresh_profile, cache_dir=profile_cache_dir,
                    **(profile_kwargs or {}))
-    base = fn._cluster or ClusterSpec.from_devices(mesh.devices.flat)
-    measured_cluster = ClusterSpec.from_profile(prof, base=base)
-    kw = dict(mesh=mesh, method=fn._method, static_argnums=fn._static,
-              donate_argnums=fn._donate, batch_argnums=fn._batch)
+    measured_cluster = ClusterSpec.from_profile(prof, base=fn.cluster)
     # The profiled cluster's prediction for the same step (the ILP may pick another plan
     # there; its prediction is what the efficiency factor corrects).
-    probe = parallelize(fn.__wrapped__, cluster=measured_cluster, **kw)
+    probe = fn.with_cluster(measured_cluster)
     efficiency = m0["step_s"] / max(probe.get_plan(*args).predicted_step_s, 1e-30)
     cluster = _scaled(measured_cluster, efficiency)
     before = dataclasses.replace(before, measured=m0)
@@ -120,7 +101,7 @@ def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,
     if abs(err0) <= tolerance:
         kept, kept_plan, after, err1 = fn, before, None, None
     else:
-        replanned = parallelize(fn.__wrapped__, cluster=cluster, **kw)
+        replanned = fn.with_cluster(cluster)
         m1 = measure_step(replanned, args, steps)
         after = dataclasses.replace(replanned.get_plan(*args), measured=m1)
         err1 = after.predicted_step_s / m1["step_s"] - 1

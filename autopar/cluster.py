@@ -221,7 +221,7 @@ class ClusterSpec:
         if platform == "cpu":
             local = max(1, len(jax.local_devices(backend="cpu")))
             memory_bytes = _physical_ram_bytes() // local or base.memory_bytes
-        stats = _memory_stats(first)
+        stats = memory_stats(first)
         if stats and isinstance(stats.get("bytes_limit"), int) and stats["bytes_limit"] > 0:
             memory_bytes = int(stats["bytes_limit"])
         return dataclasses.replace(
@@ -406,7 +406,8 @@ def _physical_ram_bytes() -> int:
         return 0
 
 
-def _memory_stats(device: Any) -> dict | None:
+def memory_stats(device: Any) -> dict | None:
+    """`device.memory_stats()`, or None where the backend reports none."""
     try:
         stats = device.memory_stats()
     except (NotImplementedError, RuntimeError, AttributeError):  # backend has no stats

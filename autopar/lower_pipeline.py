@@ -71,7 +71,6 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
     split = split_train_graph(graph, sl)
     nodes = lambda ids: [graph.nodes[n] for n in ids]
     fwd_nodes, bwd_nodes = nodes(split.forward_nodes), nodes(split.backward_nodes)
-    all_nodes = graph.nodes
     n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
     n_out = len(io.float_outputs) + len(io.int_outputs)
     n_grads = len(sl.param_inputs)
@@ -105,7 +104,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
 
     def fused(params, data, float_acts, int_acts, cts, acc):
         env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
-        run_nodes(graph, all_nodes, env, constrain)
+        run_nodes(graph, graph.nodes, env, constrain)
         out = [env[t] for t in graph.outputs[:n_out]]
         return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
 

@@ -33,13 +33,18 @@ log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21)     # bytes per collective (full tensor)
 
 
-def _timed(fn, *args, repeats: int) -> float:
-    """Median wall time of `fn(*args)` after one warm-up call (which compiles)."""
-    jax.block_until_ready(fn(*args))
+def median_time(fn, *args, repeats: int, fresh_args=None) -> float:
+    """Median wall time of `fn(*args)` after one warm-up call (which compiles);
+    `fresh_args()`, when given, makes each call's arguments (e.g. copies of donated ones)
+    outside the timing."""
+    make = fresh_args or (lambda: args)
+    jax.block_until_ready(fn(*make()))
     times = []
     for _ in range(repeats):
+        call_args = make()
+        jax.block_until_ready(call_args)
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*call_args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -48,7 +53,7 @@ def measure_matmul(device, dtype: str, n: int, repeats: int) -> float:
     """Achieved flop/s of an n x n x n matmul on one device."""
     x = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda a: a @ a)
-    return 2.0 * n ** 3 / _timed(f, x, repeats=repeats)
+    return 2.0 * n ** 3 / median_time(f, x, repeats=repeats)
 
 
 def _collective_fn(kind: str, mesh, axis: str):
@@ -85,7 +90,7 @@ def measure_collective(kind: str, mesh, axis: str, nbytes: int, repeats: int) ->
         rows = max(n, (nbytes // (4 * cols)) // n * n)     # divisible by n for the split
     x = jax.device_put(jnp.ones((rows * total, cols), jnp.float32),
                        NamedSharding(mesh, P(tuple(mesh.axis_names))))
-    seconds = _timed(_collective_fn(kind, mesh, axis), x, repeats=repeats)
+    seconds = median_time(_collective_fn(kind, mesh, axis), x, repeats=repeats)
     local = rows * cols * 4
     priced = local if kind == "all-reduce" else (local * n if kind == "all-gather" else local)
     return float(priced), seconds
@@ -152,4 +157,4 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     return prof
 
 
-__all__ = ["profile", "measure_matmul", "measure_collective", "DEFAULT_SIZES"]
+__all__ = ["profile", "measure_matmul", "measure_collective", "median_time", "DEFAULT_SIZES"]
