@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 
 import numpy as np
 from dataclasses import dataclass
@@ -53,14 +54,30 @@ class ShardParallel:
         `autopar.grad`. The shardings come from the ILP at the microbatch's size.
 
     Example:
+      sharding_rules: pin input leaves to a sharding: `(regex, spec)` pairs; the first
+        regex that `re.search`-matches a leaf's path (e.g.
+        `state.params['params']['block_0']['attn']['qkv']['kernel']`, as `dump` prints it)
+        fixes that leaf's sharding to `spec`, written like a `PartitionSpec` over the mesh's
+        axis names (missing trailing entries are unsplit; `()` is replicated). The ILP
+        chooses everything else around it. Optimizer-state paths contain their parameter's
+        path, so one rule usually pins both. In a pipeline the rules apply inside every
+        stage, whose logical mesh axes are ("data", "model"). Use it to try a hand-written
+        plan (e.g. Megatron's column/row split) under the same cost model.
+
+    Example:
         >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
         >>> autopar.Zero3Parallel(num_microbatches=2)
+        >>> autopar.ShardParallel(sharding_rules=(         # Megatron-style MLP, batch on data
+        ...     (r"\['fc'\]\['kernel'\]", (None, "model")),
+        ...     (r"\['proj'\]\['kernel'\]", ("model", None)),
+        ...     (r"^batch", ("data",))))
     """
     memory_budget_bytes: int | None = None
     solver: SolverBackend = SolverBackend.HIGHS
     solver_time_limit_s: float = 60.0
     layer_reuse: LayerReuse = LayerReuse.AUTO
     num_microbatches: int = 1
+    sharding_rules: tuple[tuple[str, tuple], ...] = ()
 
     def __post_init__(self):
         v = self.num_microbatches
@@ -77,6 +94,7 @@ class ShardParallel:
             raise InvalidArgumentError(
                 f"solver={self.solver!r} is not a SolverBackend; use one of "
                 f"{[b for b in SolverBackend]}.")
+        object.__setattr__(self, "sharding_rules", _check_rules(self.sharding_rules))
 
     @property
     def kind(self) -> MethodKind:
@@ -110,6 +128,36 @@ class Zero3Parallel(ShardParallel):
     @property
     def kind(self) -> MethodKind:
         return MethodKind.ZERO3
+
+
+def _rule_entry(entry, where: str):
+    ok = entry is None or isinstance(entry, str) or (
+        isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry))
+    if not ok:
+        raise InvalidArgumentError(
+            f"sharding_rules{where}: spec entry {entry!r} must be None, a mesh axis name or a "
+            "tuple of axis names, as in jax.sharding.PartitionSpec.")
+    return tuple(entry) if isinstance(entry, list) else entry
+
+
+def _check_rules(rules) -> tuple[tuple[str, tuple], ...]:
+    """Validate `sharding_rules` and normalize it to a hashable tuple of (regex, spec)."""
+    if isinstance(rules, dict):
+        rules = tuple(rules.items())
+    out = []
+    for i, rule in enumerate(rules or ()):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+                and hasattr(rule[1], "__iter__") and not isinstance(rule[1], str)):
+            raise InvalidArgumentError(
+                f"sharding_rules[{i}]={rule!r} must be a (regex, spec) pair, e.g. "
+                "(r\"\\['fc'\\]\\['kernel'\\]\", (None, \"model\")).")
+        try:
+            re.compile(rule[0])
+        except re.error as e:
+            raise InvalidArgumentError(
+                f"sharding_rules[{i}]: {rule[0]!r} is not a regular expression ({e}).") from None
+        out.append((rule[0], tuple(_rule_entry(e, f"[{i}]") for e in rule[1])))
+    return tuple(out)
 
 
 class LayerOptionKind(enum.Enum):

@@ -288,6 +288,31 @@ class NnxGPT(nnx.Module):
 # ---------------------------------------------------------------------------
 
 
+def megatron_rules(model_axis: str = "model", data_axis: str | None = "data",
+                   batch_pattern: str = r"^batch") -> tuple[tuple[str, tuple], ...]:
+    """Megatron-LM's tensor parallelism for :class:`GPT` as `autopar` ``sharding_rules``.
+
+    Column-parallel ``qkv`` and ``fc`` (output features split over ``model_axis``), row-parallel
+    ``out`` and ``proj`` (input features split), a vocabulary-parallel embedding and LM head,
+    everything else replicated; batch leaves (paths matching ``batch_pattern``) split over
+    ``data_axis``. Optimizer state follows its parameter (its path contains the parameter's).
+
+    Example:
+        >>> autopar.ShardParallel(sharding_rules=megatron_rules())
+    """
+    m = model_axis
+    rules = [
+        (r"\['(qkv|fc)'\]\['kernel'\]", (None, m)),
+        (r"\['(qkv|fc)'\]\['bias'\]", (m,)),
+        (r"\['(out|proj)'\]\['kernel'\]", (m, None)),
+        (r"\['tok_embed'\]\['embedding'\]", (m, None)),
+        (r"\['lm_head'\]\['kernel'\]", (None, m)),
+    ]
+    if data_axis is not None:
+        rules.append((batch_pattern, (data_axis,)))
+    return tuple(rules) + ((r".", ()),)
+
+
 def gpt_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Next-token cross-entropy: predict ``tokens[:, 1:]`` from ``logits[:, :-1]``.
 

@@ -96,6 +96,27 @@ class NnxMLP(nnx.Module):
         return x
 
 
+def megatron_rules(num_layers: int, model_axis: str = "model", data_axis: str | None = "data",
+                   batch_pattern: str = r"^batch") -> tuple[tuple[str, tuple], ...]:
+    """Megatron-style tensor parallelism for :class:`MLP` as `autopar` ``sharding_rules``:
+    ``Dense_0`` column-parallel, ``Dense_1`` row-parallel, and so on in pairs (one all-reduce
+    per pair); batch leaves split over ``data_axis``; everything else replicated.
+
+    Example:
+        >>> autopar.ShardParallel(sharding_rules=megatron_rules(num_layers=4))
+    """
+    rules = []
+    for i in range(num_layers):
+        if i % 2 == 0:
+            rules += [(rf"\['Dense_{i}'\]\['kernel'\]", (None, model_axis)),
+                      (rf"\['Dense_{i}'\]\['bias'\]", (model_axis,))]
+        else:
+            rules.append((rf"\['Dense_{i}'\]\['kernel'\]", (model_axis, None)))
+    if data_axis is not None:
+        rules.append((batch_pattern, (data_axis,)))
+    return tuple(rules) + ((r".", ()),)
+
+
 def mse_loss(pred: jax.Array, target: jax.Array) -> jax.Array:
     """Mean squared error over all elements, computed in float32."""
     diff = pred.astype(jnp.float32) - target.astype(jnp.float32)

@@ -39,7 +39,7 @@ import optax
 
 from autopar.markers import mark_stage_boundary
 from models.gpt import (_POS_EMBED_INIT, CausalSelfAttention, GPTConfig, MlpBlock,
-                        check_positive_ints)
+                        check_positive_ints, megatron_rules)
 
 Dtype = Any
 
@@ -268,6 +268,22 @@ class MoE(nn.Module):
 # ---------------------------------------------------------------------------
 # Loss, data, accounting
 # ---------------------------------------------------------------------------
+
+
+def megatron_moe_rules(model_axis: str = "model", data_axis: str | None = "data",
+                       batch_pattern: str = r"^batch") -> tuple[tuple[str, tuple], ...]:
+    """Megatron-LM's tensor parallelism for :class:`MoE` as `autopar` ``sharding_rules``: the
+    GPT rules (:func:`models.gpt.megatron_rules`), and inside every expert the same column/row
+    split of its MLP (``fc_kernel`` [E,H,F] split on F, ``proj_kernel`` [E,F,H] on F); no
+    expert parallelism (Megatron-LM has none), router replicated.
+
+    Example:
+        >>> autopar.ShardParallel(sharding_rules=megatron_moe_rules())
+    """
+    m = model_axis
+    experts = ((r"\['fc_kernel'\]", (None, None, m)), (r"\['fc_bias'\]", (None, m)),
+               (r"\['proj_kernel'\]", (None, m, None)))
+    return experts + megatron_rules(model_axis, data_axis, batch_pattern)
 
 
 def moe_loss(logits: jax.Array, tokens: jax.Array, aux: jax.Array | None = None,

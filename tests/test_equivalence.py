@@ -3,6 +3,8 @@
 MLP and GPT train steps (flax linen TrainState and Flax NNX), under every method, on meshes
 1x8, 2x4, 8x1 and 1x4, over 3 steps in fp32.
 """
+import re
+
 import jax
 import optax
 import pytest
@@ -68,3 +70,32 @@ def test_donation_and_cache_reuse():
     got = run_steps(par, state, batches)
     assert_equivalent(ref, got, compare_params=True)
     assert len(par._cache) == 1  # three calls, one plan
+
+
+def _plan_spec(plan, path):
+    """The sharding the dump prints for the input leaf `path`, e.g. "[-, model]"."""
+    rows = [line for line in autopar.dump(plan).splitlines() if line.strip().startswith(path + " ")]
+    assert rows, f"{path} not in the dump"
+    return re.findall(r"\[[^\]'\[]*\]", rows[0][len(path):])[-1]
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_megatron_sharding_rules_pin_params_and_match_jit(model):
+    from models.gpt import megatron_rules as gpt_rules
+    from models.mlp import megatron_rules as mlp_rules
+    step, state, batches = make_case(model, "linen", sgd_momentum_clip())
+    rules = gpt_rules() if model == "gpt" else mlp_rules(num_layers=2)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,),
+                              method=autopar.ShardParallel(sharding_rules=rules))
+    assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
+                      compare_params=True)
+    plan = par.get_plan(state, batches[0])
+    if model == "gpt":
+        block = "state.params['params']['block_0']"
+        assert _plan_spec(plan, f"{block}['attn']['qkv']['kernel']") == "[-, model]"
+        assert _plan_spec(plan, f"{block}['mlp']['proj']['kernel']") == "[model, -]"
+        assert _plan_spec(plan, f"{block}['ln_1']['scale']") == "[-]"
+        assert _plan_spec(plan, "batch['tokens']") == "[data, -]"
+    else:
+        assert _plan_spec(plan, "state.params['params']['Dense_0']['kernel']") == "[-, model]"
+        assert _plan_spec(plan, "state.params['params']['Dense_1']['kernel']") == "[model, -]"

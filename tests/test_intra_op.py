@@ -145,3 +145,28 @@ def test_repeated_layers_solved_once_keep_megatron():
     assert p_tied.ilp["num_variables"] < p_exact.ilp["num_variables"]
     assert p_tied.ilp["objective_s"] == pytest.approx(p_exact.ilp["objective_s"], rel=1e-9)
     assert kernel_specs(p_tied) == kernel_specs(p_exact)
+
+
+def test_sharding_rule_errors_name_the_rule_the_leaf_and_the_fix():
+    from autopar.intra_op.constraints import rule_spec
+    axes, mesh = ("data", "model"), (2, 4)
+    path = "state.params['Dense_0']['kernel']"
+    assert rule_spec((("bias", ()), ("kernel", (None, "model"))), path, (8, 12), mesh,
+                     axes) == ((), (1,))
+    assert rule_spec((("kernel", (("data", "model"),)),), path, (8, 12), mesh,
+                     axes) == ((0, 1), ())
+    assert rule_spec((("bias", ("model",)),), path, (8, 12), mesh, axes) is None
+    with pytest.raises(autopar.InvalidArgumentError, match=r"Dense_0.*no axis 'tensor'"):
+        rule_spec((("kernel", ("tensor",)),), path, (8, 12), mesh, axes)
+    with pytest.raises(autopar.InvalidArgumentError, match=r"not divisible.*\(8, 6\)|\(8, 6\).*not divisible"):
+        rule_spec((("kernel", (None, "model")),), path, (8, 6), mesh, axes)
+    with pytest.raises(autopar.InvalidArgumentError, match="3 entries for 2 dimensions"):
+        rule_spec((("kernel", (None, None, "model")),), path, (8, 12), mesh, axes)
+
+
+def test_sharding_rules_error_surfaces_from_parallelize():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    method = autopar.ShardParallel(sharding_rules=((r"\['kernel'\]", ("data", "data")),))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,), method=method)
+    with pytest.raises(autopar.InvalidArgumentError, match=r"sharding_rules\[0\].*kernel"):
+        par.get_plan(state, batches[0])

@@ -213,3 +213,18 @@ def test_parallelize_accepts_every_method():
         fn = autopar.parallelize(_layer, mesh=mesh, method=cls())
         assert isinstance(fn, autopar.ParallelizedFunction)
         assert fn.mesh is mesh
+
+
+def test_sharding_rules_are_validated_and_normalized():
+    m = autopar.ShardParallel(sharding_rules=[("kernel", [None, "model"]), ("bias", ["model"])])
+    assert m.sharding_rules == (("kernel", (None, "model")), ("bias", ("model",)))
+    hash(m)                                  # methods stay hashable cache keys
+    spec = jax.sharding.PartitionSpec(("data", "model"), None)
+    assert autopar.ShardParallel(sharding_rules=(("x", spec),)).sharding_rules == (
+        ("x", (("data", "model"), None)),)
+    with pytest.raises(autopar.InvalidArgumentError, match="not a regular expression"):
+        autopar.ShardParallel(sharding_rules=(("[unclosed", ()),))
+    with pytest.raises(autopar.InvalidArgumentError, match=r"\(regex, spec\) pair"):
+        autopar.ShardParallel(sharding_rules=(("kernel",),))
+    with pytest.raises(autopar.InvalidArgumentError, match="spec entry 3"):
+        autopar.ShardParallel(sharding_rules=(("kernel", (3,)),))

@@ -74,6 +74,26 @@ def test_gpt_manual_layers(stages):
     assert "block_0" in scopes and "block_3" in scopes
 
 
+def test_sharding_rules_pin_every_stage():
+    """Megatron's column/row split, pinned through `sharding_rules` in both stages of a 2-stage
+    pipeline whose stages run on (2, 2) logical meshes, matches single-device training."""
+    from models.gpt import megatron_rules
+    method = autopar.PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=2),
+        stage_option=autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
+                                               submesh_shapes=((1, 4), (1, 4)),
+                                               logical_shapes=((2, 2), (2, 2))),
+        sharding_rules=megatron_rules())
+    par, state, batches = _check("gpt", "linen", method, num_layers=2)
+    plan = par.get_plan(state, batches[0])
+    specs = {(t.path.removeprefix("state.params['params']"), t.stage): t.spec for t in plan.inputs
+             if t.path.startswith("state.params")}
+    for i in range(2):
+        assert specs[(f"['block_{i}']['attn']['qkv']['kernel']", i)] == ((), (1,))
+        assert specs[(f"['block_{i}']['mlp']['proj']['kernel']", i)] == ((1,), ())
+        assert specs[(f"['block_{i}']['ln_2']['bias']", i)] == ((),)
+
+
 def test_auto_stages_and_replay_from_plan():
     method = autopar.PipeshardParallel(num_microbatches=2, stage_option=autopar.AutoStageOption())
     par, state, batches = _check("mlp", "linen", method)

@@ -162,10 +162,24 @@ def _residual_bytes(graph: OpGraph, split: TrainSplit, specs, mesh_shape) -> flo
                      if graph.tensors[t].kind == TensorKind.INTERMEDIATE))
 
 
+def stage_input_paths(loss: LossGraph, sl: StageSlice) -> tuple[str, ...]:
+    """The user's path of each parameter and data input of the stage's graph (the step's
+    input leaf the gradient marker reads; "" where that operand is computed), for
+    `sharding_rules`."""
+    step = loss.step
+    operands = step.nodes[loss.grad_node].inputs
+
+    def path(pos: int) -> str:
+        t = step.tensors[operands[pos]]
+        return t.path if t.kind == TensorKind.INPUT else ""
+    return tuple(path(p) for p in sl.param_inputs + sl.data_inputs)
+
+
 def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
                 logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
-                method: ShardParallel) -> StageSolution:
-    """Solve the stage's ILP on `logical_shape`.
+                method: ShardParallel, input_paths: tuple[str, ...] = ()) -> StageSolution:
+    """Solve the stage's ILP on `logical_shape`; `input_paths` (see `stage_input_paths`)
+    name its first inputs for `method.sharding_rules`.
 
     Raises:
       InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
@@ -175,7 +189,8 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
     # settings; gradient accumulation's one stage keeps its method's rules (data, ZeRO).
     inner = method if method.kind != MethodKind.PIPESHARD else ShardParallel(
         **{f.name: getattr(method, f.name) for f in dataclasses.fields(ShardParallel)})
-    a = solve_intra_op(graph, CostModel(mesh=logical), inner, {})
+    paths = tuple(input_paths) + ("",) * (len(graph.inputs) - len(input_paths))
+    a = solve_intra_op(graph, CostModel(mesh=logical), inner, {}, paths)
     specs = a.tensor_specs
     ins = [specs[t] for t in graph.inputs]          # params, data, acts, output cotangents
     outs = a.output_specs                           # outputs, param grads, act grads

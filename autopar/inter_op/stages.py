@@ -25,7 +25,7 @@ from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
 from .pipeline import LossGraph, StageSlice, slice_range
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
-from .stage_solve import StageSolution, solve_stage, trace_stage
+from .stage_solve import StageSolution, solve_stage, stage_input_paths, trace_stage
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -82,14 +82,15 @@ class _Solver:
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
               ) -> StageSolution | None:
         graph, fp = self.graph(sl)
-        key = (fp, submesh, shape)
+        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
+        key = (fp, submesh, shape, paths)
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
         self.num_ilps += 1
         sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
         try:
-            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method)
+            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method, paths)
         except InfeasiblePlanError as e:
             sol = None
             span = (sl.start, sl.stop)

@@ -3,12 +3,13 @@ shardings fixed (batch dimension on every device; optimizer state / parameters s
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 from ..errors import InvalidArgumentError
 from ..graph import InputRole, OpGraph
 from ..options import MethodKind, ShardParallel
-from ..spec import Spec, enumerate_specs, num_shards, replicated
+from ..spec import Spec, enumerate_specs, is_valid, num_shards, replicated
 from .build import default_input_options
 
 
@@ -42,8 +43,66 @@ def zero_spec(shape: Sequence[int], mesh_shape: Sequence[int]) -> Spec:
     return best[1]
 
 
-def method_input_options(graph: OpGraph, method: ShardParallel,
-                         mesh_shape: Sequence[int]) -> Callable[[int], list[Spec]]:
+def rule_spec(rules, path: str, shape: Sequence[int], mesh_shape: Sequence[int],
+              axis_names: Sequence[str]) -> Spec | None:
+    """The spec the first matching `sharding_rules` entry gives the leaf at `path`, or None.
+
+    Raises:
+      InvalidArgumentError: the rule names an axis the mesh lacks, uses one twice, has more
+        entries than the leaf has dimensions, or splits a dimension that does not divide.
+    """
+    for i, (pattern, entries) in enumerate(rules):
+        if not re.search(pattern, path):
+            continue
+        where = (f"sharding_rules[{i}] ({pattern!r} -> {entries!r}) matches leaf `{path}` of "
+                 f"shape {tuple(shape)}")
+        if len(entries) > len(shape):
+            raise InvalidArgumentError(
+                f"{where}, but the spec has {len(entries)} entries for {len(shape)} "
+                f"dimensions. Fix: give at most one entry per dimension, or narrow the regex.")
+        spec = []
+        for e in tuple(entries) + (None,) * (len(shape) - len(entries)):
+            names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+            unknown = [a for a in names if a not in axis_names]
+            if unknown:
+                raise InvalidArgumentError(
+                    f"{where}, but the mesh axes are {tuple(axis_names)}: no axis "
+                    f"{unknown[0]!r}. Fix: name mesh axes in the rule.")
+            spec.append(tuple(axis_names.index(a) for a in names))
+        spec = tuple(spec)
+        if not is_valid(spec, shape, mesh_shape):
+            raise InvalidArgumentError(
+                f"{where}: on mesh {dict(zip(axis_names, mesh_shape))} an axis is used twice "
+                f"or a split dimension is not divisible by its axes' size. Fix: choose a spec "
+                f"whose split dimensions divide, or narrow the regex.")
+        return spec
+    return None
+
+
+def method_input_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
+                         axis_names: Sequence[str] = (),
+                         paths: Sequence[str] | None = None) -> Callable[[int], list[Spec]]:
+    """The shardings each graph input may take under `method`: its `sharding_rules` first
+    (by the leaf's path; `paths[i]` overrides the path of `graph.inputs[i]`, for a stage graph
+    whose inputs come from a step), then the method's own rules."""
+    base = _kind_options(graph, method, mesh_shape)
+    rules = method.sharding_rules
+    if not rules:
+        return base
+    path_of = {tid: graph.tensors[tid].path for tid in graph.inputs}
+    if paths is not None:
+        path_of.update(zip(graph.inputs, paths))
+
+    def options(tid: int) -> list[Spec]:
+        t = graph.tensors[tid]
+        path = path_of.get(tid, "")
+        spec = rule_spec(rules, path, t.shape, mesh_shape, axis_names) if path else None
+        return [spec] if spec is not None else base(tid)
+    return options
+
+
+def _kind_options(graph: OpGraph, method: ShardParallel,
+                  mesh_shape: Sequence[int]) -> Callable[[int], list[Spec]]:
     free = default_input_options(graph, mesh_shape)
     kind = method.kind
     if kind == MethodKind.SHARD:

@@ -99,12 +99,16 @@ def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple
 
 
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
-                   output_targets: dict[int, int]) -> ShardingAssignment:
+                   output_targets: dict[int, int],
+                   input_paths: tuple[str, ...] | None = None) -> ShardingAssignment:
+    """Solve the ILP. `input_paths` names the graph's inputs for `method.sharding_rules`
+    where the graph's own paths are not the user's (a pipeline stage's graph)."""
     mesh = cost.mesh
     budget = method.memory_budget_bytes or mesh.memory_bytes
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
-    built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape),
+    built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
+                                                     mesh.axis_names, input_paths),
                       output_targets, float(budget))
     build_s = time.perf_counter() - t0
     sol, reuse = _solve(graph, built, method, float(budget))
