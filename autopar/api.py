@@ -39,14 +39,14 @@ log = logging.getLogger(__name__)
 
 
 def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
-                device_ids) -> ParallelPlan:
+                device_ids, perturb=None) -> ParallelPlan:
     t0 = time.perf_counter()
     log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
              len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
              dict(zip(axis_names, mesh_shape)))
     logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
     cost = CostModel(mesh=logical)
-    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs)
+    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb)
     ilp = assignment.ilp
     log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
              "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
@@ -274,6 +274,27 @@ class ParallelizedFunction:
     @property
     def donate_argnums(self) -> tuple[int, ...]:
         return self._donate
+
+    def sample_plan(self, *args, seed: int, fraction: float = 1.0) -> ParallelPlan:
+        """A random feasible plan for these arguments, costed by the same model: the ILP's
+        plan with each strategy group redrawn at random with probability `fraction` (1.0: a
+        fully random plan), seeded. For checking the cost model's ranking against measured
+        step times; run it with `parallelize(fun, mesh=..., plan=p)`.
+
+        Example:
+            >>> p = step.sample_plan(state, batch, seed=3, fraction=0.3)
+            >>> rand = autopar.parallelize(train_step, mesh=mesh, plan=p)
+        """
+        if _pipelined(self._method):
+            raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
+                                       "methods only (not pipelines or gradient accumulation).")
+        graph = trace(self._fun, args, static_argnums=self._static,
+                      batch_argnums=self._batch, donate_argnums=self._donate)
+        _check_batch(graph)
+        mesh = self.mesh
+        return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
+                           self._method, tuple(int(d.id) for d in mesh.devices.flat),
+                           perturb=(int(seed), float(fraction)))
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""

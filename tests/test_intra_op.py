@@ -170,3 +170,29 @@ def test_sharding_rules_error_surfaces_from_parallelize():
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,), method=method)
     with pytest.raises(autopar.InvalidArgumentError, match=r"sharding_rules\[0\].*kernel"):
         par.get_plan(state, batches[0])
+
+
+def test_sampled_random_plans_are_feasible_seeded_and_never_beat_the_ilp():
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    mesh = mesh_of((2, 4))
+    par = autopar.parallelize(step, mesh=mesh, batch_argnums=(1,))
+    best = par.get_plan(state, batches[0])
+    ref = run_steps(jax.jit(step), state, batches)
+    same = par.sample_plan(state, batches[0], seed=0, fraction=0.0)
+    assert [t.spec for t in same.inputs] == [t.spec for t in best.inputs]
+    a = par.sample_plan(state, batches[0], seed=1, fraction=1.0)
+    b = par.sample_plan(state, batches[0], seed=1, fraction=1.0)
+    c = par.sample_plan(state, batches[0], seed=2, fraction=1.0)
+    assert [t.spec for t in a.inputs] == [t.spec for t in b.inputs]        # seeded
+    assert [o.strategy for o in a.operators] != [o.strategy for o in c.operators]
+    assert "random plan: seed 1" in a.ilp["message"]
+    for p in (a, c):
+        # the ILP is solved to optimality here, so no random choice has a lower objective
+        assert p.ilp["objective_s"] >= best.ilp["objective_s"] * (1 - 1e-9)
+        got = run_steps(autopar.parallelize(step, mesh=mesh, plan=p), state, batches)
+        assert_equivalent(ref, got, compare_params=True)
+    with pytest.raises(autopar.InvalidArgumentError, match="fraction"):
+        par.sample_plan(state, batches[0], seed=0, fraction=1.5)
+    pipe = autopar.parallelize(step, mesh=mesh, method=autopar.ShardParallel(num_microbatches=2))
+    with pytest.raises(autopar.InvalidArgumentError, match="single-mesh"):
+        pipe.sample_plan(state, batches[0], seed=0)

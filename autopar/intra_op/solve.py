@@ -1,6 +1,7 @@
 """The intra-op pass: OpGraph + logical mesh + method -> ShardingAssignment."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost import CostModel
-from ..errors import InfeasiblePlanError
+from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import OpGraph, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
@@ -100,9 +101,13 @@ def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple
 
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    output_targets: dict[int, int],
-                   input_paths: tuple[str, ...] | None = None) -> ShardingAssignment:
+                   input_paths: tuple[str, ...] | None = None,
+                   perturb: tuple[int, float] | None = None) -> ShardingAssignment:
     """Solve the ILP. `input_paths` names the graph's inputs for `method.sharding_rules`
-    where the graph's own paths are not the user's (a pipeline stage's graph)."""
+    where the graph's own paths are not the user's (a pipeline stage's graph).
+    `perturb=(seed, fraction)` then replaces the choice of each ILP group, with probability
+    `fraction`, by one of its strategies drawn at random (a random feasible plan, to check
+    the cost model against; see `autopar.sample_plan`)."""
     mesh = cost.mesh
     budget = method.memory_budget_bytes or mesh.memory_bytes
     t0 = time.perf_counter()
@@ -122,7 +127,45 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
             f"a sharded method (Zero3Parallel).", needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
-    choice = sol.choice
+    if perturb is not None:
+        sol = _perturbed(graph, built, sol, mesh.shape, float(budget), *perturb)
+    stats = IlpStats(
+        num_groups=len(built.group_size), num_edges=len(built.edges),
+        num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,
+        num_constraints=sol.num_constraints, build_time_s=build_s,
+        solve_time_s=sol.solve_time_s, status=sol.status.value,
+        backend=sol.backend.value if sol.backend else "none", message=sol.message,
+        objective_s=float(evaluate(built.problem, sol.choice)), layer_reuse=reuse)
+    return assignment_of(graph, built, sol.choice, mesh, output_targets, stats)
+
+
+def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: float, seed: int,
+               fraction: float, tries: int = 100) -> IlpSolution:
+    """`sol` with each group's choice redrawn with probability `fraction` (seeded), the first
+    draw of `tries` whose peak memory fits `budget`."""
+    if not 0.0 <= fraction <= 1.0:
+        raise InvalidArgumentError(f"perturb fraction={fraction!r} must be in [0, 1].")
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(built.group_size)
+    for _ in range(tries):
+        redraw = rng.random(len(sizes)) < fraction
+        choice = np.where(redraw, (rng.random(len(sizes)) * sizes).astype(int),
+                          np.asarray(sol.choice))
+        specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
+        if peak_memory(graph, specs, mesh_shape) <= budget:
+            return dataclasses.replace(
+                sol, choice=tuple(int(c) for c in choice), status=SolveStatus.FEASIBLE,
+                message=f"random plan: seed {seed}, {int(redraw.sum())} of {len(sizes)} "
+                        f"groups redrawn (fraction {fraction:g})")
+    raise InfeasiblePlanError(
+        f"memory: none of {tries} random plans (seed {seed}, fraction {fraction:g}) fits "
+        f"{budget:,.0f} bytes per device. Fix: a smaller fraction or a larger budget.",
+        needed_bytes=0, budget_bytes=int(budget))
+
+
+def assignment_of(graph: OpGraph, built, choice, mesh, output_targets: dict[int, int],
+                  stats: IlpStats) -> ShardingAssignment:
+    """The assignment that picks strategy `choice[g]` in every ILP group `g`."""
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
@@ -131,13 +174,6 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     for pos, tid in enumerate(graph.outputs):
         target = output_targets.get(pos)
         out_specs.append(specs[target] if target is not None else specs[tid])
-    stats = IlpStats(
-        num_groups=len(built.group_size), num_edges=len(built.edges),
-        num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,
-        num_constraints=sol.num_constraints, build_time_s=build_s,
-        solve_time_s=sol.solve_time_s, status=sol.status.value,
-        backend=sol.backend.value if sol.backend else "none", message=sol.message,
-        objective_s=float(evaluate(built.problem, choice)), layer_reuse=reuse)
     return ShardingAssignment(
         mesh_shape=tuple(mesh.shape), axis_names=tuple(mesh.axis_names), tensor_specs=specs,
         node_strategy=tuple(s.name for s in strat), node_comm=tuple(s.comm for s in strat),
