@@ -100,6 +100,49 @@ def revision_text(start: str | None, end: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Sections of BENCHMARKS.md that separate scripts own, between HTML-comment markers.
+# ---------------------------------------------------------------------------------------------
+
+SECTION_KEYS = ("pipeline", "fidelity", "paper")     # in the order they appear
+
+
+def markers(key: str) -> tuple[str, str]:
+    return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+
+
+def read_section(path: str, key: str) -> str | None:
+    """The `key` section of `path` (markers included), or None."""
+    begin, end = markers(key)
+    try:
+        with open(path) as f:
+            old = f.read()
+    except OSError:
+        return None
+    if begin in old and end in old:
+        return old[old.index(begin):old.index(end) + len(end)]
+    return None
+
+
+def write_section(text: str, path: str, key: str) -> None:
+    """Put the `key` section into `path`: replace the old one, else insert it before `## GPU`,
+    else append."""
+    begin, end = markers(key)
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
+    elif "\n## GPU" in old:
+        i = old.index("\n## GPU") + 1
+        new = old[:i] + text + "\n\n" + old[i:]
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old else "") + text + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
+# ---------------------------------------------------------------------------------------------
 # Child processes: each case runs in its own, which saves its results after every phase.
 # ---------------------------------------------------------------------------------------------
 

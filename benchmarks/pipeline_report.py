@@ -9,10 +9,12 @@ import platform
 import re
 import statistics
 
+import common
 from common import (AXIS_NAMES, MESH_SHAPE, NUM_DEVICES, cpu_model, fmt, jax_info, md_row,
                     mem_total_bytes, ms, revision_text)
 
-BEGIN, END = "<!-- pipeline:begin -->", "<!-- pipeline:end -->"
+KEY = "pipeline"
+BEGIN, END = common.markers(KEY)
 
 # The workload, described by the section and run by pipeline.py's workers (the option
 # defaults, PLAN_LAYERS etc., are in pipeline.py). Part 1: planning.
@@ -323,29 +325,9 @@ def _notes(res) -> list[str]:
 
 def read_section(path: str) -> str | None:
     """The pipeline section of `path` (markers included), or None."""
-    try:
-        with open(path) as f:
-            old = f.read()
-    except OSError:
-        return None
-    if BEGIN in old and END in old:
-        return old[old.index(BEGIN):old.index(END) + len(END)]
-    return None
+    return common.read_section(path, KEY)
 
 
 def write_section(text: str, path: str) -> None:
-    """Put the section into `path`: replace the old one, else insert it before `## GPU`, else
-    append."""
-    old = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    elif "\n## GPU" in old:
-        i = old.index("\n## GPU") + 1
-        new = old[:i] + text + "\n\n" + old[i:]
-    else:
-        new = (old.rstrip("\n") + "\n\n" if old else "") + text + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    """Put the pipeline section into `path` (see `common.write_section`)."""
+    common.write_section(text, path, KEY)

@@ -38,10 +38,10 @@ import time
 
 import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
 import pipeline_report
-from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, fmt,
+from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, SECTION_KEYS, Saver, fmt,
                     gpt_state_fn, gpt_train_step, jax_info, md_row, mem_available_bytes,
                     mem_total_bytes, ms, progress, revision_text, run_child, setup_worker,
-                    source_revision, utc_now)
+                    read_section, source_revision, utc_now, write_section)
 
 DEFAULT_LAYERS = (2, 6, 12, 24)
 HIDDEN, HEADS, VOCAB, SEQ_LEN, BATCH = 768, 12, 8192, 128, 8
@@ -292,6 +292,15 @@ def _planning_claim(rows) -> str:
             f"and solve {fmt(ilp.get('solve_time_s'))} s).")
 
 
+def _save(text: str, path: str, others: dict) -> None:
+    """Write the report, then put back the sections other scripts own."""
+    with open(path, "w") as f:
+        f.write(text)
+    for key, kept in others.items():
+        if kept:
+            write_section(kept, path, key)
+
+
 def _write(results, args, started_utc, total_s, pipeline_text: str | None = None) -> str:
     rev = revision_text(args.revision, source_revision())
     out = ["# autopar benchmarks", "",
@@ -446,20 +455,20 @@ def main(argv=None) -> int:
     # The pipeline section already in --out (it carries its own date) is kept until this run
     # replaces it; with --only shard it is kept as it is.
     pipeline_text = pipeline_report.read_section(args.out)
+    # Sections other scripts own (benchmarks/fidelity.py, paper.py) are kept as they are.
+    others = {k: read_section(args.out, k) for k in SECTION_KEYS if k != "pipeline"}
     t0 = time.perf_counter()
     results = []
     for layers in args.layers:
         results.append(_run_size(layers, args))
         # Rewrite after every size, so a long run that is stopped still leaves a report.
         text = _write(results, args, started, time.perf_counter() - t0, pipeline_text)
-        with open(args.out, "w") as f:
-            f.write(text)
+        _save(text, args.out, others)
     if args.only == "all":
         _progress("pipeline section ...")
         pipeline_text = pipeline_report.section(pipeline_bench.run(args))
         text = _write(results, args, started, time.perf_counter() - t0, pipeline_text)
-        with open(args.out, "w") as f:
-            f.write(text)
+        _save(text, args.out, others)
     _progress(f"wrote {args.out}")
     print(text)
     return 0
