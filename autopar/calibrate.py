@@ -68,7 +68,8 @@ def _scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
         intra_host_alpha_s=cluster.intra_host_alpha_s * factor,
         intra_host_beta_s_per_byte=cluster.intra_host_beta_s_per_byte * factor,
         inter_host_alpha_s=cluster.inter_host_alpha_s * factor,
-        inter_host_beta_s_per_byte=cluster.inter_host_beta_s_per_byte * factor)
+        inter_host_beta_s_per_byte=cluster.inter_host_beta_s_per_byte * factor,
+        call_overhead_s=cluster.call_overhead_s * factor)
 
 
 def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,

@@ -39,6 +39,14 @@ def _positive_number(owner: str, field: str, value: Any) -> None:
             f"{field}=1e-6.")
 
 
+def _non_negative(owner: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0:
+        raise InvalidArgumentError(
+            f"{owner}.{field} must be a finite number >= 0, got {value!r}; pass e.g. "
+            f"{field}=0.0.")
+
+
 # The collective algorithms of `cost.CollectiveAlgorithm` (by value; cost imports this module).
 ALGORITHMS = ("ring", "tree", "butterfly", "recursive_halving")
 # NCCL implements all-reduce as Ring or Tree (CollNet / NVLS need switch hardware) and
@@ -78,9 +86,11 @@ class LogicalMesh:
     hbm_bandwidth_bytes_per_s: float
     memory_bytes: int
     collective_algorithms: tuple[str, ...] = ()   # what the backend implements; (): every one
+    call_overhead_s: float = 0.0                  # fixed cost of one executable call
 
     def __post_init__(self) -> None:
         _check_algorithms("LogicalMesh", self.collective_algorithms)
+        _non_negative("LogicalMesh", "call_overhead_s", self.call_overhead_s)
         rank = len(self.shape)
         for field in ("axis_names", "alpha_s", "beta_s_per_byte"):
             if len(getattr(self, field)) != rank:
@@ -139,9 +149,14 @@ class ClusterSpec:
     inter_host_alpha_s: float
     inter_host_beta_s_per_byte: float
     collective_algorithms: tuple[str, ...] = ()   # what the backend implements; (): every one
+    # Fixed wall time of one executable call (dispatch, launch, synchronization), charged once
+    # per step and once per pipeline task. 0 in the presets (not measured there); measured by
+    # `autopar.profile` (`ClusterSpec.from_profile`).
+    call_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
+        _non_negative("ClusterSpec", "call_overhead_s", self.call_overhead_s)
         for field in ("name", "device_kind"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
@@ -263,7 +278,8 @@ class ClusterSpec:
             devices_per_host=devices // profile.num_hosts,
             peak_flops_fp32_per_s=fp32, peak_flops_bf16_per_s=flops.get("bfloat16", fp32),
             intra_host_alpha_s=fast.alpha_s, intra_host_beta_s_per_byte=fast.beta_s_per_byte,
-            inter_host_alpha_s=slow.alpha_s, inter_host_beta_s_per_byte=slow.beta_s_per_byte)
+            inter_host_alpha_s=slow.alpha_s, inter_host_beta_s_per_byte=slow.beta_s_per_byte,
+            call_overhead_s=profile.call_overhead_s)
 
     def logical_mesh(self, shape: Sequence[int],
                      axis_names: Sequence[str] | None = None) -> LogicalMesh:
@@ -297,7 +313,8 @@ class ClusterSpec:
             beta_s_per_byte=tuple(betas), peak_flops_bf16_per_s=self.peak_flops_bf16_per_s,
             peak_flops_fp32_per_s=self.peak_flops_fp32_per_s,
             hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_bytes_per_s,
-            memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms)
+            memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms,
+            call_overhead_s=self.call_overhead_s)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of

@@ -75,7 +75,9 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     lines.append("predicted per step (per device):")
     lines.append(f"  compute {_time(plan.predicted_compute_s)}   communication "
                  f"{_time(plan.predicted_comm_s)}   resharding {_time(plan.predicted_reshard_s)}"
-                 f"   total {_time(plan.predicted_step_s)}")
+                 + (f"   call overhead {_time(plan.predicted_overhead_s)}"
+                    if plan.predicted_overhead_s else "")
+                 + f"   total {_time(plan.predicted_step_s)}")
     lines.append(f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
                  f"{_bytes(plan.memory_budget_bytes)}")
     if plan.measured:

@@ -1,6 +1,7 @@
 """`autopar.profile(mesh)`: measure the devices the plans will run on.
 
-Matmul throughput per dtype (one device, square matmuls), and per mesh axis the time of
+Matmul throughput per dtype (square matmuls, every device of the mesh computing at once), the
+fixed cost of one executable call on the whole mesh, and per mesh axis the time of
 all-reduce, all-gather, reduce-scatter and all-to-all over that axis alone (`jax.shard_map`
 with the collective on one axis name) for a range of sizes; each axis's link alpha/beta are
 fitted through the cost model's formulas (`profile.fit_link`). The result is cached as JSON by
@@ -21,6 +22,7 @@ import time
 from typing import Sequence
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -49,11 +51,28 @@ def median_time(fn, *args, repeats: int, fresh_args=None) -> float:
     return statistics.median(times)
 
 
-def measure_matmul(device, dtype: str, n: int, repeats: int) -> float:
-    """Achieved flop/s of an n x n x n matmul on one device."""
-    x = jax.device_put(jnp.ones((n, n), dtype), device)
-    f = jax.jit(lambda a: a @ a)
+def _all_devices(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The mesh's devices as one axis "d"."""
+    return jax.sharding.Mesh(np.array(list(mesh.devices.flat)), ("d",))
+
+
+def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, n: int, repeats: int) -> float:
+    """Achieved flop/s per device of an n x n x n matmul that every device of `mesh` runs at
+    the same time (each its own), as in an SPMD step: devices that share hardware (simulated
+    CPU devices share the host's cores) are measured sharing it."""
+    flat = _all_devices(mesh)
+    x = jax.device_put(jnp.ones((flat.size, n, n), dtype), NamedSharding(flat, P("d")))
+    f = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a))
     return 2.0 * n ** 3 / median_time(f, x, repeats=repeats)
+
+
+def measure_call_overhead(mesh: jax.sharding.Mesh, repeats: int) -> float:
+    """Wall time of one call of a trivial jitted computation on every device of `mesh`
+    (dispatch, launch, synchronization; no work to speak of): the fixed cost of each
+    executable call, which a step with many small calls (a pipeline's tasks) pays many times."""
+    flat = _all_devices(mesh)
+    x = jax.device_put(jnp.zeros((flat.size, 8), jnp.float32), NamedSharding(flat, P("d")))
+    return median_time(jax.jit(lambda a: a + 1.0), x, repeats=max(repeats, 20))
 
 
 def _collective_fn(kind: str, mesh, axis: str):
@@ -131,7 +150,8 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     t0 = time.perf_counter()
     log.info("autopar: profiling %s x %s (matmul, then %d collectives per axis)", kind, shape,
              len(COLLECTIVES) * len(sizes))
-    flops = {d: measure_matmul(first, d, matmul_size, repeats) for d in dtypes}
+    flops = {d: measure_matmul(mesh, d, matmul_size, repeats) for d in dtypes}
+    overhead = measure_call_overhead(mesh, repeats)
     axes = []
     for axis, n in zip(mesh.axis_names, shape):
         if n == 1:       # no link to measure: the fit of a 1-device axis is never used
@@ -146,7 +166,8 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     prof = DeviceProfile(
         platform=str(first.platform), device_kind=kind, mesh_shape=shape,
         num_hosts=len({d.process_index for d in mesh.devices.flat}),
-        matmul_flops_per_s=flops, axes=tuple(axes), jax_version=jax.__version__,
+        matmul_flops_per_s=flops, axes=tuple(axes), call_overhead_s=overhead,
+        jax_version=jax.__version__,
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra={"sizes": [int(s) for s in sizes], "repeats": repeats,
                "matmul_size": matmul_size, "seconds": time.perf_counter() - t0})
@@ -157,4 +178,5 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     return prof
 
 
-__all__ = ["profile", "measure_matmul", "measure_collective", "median_time", "DEFAULT_SIZES"]
+__all__ = ["profile", "measure_matmul", "measure_call_overhead", "measure_collective",
+           "median_time", "DEFAULT_SIZES"]

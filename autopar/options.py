@@ -35,7 +35,7 @@ class MethodKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardParallel:
-    """Single-mesh parallelism: one sharding per tensor chosen by Alpa's intra-op ILP.
+    r"""Single-mesh parallelism: one sharding per tensor chosen by Alpa's intra-op ILP.
 
     Args:
       memory_budget_bytes: per-device bytes the plan must fit; None uses the device memory

@@ -165,8 +165,11 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
     }
-    # The step's compute / communication / resharding split, in the stages' proportions.
+    # The step's compute / communication / resharding / call-overhead split, in the stages'
+    # proportions; the apply-gradient executables add one call each.
     scale = pipeline["predicted_latency_s"] / max(sum(lat), 1e-30)
+    overhead = scale * sum(st.solution.overhead_s for st in result.stages) \
+        + len(placement.segments) * cluster.call_overhead_s
     return ParallelPlan(
         method=kind.value, cluster=cluster.name, mesh_shape=tuple(mesh_shape),
         axis_names=AXIS_NAMES, device_ids=tuple(device_ids),
@@ -179,6 +182,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         predicted_compute_s=scale * sum(s.compute_s for s in stages),
         predicted_comm_s=scale * sum(s.comm_s for s in stages),
         predicted_reshard_s=scale * sum(s.reshard_s for s in stages),
+        predicted_overhead_s=overhead,
         peak_memory_bytes=float(peak),
         memory_budget_bytes=float(method.memory_budget_bytes or cluster.memory_bytes),
         timings_s=timings, pipeline=pipeline)

@@ -113,6 +113,7 @@ class ParallelPlan:
     predicted_comm_s: float
     predicted_reshard_s: float
     peak_memory_bytes: float
+    predicted_overhead_s: float = 0.0          # fixed cost of the step's executable calls
     memory_budget_bytes: float
     ilp: dict = field(default_factory=dict)    # IlpStats as a dict
     timings_s: dict = field(default_factory=dict)
@@ -128,7 +129,8 @@ class ParallelPlan:
 
     @property
     def predicted_step_s(self) -> float:
-        return self.predicted_compute_s + self.predicted_comm_s + self.predicted_reshard_s
+        return (self.predicted_compute_s + self.predicted_comm_s + self.predicted_reshard_s
+                + self.predicted_overhead_s)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(dataclasses.asdict(self), indent=indent)

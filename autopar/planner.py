@@ -34,7 +34,7 @@ def output_paths(graph: OpGraph) -> list[str]:
 
 def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, cluster: str,
                device_ids: tuple[int, ...], memory_budget_bytes: float,
-               timings_s: dict | None = None) -> ParallelPlan:
+               timings_s: dict | None = None, call_overhead_s: float = 0.0) -> ParallelPlan:
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
     operators = []
@@ -72,6 +72,6 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
         operators=tuple(operators), collectives=collectives, fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
-        predicted_reshard_s=assignment.reshard_s,
+        predicted_reshard_s=assignment.reshard_s, predicted_overhead_s=call_overhead_s,
         peak_memory_bytes=assignment.peak_memory_bytes,
         memory_budget_bytes=float(memory_budget_bytes), ilp=ilp, timings_s=dict(timings_s or {}))

@@ -28,7 +28,7 @@ import numpy as np
 from .errors import ProfileError
 
 FORMAT = "autopar-profile"
-VERSION = 1
+VERSION = 2     # 2: call_overhead_s; matmul flop/s with every device of the mesh busy
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
@@ -89,6 +89,7 @@ class DeviceProfile:
     num_hosts: int
     matmul_flops_per_s: dict[str, float]            # dtype name -> achieved flop/s per device
     axes: tuple[AxisProfile, ...]
+    call_overhead_s: float = 0.0                    # one trivial call on the whole mesh
     jax_version: str = ""
     created_utc: str = ""
     version: int = VERSION
@@ -101,6 +102,7 @@ class DeviceProfile:
             "device_kind": self.device_kind, "mesh_shape": list(self.mesh_shape),
             "num_hosts": self.num_hosts, "jax_version": self.jax_version,
             "created_utc": self.created_utc, "matmul_flops_per_s": self.matmul_flops_per_s,
+            "call_overhead_s": self.call_overhead_s,
             "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s,
                       "beta_s_per_byte": a.beta_s_per_byte,
                       "samples": {k: [list(p) for p in v] for k, v in a.samples.items()}}
@@ -135,7 +137,8 @@ class DeviceProfile:
                        num_hosts=int(d["num_hosts"]),
                        matmul_flops_per_s={str(k): float(v)
                                            for k, v in d["matmul_flops_per_s"].items()},
-                       axes=axes, jax_version=str(d.get("jax_version", "")),
+                       axes=axes, call_overhead_s=float(d["call_overhead_s"]),
+                       jax_version=str(d.get("jax_version", "")),
                        created_utc=str(d.get("created_utc", "")), extra=dict(d.get("extra", {})))
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{where} is missing or has a malformed field ({type(e).__name__}: "
@@ -151,6 +154,8 @@ class DeviceProfile:
                 for a in self.axes if not (math.isfinite(a.alpha_s) and a.alpha_s > 0
                                            and math.isfinite(a.beta_s_per_byte)
                                            and a.beta_s_per_byte > 0)]
+        if not (math.isfinite(self.call_overhead_s) and self.call_overhead_s >= 0):
+            bad.append(f"call_overhead_s={self.call_overhead_s}")
         if tuple(a.size for a in self.axes) != tuple(self.mesh_shape):
             bad.append(f"axis sizes {[a.size for a in self.axes]} vs mesh {self.mesh_shape}")
         if not self.matmul_flops_per_s:

@@ -87,7 +87,7 @@ def test_peak_flops_by_dtype():
 @pytest.mark.parametrize("field, value", [
     ("num_hosts", 0), ("devices_per_host", -1), ("memory_bytes", 1.5),
     ("peak_flops_bf16_per_s", 0.0), ("intra_host_alpha_s", -1e-6),
-    ("inter_host_beta_s_per_byte", float("nan")), ("name", ""),
+    ("inter_host_beta_s_per_byte", float("nan")), ("name", ""), ("call_overhead_s", -1e-6),
 ])
 def test_validation_names_the_field(field, value):
     with pytest.raises(InvalidArgumentError, match=field):

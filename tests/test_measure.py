@@ -19,6 +19,7 @@ def test_profile_measures_and_caches(mesh, tmp_path):
     p = autopar.profile(mesh, cache_dir=str(tmp_path), **SMALL)
     assert p.mesh_shape == (2, 4) and p.device_kind == str(jax.devices()[0].device_kind)
     assert p.matmul_flops_per_s["float32"] > 0
+    assert 0 < p.call_overhead_s < 1.0                    # a trivial call: well under a second
     assert [a.name for a in p.axes] == ["data", "model"]
     for a in p.axes:
         assert a.alpha_s > 0 and a.beta_s_per_byte > 0
@@ -33,6 +34,38 @@ def test_profile_measures_and_caches(mesh, tmp_path):
     assert fresh.extra["seconds"] != p.extra["seconds"]     # measured again
     cluster = autopar.ClusterSpec.from_profile(fresh)
     assert cluster.num_devices == 8
+    assert cluster.call_overhead_s == fresh.call_overhead_s
+
+
+def test_call_overhead_is_charged_once_per_call(mesh, tmp_path):
+    """A single-mesh step pays the measured call overhead once; a 2-stage pipeline pays it per
+    forward and backward task and per apply-gradient executable."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from steps import make_case, sgd_momentum_clip
+    p = autopar.profile(mesh, cache_dir=str(tmp_path), **SMALL)
+    cluster = autopar.ClusterSpec.from_profile(p)
+    o = cluster.call_overhead_s
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
+                                     value_and_grad=autopar.value_and_grad)
+    single = autopar.parallelize(step, mesh=mesh, cluster=cluster).get_plan(state, batches[0])
+    assert single.predicted_overhead_s == o
+    assert single.predicted_step_s == pytest.approx(
+        single.predicted_compute_s + single.predicted_comm_s + single.predicted_reshard_s + o)
+    m = 4
+    method = autopar.PipeshardParallel(num_microbatches=m,
+                                       layer_option=autopar.AutoLayerOption(num_layers=2),
+                                       stage_option=autopar.UniformStageOption(num_stages=2))
+    pipe = autopar.parallelize(step, mesh=mesh, method=method,
+                               cluster=cluster).get_plan(state, batches[0])
+    lat = [s.latency_s for s in pipe.stages]
+    scale = (sum(lat) + (m - 1) * max(lat)) / sum(lat)
+    segments = pipe.pipeline["segments"]
+    assert pipe.predicted_overhead_s == pytest.approx(scale * 2 * 2 * o + segments * o)
+    assert "call overhead" in autopar.dump(pipe)
+    zero = autopar.parallelize(step, mesh=mesh, method=method, cluster=cluster.with_(
+        call_overhead_s=0.0)).get_plan(state, batches[0])
+    assert zero.predicted_overhead_s == 0 and "call overhead" not in autopar.dump(zero)
 
 
 def test_corrupt_cache_is_ignored_and_rebuilt(mesh, tmp_path, caplog):

@@ -51,7 +51,7 @@ def make_profile(kind="Tesla V100-SXM2-16GB", shape=(2, 8), hosts=2):
                  for nm, n, a, b in zip(("data", "model"), shape, (3e-5, 8e-6), (4e-9, 8e-12)))
     return DeviceProfile(platform="gpu", device_kind=kind, mesh_shape=shape, num_hosts=hosts,
                          matmul_flops_per_s={"float32": 14e12, "bfloat16": 100e12}, axes=axes,
-                         jax_version="0.x", created_utc="2026-11-22T00:00:00+00:00")
+                         call_overhead_s=2.5e-5, jax_version="0.x", created_utc="2026-11-22T00:00:00+00:00")
 
 
 def test_round_trip(tmp_path):
@@ -70,6 +70,9 @@ def test_round_trip(tmp_path):
     (lambda d: json.dumps({k: v for k, v in d.items() if k != "axes"}), "malformed field"),
     (lambda d: json.dumps({**d, "matmul_flops_per_s": {"float32": -1}}), "invalid numbers"),
     (lambda d: json.dumps({**d, "mesh_shape": [4, 4]}), "axis sizes"),
+    (lambda d: json.dumps({**d, "call_overhead_s": -1.0}), "call_overhead_s=-1.0"),
+    (lambda d: json.dumps({k: v for k, v in d.items() if k != "call_overhead_s"}),
+     "malformed field"),
 ])
 def test_corrupt_or_foreign_profiles_are_refused(edit, match):
     text = edit(json.loads(make_profile().to_json()))
@@ -98,6 +101,7 @@ def test_cache_path_is_keyed_by_device_and_mesh(tmp_path):
 def test_cluster_from_profile_uses_the_measured_numbers():
     c = ClusterSpec.from_profile(make_profile())
     assert (c.num_hosts, c.devices_per_host) == (2, 8)
+    assert c.call_overhead_s == 2.5e-5
     assert c.peak_flops_fp32_per_s == 14e12 and c.peak_flops_bf16_per_s == 100e12
     # the fast axis is the intra-host link, the slow one the inter-host link
     assert (c.intra_host_alpha_s, c.intra_host_beta_s_per_byte) == (8e-6, 8e-12)

@@ -100,7 +100,8 @@ def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
 class StageSolution:
     """The ILP's plan of one stage on one logical mesh (specs are per input group, in order)."""
     logical_shape: tuple[int, ...]
-    latency_s: float             # forward + backward of one microbatch
+    latency_s: float             # forward + backward of one microbatch (with their call overhead)
+    overhead_s: float = 0.0      # the fixed cost of those two executable calls
     compute_s: float
     comm_s: float
     reshard_s: float
@@ -200,7 +201,9 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
                       for t in graph.inputs[:p])
     split = split_train_graph(graph, sl)
     return StageSolution(
-        logical_shape=tuple(logical_shape), latency_s=a.compute_s + a.comm_s + a.reshard_s,
+        logical_shape=tuple(logical_shape),
+        latency_s=a.compute_s + a.comm_s + a.reshard_s + 2 * logical.call_overhead_s,
+        overhead_s=2 * logical.call_overhead_s,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
