@@ -15,12 +15,14 @@ data x tensor splits, 2- and 4-stage pipelines, and random feasible plans
 probability 1.0, 0.3 or 0.1). Every plan is made against the cluster that `autopar.profile`
 measured on this mesh first (`ClusterSpec.from_profile`), so predictions use measured flop/s
 and link alpha/beta. Each candidate's predicted step (`plan.predicted_step_s`) is compared
-with its measured step (median of `--steps` steps after 2 warm-up steps).
+with its measured step: every candidate of a model is planned and compiled in one process, then
+timed in `--steps` interleaved rounds (one step of each candidate per round, after a compile
+and a warm-up step), and the median is shown; interleaving makes load that drifts on a shared
+machine hit every candidate alike.
 
 Reported per model: the Spearman rank correlation between predicted and measured step times
 (goal >= 0.9) and the regret of autopar's choice, its measured time over the best measured
-candidate's (goal <= 1.10). Every candidate runs in its own child process; progress goes to
-stderr. Nothing is invented: a candidate that failed or timed out says so and is left out of
+candidate's (goal <= 1.10). Every model runs in its own child process; progress goes to stderr. Nothing is invented: a candidate that failed or timed out says so and is left out of
 the statistics.
 """
 from __future__ import annotations
@@ -37,8 +39,8 @@ from common import (DEFAULT_OUT, NUM_DEVICES, Saver, cpu_model, load_avg, md_row
                     run_child, setup_worker, source_revision, utc_now, write_section)
 
 KEY = "fidelity"
-GPT_CFG = dict(vocab_size=2048, seq_len=128, num_layers=4, hidden=256, num_heads=4)
-GPT_BATCH = 32
+GPT_CFG = dict(vocab_size=2048, seq_len=64, num_layers=4, hidden=256, num_heads=4)
+GPT_BATCH = 16
 MLP_LAYERS, MLP_HIDDEN, MLP_BATCH = 4, 1024, 512
 MICROBATCHES = 4
 AUTOPAR = "autopar (ILP, 2x4)"
@@ -134,49 +136,60 @@ def _method(kind: str, arg, rules):
             "megatron": autopar.ShardParallel(sharding_rules=rules)}[kind]
 
 
-def _case_worker(args) -> None:
+def _model_worker(args) -> None:
+    """Plan and compile every candidate of one model, then time them in interleaved rounds
+    (one step of each per round), so that load drifting on a shared machine hits all of them
+    alike."""
     setup_worker(NUM_DEVICES)
     import jax
 
     import autopar
     from autopar.profile import DeviceProfile
     out = Saver(args.result_)
-    r = out.data
-    kind, shape, arg = CANDIDATES[args.case]
-    r.update(model=args.model, case=args.case, kind=kind, mesh=list(shape))
     step, state, batch, rules = _model(args.model)
     cluster = autopar.ClusterSpec.from_profile(DeviceProfile.load(args.profile))
-    mesh = jax.make_mesh(shape, ("data", "model"))
-    par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
-                              batch_argnums=(1,), donate_argnums=(0,), cluster=cluster)
-    t0 = time.perf_counter()
-    if kind == "random":
-        plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
-        par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
-                                  donate_argnums=(0,), cluster=cluster)
-        r["sampled"] = plan.ilp.get("message", "")
-    else:
-        plan = par.get_plan(state, batch)
-    r["plan_s"] = time.perf_counter() - t0
-    r["predicted_step_s"] = plan.predicted_step_s
-    r["peak_memory_bytes"] = plan.peak_memory_bytes
-    out.save()
-    times = []
-    for i in range(2 + args.steps):
-        t0 = time.perf_counter()
-        state, loss = par(state, batch)
-        jax.block_until_ready((state, loss))
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        else:
-            r.setdefault("warmup_s", []).append(time.perf_counter() - t0)
-        r["loss"] = float(loss)
-        r["steps_s"] = times
+    ready, cases = {}, out.data.setdefault("cases", [])
+    for name in args.names:
+        kind, shape, arg = CANDIDATES[name]
+        r = {"model": args.model, "case": name, "kind": kind, "mesh": list(shape)}
+        cases.append(r)
+        try:
+            mesh = jax.make_mesh(shape, ("data", "model"))
+            par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
+                                      batch_argnums=(1,), cluster=cluster)
+            t0 = time.perf_counter()
+            if kind == "random":
+                plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
+                par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
+                                          cluster=cluster)
+                r["sampled"] = plan.ilp.get("message", "")
+            else:
+                plan = par.get_plan(state, batch)
+            r["plan_s"] = time.perf_counter() - t0
+            r["predicted_step_s"] = plan.predicted_step_s
+            r["peak_memory_bytes"] = plan.peak_memory_bytes
+            t0 = time.perf_counter()
+            for _ in range(2):                              # compile, then one warm step
+                jax.block_until_ready(par(state, batch))
+            r["warmup_s"] = time.perf_counter() - t0
+            ready[name] = (par, r)
+        except Exception as e:       # reported in the table, left out of the statistics
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out.save()
-    r["measured_step_s"] = statistics.median(times)
-    out.save()
-    _progress(f"{args.model} / {args.case}: predicted {plan.predicted_step_s * 1e3:.2f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms")
+        _progress(f"{args.model} / {name}: " + (r.get("error") or
+                  f"predicted {r['predicted_step_s'] * 1e3:.2f} ms, ready"))
+    for rnd in range(args.steps):
+        for name, (par, r) in ready.items():
+            t0 = time.perf_counter()
+            state_out, loss = par(state, batch)
+            jax.block_until_ready((state_out, loss))
+            r.setdefault("steps_s", []).append(time.perf_counter() - t0)
+            r["loss"] = float(loss)
+            del state_out
+        for _, r in ready.values():
+            r["measured_step_s"] = statistics.median(r["steps_s"])
+        out.save()
+        _progress(f"{args.model}: round {rnd + 1} of {args.steps} timed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,14 +253,17 @@ def section(res: dict) -> str:
            f"{res.get('load_end')} at the end; {res.get('total_s', 0) / 60:.1f} min in all.", "",
            "Each candidate plan of a train step (adam) is planned against the cluster "
            "`autopar.profile` measured on this 2 x 4 mesh of 8 simulated CPU devices "
-           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s), then run for "
-           f"{res['steps']} timed steps after 2 warm-up steps (median shown). GPT: "
+           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s); all candidates of a "
+           f"model are then timed in {res['steps']} interleaved rounds, one step each per "
+           "round, after a compile and a warm-up step (median shown). GPT: "
            f"{GPT_CFG}, batch {GPT_BATCH}; MLP: {MLP_LAYERS} layers x {MLP_HIDDEN}, batch "
            f"{MLP_BATCH}. Pipelines: uniform stages, 1F1B, {MICROBATCHES} microbatches. "
            "Megatron: `sharding_rules=megatron_rules()` (column/row split, batch on `data`). "
            "Random: `sample_plan(seed, fraction)`.", ""]
     for model, cases in res["models"].items():
         s = summary(cases)
+        if res.get("errors", {}).get(model):
+            out += [f"{model}: the run stopped early: {res['errors'][model]}.", ""]
         out += [f"### {model.upper()}", "",
                 md_row(["candidate", "mesh", "predicted ms", "measured ms", "rank pred.",
                         "rank meas.", "plan s", "note"]),
@@ -298,20 +314,18 @@ def run(args) -> dict:
     res["profile"] = prof or {"error": err}
     if err:
         raise SystemExit(f"fidelity: profiling failed: {err}")
+    names = [c for c in CANDIDATES if not args.only or c in args.only]
     for model in args.models:
-        cases = res["models"].setdefault(model, [])
-        for name in (c for c in CANDIDATES if not args.only or c in args.only):
-            _progress(f"{model} / {name} ...")
-            r, err, wall = run_child(script, ["--_case", name, "--model", model, "--profile",
-                                              prof_path, "--steps", str(args.steps)],
-                                     "fidelity-case-", args.case_timeout_s, "case time limit")
-            r = r or {"model": model, "case": name, "kind": CANDIDATES[name][0]}
-            r.setdefault("mesh", list(CANDIDATES[name][1]))
-            if err:
-                r["error"] = err
-                r.pop("measured_step_s", None)
-            r["wall_s"] = wall
-            cases.append(r)
+        _progress(f"{model}: {len(names)} candidates ...")
+        r, err, wall = run_child(script, ["--_model_worker", "--model", model, "--profile",
+                                          prof_path, "--steps", str(args.steps),
+                                          "--names", *names],
+                                 "fidelity-model-", args.model_timeout_s, "model time limit")
+        cases = (r or {}).get("cases", [])
+        if err:          # what it measured before it stopped still counts; say what stopped
+            res.setdefault("errors", {})[model] = err
+        res["models"][model] = cases
+        res.setdefault("wall_s", {})[model] = wall
     os.unlink(prof_path)
     res["load_end"] = load_avg()
     res["total_s"] = time.perf_counter() - t_all
@@ -323,13 +337,15 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=["gpt", "mlp"], choices=["gpt", "mlp"])
     p.add_argument("--only", nargs="+", default=None, metavar="CANDIDATE",
                    help=f"a subset of: {list(CANDIDATES)}")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--case-timeout-s", type=float, default=240.0)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--case-timeout-s", type=float, default=120.0, help="for profiling")
+    p.add_argument("--model-timeout-s", type=float, default=900.0)
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--save-json", default=None)
     p.add_argument("--from-json", default=None)
     p.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model_worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--names", nargs="+", default=[], help=argparse.SUPPRESS)
     p.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
     p.add_argument("--profile", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", dest="result_", default=None, help=argparse.SUPPRESS)
@@ -337,9 +353,8 @@ def main() -> int:
     if args._profile:
         _profile_worker(args)
         return 0
-    if args._case:
-        args.case = args._case
-        _case_worker(args)
+    if args._model_worker:
+        _model_worker(args)
         return 0
     args.cmdline = ("make bench-paper" if sys.argv[1:] == [] else
                     "benchmarks/fidelity.py " + " ".join(sys.argv[1:]))
