@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-paper clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(PY) -m pip install -e ".[test,bench]"
+	touch $(VENV)/.bench-installed
+
+bench-paper: $(STAMP) $(VENV)/.bench-installed
+	$(PY) benchmarks/fidelity.py
+	$(PY) benchmarks/paper.py
 
 clean:
 	rm -rf $(VENV)
