@@ -356,8 +356,8 @@ def main() -> int:
     if args._model_worker:
         _model_worker(args)
         return 0
-    args.cmdline = ("make bench-paper" if sys.argv[1:] == [] else
-                    "benchmarks/fidelity.py " + " ".join(sys.argv[1:]))
+    args.cmdline = ("benchmarks/fidelity.py (as `make bench-paper` runs it)"
+                    if sys.argv[1:] == [] else "benchmarks/fidelity.py " + " ".join(sys.argv[1:]))
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)

@@ -1,0 +1,38 @@
+"""The statistics of `benchmarks/fidelity.py`: ranks with ties, Spearman's correlation and the
+regret of autopar's choice (pure Python; no plans are run here)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import fidelity  # noqa: E402
+
+
+def test_ranks_share_ties():
+    assert fidelity.ranks([3.0, 1.0, 2.0]) == [3.0, 1.0, 2.0]
+    assert fidelity.ranks([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.5, 2.5, 4.0]
+
+
+def test_spearman_known_values():
+    assert fidelity.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert fidelity.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swapped pair of 5: 1 - 6 * 2 / (5 * 24) = 0.9
+    assert fidelity.spearman([1, 2, 3, 4, 5], [1, 2, 3, 5, 4]) == pytest.approx(0.9)
+    assert fidelity.spearman([1, 2], [2, 1]) is None
+    assert fidelity.spearman([1, 1, 1], [1, 2, 3]) is None       # no spread: undefined
+
+
+def test_summary_regret_and_failed_candidates():
+    cases = [
+        {"case": fidelity.AUTOPAR, "kind": "shard", "predicted_step_s": 1.0,
+         "measured_step_s": 1.2},
+        {"case": "b", "kind": "data", "predicted_step_s": 2.0, "measured_step_s": 1.0},
+        {"case": "c", "kind": "pipeline", "predicted_step_s": 3.0, "measured_step_s": 3.0},
+        {"case": "d", "kind": "random", "error": "timed out"},
+    ]
+    s = fidelity.summary(cases)
+    assert s["n"] == 3 and s["n_single_mesh"] == 2
+    assert s["regret"] == pytest.approx(1.2) and s["best"] == "b"
+    assert s["predicted_best"] == fidelity.AUTOPAR
+    assert s["spearman"] == pytest.approx(0.5)
