@@ -94,9 +94,10 @@ def build(cfg):
         else:
             from models.moe import (MoE, MoEConfig, megatron_moe_rules, moe_flops_per_token,
                                     moe_loss, moe_param_count)
-            # Alpa's MoE: every other layer, top-2, capacity 2 S / E (capacity factor 1).
+            # Alpa's MoE: every other layer, top-2, capacity 2 S / E (capacity factor 1), MLP
+            # (and expert) hidden size 8 x hidden.
             mc = MoEConfig(**common, num_experts=dims["num_experts"], expert_every=2,
-                           capacity_factor=1.0)
+                           capacity_factor=1.0, mlp_ratio=dims["mlp_ratio"])
             model, rules = MoE(mc), megatron_moe_rules()
             flops, params = moe_flops_per_token(mc), moe_param_count(mc)
 
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--auto-budget-s", type=float, default=40.0,
                    help="stop trying more microbatch counts once a configuration's autopar "
                         "planning time reaches this")
-    p.add_argument("--manual-budget-s", type=float, default=45.0,
+    p.add_argument("--manual-budget-s", type=float, default=30.0,
                    help="stop the manual grid of a configuration after this much planning")
     p.add_argument("--manual-mb", type=int, nargs="+", default=[1],
                    help="examples per microbatch per data-parallel replica in the grid")

@@ -11,7 +11,8 @@ Sources, read with the code-search tools from the public repository alpa-project
 - GShard MoE: `benchmark/alpa/suite_manual_moe.py` (`moe_specs`: seq, hidden, layers, heads,
   vocab, experts, expert group size 2048), `suite_auto_moe.py` (batch 1024, GPUs per model,
   auto layers and microbatches). Alpa's MoE layer (`alpa/model/moe.py`): every other layer,
-  top-2 gating, capacity C = 2 S / E per group of S tokens.
+  top-2 gating, capacity C = 2 S / E per group of S tokens; `benchmark_3d_one_case_moe.py`:
+  `intermediate_size=hidden_size * 8` (also `compute_moe_parameter_count(mlp_factor=8)`).
 - Wide-ResNet: `benchmark/alpa/suite_wresnet.py` (`wresnet_specs`: image 224, ResNet depth
   50 or 101, base channels, width factor, fp32; `perf_test_auto_suite`: batch 1536, 1520 on
   64 GPUs; 16 auto layers for depth 50, 33 for 101), `benchmark_one_case_wresnet.py`
@@ -60,7 +61,8 @@ def _gpt(name, gpus, hidden, layers, heads, auto_layers, mbs):
 def _moe(name, gpus, hidden, layers, heads, experts, auto_layers, mbs):
     return PaperConfig("moe", name, gpus, 1024, dict(seq_len=1024, hidden=hidden,
                        num_layers=layers, num_heads=heads, vocab_size=32000,
-                       num_experts=experts, expert_group_size=2048), auto_layers, mbs)
+                       num_experts=experts, expert_group_size=2048, mlp_ratio=8),
+                       auto_layers, mbs)
 
 
 def _wrn(name, gpus, depth, channels, width, batch, mbs, ours):

@@ -119,7 +119,8 @@ def _setup(res) -> list[str]:
         "Configurations (`benchmarks/paper_configs.py`, which names the files of "
         "alpa-projects/alpa they come from): Alpa's weak-scaling models, GPT 350M on 1 GPU to "
         "39B on 64 (seq 1024, vocab 51200, batch 1024), GShard MoE 380M to 70B (seq 1024, "
-        "vocab 32000, batch 1024, an MoE layer every other layer, top-2, capacity 2S/E), "
+        "vocab 32000, batch 1024, an MoE layer every other layer, top-2, capacity 2S/E, MLP "
+        "8 x hidden), "
         "Wide-ResNet 250M to 13B (224x224 images, 1024 classes, batch 1536; 1520 on 64 GPUs). "
         "GPT and MoE compute in float16 with float32 parameters and `optax.adamw` (Alpa: fp16, "
         "fp32 master copy, adamw); Wide-ResNet in float32 with SGD + Nesterov momentum (as "
@@ -258,15 +259,47 @@ def goals(res) -> list[tuple[str, str, str]]:
     moe = [(r["key"], _auto(r)[2], _manual(r)[3]) for r in res["configs"]
            if r["key"].startswith("moe-")]
     ratios = [(k, a["tflops"] / m["tflops"]) for k, a, m in moe if a and m]
+    ratios += [(k, 0.0) for k, a, m in moe if m and not a]     # autopar found no plan
     if ratios:
         low = min(ratios, key=lambda x: x[1])
         ok = [k for k, x in ratios if x >= 2]
         out.append(("at least 2x the manual plan on MoE", "met" if len(ok) == len(ratios)
                     else "missed", "autopar / manual: " + ", ".join(
-                        f"{k} {x:.2f}x" for k, x in ratios) + f" (lowest {low[0]} {low[1]:.2f}x)"))
+                        f"{k} {x:.2f}x" if x else f"{k}: no autopar plan" for k, x in ratios)
+                    + f" (lowest {low[0]} {low[1]:.2f}x)"))
     else:
         out.append(("at least 2x the manual plan on MoE", "not evaluable",
                     "no MoE configuration with both plans feasible"))
+    return out
+
+
+def observations(res) -> list[str]:
+    """What the results say about autopar's search, config by config (data-driven)."""
+    out = []
+    for r in res["configs"]:
+        tries, ab = _auto(r)[1], _auto(r)[2]
+        planned, mb = _manual(r)[2], _manual(r)[3]
+        if ab or not tries:
+            continue
+        t = tries[0]
+        if t["status"] != "infeasible":
+            continue
+        need = t.get("needed_bytes") or 0
+        least = min((e.get("needed_bytes") or float("inf") for e in planned
+                     if e.get("status") == "infeasible"), default=float("inf"))
+        what = (f"**{r['key']}** (M={t['m']}): " + (
+            "the stage DP accepted an assignment from its per-layer costs, but the chosen stage "
+            f"solved whole needs {_gib(need)} GiB per device, so `autopar.plan` raised "
+            "instead of trying another assignment" if t.get("message", "").startswith(
+                "memory: stage") else
+            f"the stage DP found no assignment that fits (least it needs: {_gib(need)} GiB)"))
+        if mb:
+            what += (f"; a manual plan fits: ({mb['d']}, {mb['t']}, {mb['p']}, {mb['m']}) at "
+                     f"{mb['tflops']:.1f} TFLOPS/GPU")
+        elif least < need:
+            what += (f"; the least any manual point needed was {_gib(least)} GiB, less than "
+                     "the DP's least")
+        out.append(f"- {what}.")
     return out
 
 
@@ -283,7 +316,8 @@ def _scale(res, plot_ref: str | None, plot_note: str | None) -> list[str]:
     a = res["args"]
     devices = sorted({p["devices"] for r in res["scale"] for p in r.get("points", [])})
     layers = [r["layers"] for r in res["scale"]]
-    out = ["### Planning-time scale (8 to 1024 V100s)", "",
+    span = f" ({devices[0]} to {devices[-1]} V100s)" if devices else ""
+    out = [f"### Planning-time scale{span}", "",
            f"GPT hidden {SCALE_CFG['hidden']}, {SCALE_CFG['num_heads']} heads, seq "
            f"{SCALE_CFG['seq_len']}, vocab {SCALE_CFG['vocab_size']} (the 350M shape), float16, "
            f"adamw, batch {SCALE_BATCH} in {SCALE_MICROBATCHES} microbatches (as in the "
@@ -327,6 +361,9 @@ def _scale(res, plot_ref: str | None, plot_note: str | None) -> list[str]:
 
 def section(res: dict, plot_ref: str | None = None, plot_note: str | None = None) -> str:
     out = _header(res) + _setup(res) + _results_table(res) + _goals_table(res)
+    obs = observations(res)
+    if obs:
+        out += ["Where autopar found no plan:", "", *obs, ""]
     out += _planning_table(res) + _scale(res, plot_ref, plot_note)
     a = res["args"]
     out += ["### Left out and how to include it", "",
@@ -369,9 +406,20 @@ def make_plot(res: dict, path: str) -> str | None:
     for d in xs:
         v = sorted(by_dev[d])
         ax2.plot([x for x, _ in v], [y for _, y in v], "o-", label=f"{d} devices")
-    for ax, xl in ((ax1, "V100s (log)"), (ax2, "GPT layers (log)")):
+    from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
+    layer_ticks = sorted({r["layers"] for r in res["scale"]})
+    ys = [y for v in by_dev.values() for _, y in v]
+    narrow = bool(ys) and max(ys) / min(ys) < 10     # under a decade: label the minor ticks
+    for ax, xl, ticks in ((ax1, "V100s (log)", xs), (ax2, "GPT layers (log)", layer_ticks)):
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}") if narrow
+                                     else NullFormatter())
+        ax.tick_params(which="minor", labelsize=7)
         ax.set_xlabel(xl)
         ax.set_ylabel("autopar.plan wall s (log)")
         ax.grid(True, which="both", linewidth=0.3)
