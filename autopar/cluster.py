@@ -153,10 +153,6 @@ class ClusterSpec:
     # per step and once per pipeline task. 0 in the presets (not measured there); measured by
     # `autopar.profile` (`ClusterSpec.from_profile`).
     call_overhead_s: float = 0.0
-    # The devices share one pool of compute (simulated CPU devices share the host's cores):
-    # a device that waits lends its cores to the others, so a pipeline's bubbles cost nothing
-    # and its step is its total work spread over all devices (see `pipeshard`).
-    shared_compute: bool = False
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
@@ -391,7 +387,7 @@ _PRESETS: dict[str, ClusterSpec] = {
         name="cpu", num_hosts=1, devices_per_host=8, device_kind="cpu",
         peak_flops_bf16_per_s=5e10, peak_flops_fp32_per_s=5e10, memory_bytes=2 * _GIB,
         hbm_bandwidth_bytes_per_s=2e10, intra_host_alpha_s=1e-5, intra_host_beta_s_per_byte=1e-10,
-        inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10, shared_compute=True),
+        inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10),
 }
 # NVIDIA H200 SXM datasheet: H100 compute with 141 GB HBM3e at 4.8 TB/s. Not a named preset;
 # `from_devices` uses it for H200 devices.

@@ -36,8 +36,7 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
-             + ("(devices share compute: sum of B x t_i x devices_i / all devices)"
-                if p.get("shared_compute") else "(sum t_i + (B - 1) max t_i)")]
+             "(sum t_i + (B - 1) max t_i)"]
     rows = []
     for s, q in zip(plan.stages, p["in_flight"]):
         devs = f"{s.device_ids[0]}..{s.device_ids[-1]}" if len(s.device_ids) > 1 else \

@@ -153,16 +153,11 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
                  for tid, spec in zip(step.outputs, placement.output_spec)]
-    if cluster.shared_compute:
-        # Work-conserving: every stage's microbatch work, in device-seconds, over all devices.
-        total = sum(s.latency_s * len(s.device_ids) for s in stages) * m / len(device_ids)
-    else:
-        total = sum(lat) + (m - 1) * max(lat)
     pipeline = {
         "schedule": method.schedule.value, "num_microbatches": m,
         "num_layers": len(result.boundaries) - 1, "layer_boundaries": list(result.boundaries),
         "bubble_fraction": schedule.bubble_fraction, "in_flight": list(in_flight),
-        "predicted_latency_s": total, "shared_compute": cluster.shared_compute,
+        "predicted_latency_s": sum(lat) + (m - 1) * max(lat),
         "num_ilps": result.num_ilps, "num_reused": result.num_reused,
         "dp_candidates": result.dp_candidates, "dp_pruned": result.dp_pruned,
         "dp_time_s": result.dp_time_s, "segments": len(placement.segments),

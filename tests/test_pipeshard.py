@@ -273,26 +273,3 @@ def test_accumulation_method_mesh_shapes():
                                cluster).stage_option.submesh_shapes == ((1, 8),)
     with pytest.raises(autopar.InvalidArgumentError, match="1-D or 2-D mesh"):
         accumulation_method(autopar.ShardParallel(num_microbatches=2), (2, 2, 2), cluster)
-
-
-def test_shared_compute_cluster_predicts_work_over_all_devices():
-    """On devices that share compute (the CPU preset: simulated devices share the host's
-    cores) a pipeline's predicted step is its total work over all devices, bubbles free; on
-    independent devices it is Alpa's sum t_i + (B - 1) max t_i."""
-    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
-                                     value_and_grad=autopar.value_and_grad)
-    m = 4
-    method = _method(2, F, m)
-    plans = {}
-    for shared in (True, False):
-        cluster = autopar.ClusterSpec.preset("cpu").with_(shared_compute=shared)
-        plans[shared] = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method,
-                                            cluster=cluster).get_plan(state, batches[0])
-    lat = [s.latency_s for s in plans[True].stages]
-    work = sum(t * len(s.device_ids) for t, s in zip(lat, plans[True].stages)) * m / 8
-    assert plans[True].pipeline["predicted_latency_s"] == pytest.approx(work)
-    assert "devices share compute" in autopar.dump(plans[True])
-    lat = [s.latency_s for s in plans[False].stages]
-    assert plans[False].pipeline["predicted_latency_s"] == pytest.approx(
-        sum(lat) + (m - 1) * max(lat))
-    assert plans[True].predicted_step_s < plans[False].predicted_step_s   # no bubble charged
