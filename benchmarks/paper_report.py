@@ -131,8 +131,9 @@ def _setup(res) -> list[str]:
         f"AutoStageOption(logical_shapes=\"{a['shapes']}\")))`, K = Alpa's number of auto "
         "layers for that model; M tried in the order batch, batch/2, batch/4 (1, 2, 4 examples "
         f"per microbatch; at most {a['auto_tries']} tries) until a configuration's planning "
-        f"time reaches {a['auto_budget_s']:.0f} s (`--auto-budget-s`); the best predicted plan "
-        "is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches with "
+        f"time reaches {a['auto_budget_s']:.0f} s (`--auto-budget-s`) or a try does not fit "
+        "(a larger microbatch needs more memory, so the rest are not tried); the best "
+        "predicted plan is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches with "
         "rematerialization; autopar does not rematerialize, so without it only the smallest "
         "microbatches fit 16 GB.", "",
         "**Best manual plan** (Megatron-LM style) under the same cost model: every (d, t, p) "
@@ -193,10 +194,13 @@ def _planning_table(res) -> list[str]:
            "`plan s`: wall time of `autopar.plan`, summed over the microbatch counts tried "
            "(each try: M, outcome, seconds); `trace`, `inter-op` from `plan.timings_s`, `DP` "
            "from `plan.pipeline[\"dp_time_s\"]`, ILPs solved / reused from `plan.pipeline` (of "
-           "the best try). Manual: points planned (feasible) / in the grid, skipped because the "
-           "state alone cannot fit, and their planning time.", "",
+           "the best try; – where no try found a plan). Manual: points planned (feasible) / in "
+           "the grid; skipped because the state alone cannot fit / because the grid's budget "
+           "was spent; their planning time. `worker`: the configuration's child process (jax "
+           "import and model setup included).", "",
            "| model | GPUs | autopar tries | plan s | trace s | inter-op s | DP ms | ILPs "
-           "solved / reused | manual planned (feasible) / grid | skipped | manual s | worker |",
+           "solved / reused | manual planned (feasible) / grid | skipped: state / budget | "
+           "manual s | worker |",
            "|:--|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|:--|"]
     for r in res["configs"]:
         cfg = ALL[r["key"]]
@@ -204,10 +208,13 @@ def _planning_table(res) -> list[str]:
         m, pts, planned, mb, msum = _manual(r)
         tr = "; ".join(f"M={t['m']}: {t['status']} {t['wall_s']:.1f} s" for t in tries)
         if a.get("not_tried"):
-            tr += f"; not tried (budget): M={', '.join(map(str, a['not_tried']))}"
+            why = ("larger microbatches cannot fit either" if tries[-1]["status"] ==
+                   "infeasible" else "budget spent")
+            tr += f"; not tried ({why}): M={', '.join(map(str, a['not_tried']))}"
         tm = (ab or {}).get("timings_s", {})
         pl = (ab or {}).get("pipeline", {})
-        skipped = sum(1 for e in pts if e.get("status") == "skipped")
+        budget = sum(1 for e in pts if e.get("message") == "manual budget spent")
+        state = sum(1 for e in pts if e.get("status") == "skipped") - budget
         feas = sum(1 for e in planned if e.get("status") == "ok")
         out.append(md_row([
             f"{FAMILY_NAMES[cfg.family]} {cfg.name}", str(cfg.gpus), tr or "–",
@@ -215,7 +222,7 @@ def _planning_table(res) -> list[str]:
             fmt(pl.get("dp_time_s"), 1, 1e3),
             f"{pl['num_ilps']} / {pl['num_reused']}" if pl else "–",
             f"{len(planned)} ({feas}) / {len(pts)}" if m else "–",
-            str(skipped) if m else "–", fmt(msum, 1) if m else "–",
+            f"{state} / {budget}" if m else "–", fmt(msum, 1) if m else "–",
             f"{r.get('process_wall_s', 0):.0f} s" + (f", {r['incomplete']}"
                                                     if r.get("incomplete") else "")]))
     return out + [""]
@@ -300,6 +307,14 @@ def observations(res) -> list[str]:
             what += (f"; the least any manual point needed was {_gib(least)} GiB, less than "
                      "the DP's least")
         out.append(f"- {what}.")
+    if out:
+        out += ["", "A likely cause, from reading `autopar/inter_op/stages.py` (not measured "
+                "here): each (layer, submesh, logical view) ILP minimizes time under the whole "
+                "16 GB for one microbatch, without the optimizer state and the activations "
+                "that 1F1B keeps in flight, and the DP keeps only the fastest view of each span "
+                "(`np.argmin(run_lat, axis=1)`), so the memory-lean shardings a manual plan "
+                "pins are never offered to the DP; and a stage the DP accepted from summed "
+                "per-layer costs can still fail when solved whole, which ends the search."]
     return out
 
 
@@ -340,18 +355,21 @@ def _scale(res, plot_ref: str | None, plot_note: str | None) -> list[str]:
         out.append(md_row([str(d), *cells, fmt(s, 2)]))
     slopes = []
     for r in res["scale"]:
-        pts = r.get("points", [])
+        pts = sorted(r.get("points", []), key=lambda p: p["devices"])
         s = slope([p["devices"] for p in pts], [p["wall_s"] for p in pts])
+        last = slope([p["devices"] for p in pts[-2:]], [p["wall_s"] for p in pts[-2:]])
         inc = f" ({r['incomplete']})" if r.get("incomplete") else ""
-        slopes.append(f"{r['layers']} layers: {fmt(s, 2)}{inc}")
+        slopes.append(f"{r['layers']} layers: {fmt(s, 2)} (between the two largest clusters: "
+                      f"{fmt(last, 2)}){inc}")
     devs_ok = [slope([p["devices"] for p in r.get("points", [])],
                      [p["wall_s"] for p in r.get("points", [])]) for r in res["scale"]]
     devs_ok = [s for s in devs_ok if s is not None]
     verdict = ("met" if devs_ok and max(devs_ok) <= 1 else "missed" if devs_ok
                else "not evaluable")
-    out += ["", "Log-log slope of planning time vs devices (`numpy.polyfit`, degree 1): " +
-            "; ".join(slopes) + f". Goal, at most linear in devices (slope <= 1): **{verdict}**.",
-            ""]
+    out += ["", "Log-log slope of planning time vs devices (`numpy.polyfit`, degree 1, over all "
+            "points): " + "; ".join(slopes) + f". Goal, at most linear in devices (slope <= 1): "
+            f"**{verdict}**. The last column is the slope vs layers at each cluster size (above 1: "
+            "more than linear in layers).", ""]
     if plot_ref:
         out += [f"![planning time]({plot_ref})", ""]
     if plot_note:
@@ -366,9 +384,11 @@ def section(res: dict, plot_ref: str | None = None, plot_note: str | None = None
         out += ["Where autopar found no plan:", "", *obs, ""]
     out += _planning_table(res) + _scale(res, plot_ref, plot_note)
     a = res["args"]
+    left = [k for k in ALL if k not in a["selected"]]
     out += ["### Left out and how to include it", "",
-            f"Configurations run: {', '.join(a['selected']) or 'none'} (`--gpt`, `--moe`, "
-            "`--wrn` select sizes; `--no-gpt` etc. a family). More microbatch counts for "
+            f"Configurations run: {', '.join(a['selected']) or 'none'}; not run (to fit about 15 "
+            f"minutes): {', '.join(left) or 'none'} (`--gpt`, `--moe`, `--wrn` select sizes, "
+            "`all` every one; `--no-gpt` etc. skip a family). More microbatch counts for "
             "autopar: `--auto-tries N --auto-budget-s S`; every 2-D logical view: `--shapes "
             "all` (much slower); larger manual microbatches: `--manual-mb 1 2 4`; the whole "
             "manual grid: a larger `--manual-budget-s`; more scale points: `--scale-layers 24 "
