@@ -249,30 +249,27 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         layer = int(np.argmin(np.isfinite(lat).any(axis=(1, 2))))
         raise _infeasible(f"layer {layer}, even alone on all {len(device_ids)} devices,", budget,
                           solver.needed[(boundaries[layer], boundaries[layer + 1])])
-    # Span (i..j) on submesh k: the best logical view v of the summed layer costs.
-    shape_l = (num_layers, num_layers, len(submeshes))
-    span_lat, span_static, span_act = np.full(shape_l, np.inf), np.zeros(shape_l), np.zeros(shape_l)
-    best_v = np.zeros(shape_l, dtype=np.int64)
+    # Span (i..j) on (submesh k, logical view v): the summed layer costs. Every (k, v) pair is
+    # its own option of the DP, so a leaner view that fits memory competes with a faster one
+    # that does not (the DP weighs each with its in-flight activations).
+    pairs = [(k, v) for k in range(len(submeshes)) for v in range(len(shapes_per_k[k]))]
+    ks, vs = np.array([k for k, _ in pairs]), np.array([v for _, v in pairs])
+    lat, static, act = lat[:, ks, vs], static[:, ks, vs], act[:, ks, vs]
+    span_lat = np.full((num_layers, num_layers, len(pairs)), np.inf)
+    span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
     for i in range(num_layers):
-        run_lat, run_static, run_act = np.zeros(lat.shape[1:]), np.zeros(lat.shape[1:]), \
-            np.zeros(lat.shape[1:])
-        for j in range(i, num_layers):
-            run_lat += lat[j]
-            run_static += static[j]
-            run_act += act[j]
-            v = np.argmin(run_lat, axis=1)
-            ks = np.arange(len(submeshes))
-            span_lat[i, j], best_v[i, j] = run_lat[ks, v], v
-            span_static[i, j], span_act[i, j] = run_static[ks, v], run_act[ks, v]
+        span_lat[i, i:] = np.cumsum(lat[i:], axis=0)
+        span_static[i, i:] = np.cumsum(static[i:], axis=0)
+        span_act[i, i:] = np.cumsum(act[i:], axis=0)
     costs = StageCosts(latency_s=span_lat, static_bytes=np.where(np.isfinite(span_lat),
                                                                   span_static, 0.0),
                        activation_bytes=np.where(np.isfinite(span_lat), span_act, 0.0),
                        memory_budget_bytes=budget)
-    choice = solve_stage_dp(costs, submeshes, len(device_ids), method.num_microbatches,
-                            max_stages=option.max_stages)
-    subs = [(submeshes[k].num_hosts, submeshes[k].devices_per_host) for k in choice.submeshes]
-    shapes = [[shapes_per_k[k][best_v[i, j, k]]]
-              for (i, j), k in zip(choice.layer_spans, choice.submeshes)]
+    choice = solve_stage_dp(costs, [submeshes[k] for k in ks], len(device_ids),
+                            method.num_microbatches, max_stages=option.max_stages)
+    subs = [(submeshes[ks[p]].num_hosts, submeshes[ks[p]].devices_per_host)
+            for p in choice.submeshes]
+    shapes = [[shapes_per_k[ks[p]][vs[p]]] for p in choice.submeshes]
     stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
                               solver, budget)
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
