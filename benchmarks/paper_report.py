@@ -311,10 +311,11 @@ def observations(res) -> list[str]:
         out += ["", "A likely cause, from reading `autopar/inter_op/stages.py` (not measured "
                 "here): each (layer, submesh, logical view) ILP minimizes time under the whole "
                 "16 GB for one microbatch, without the optimizer state and the activations "
-                "that 1F1B keeps in flight, and the DP keeps only the fastest view of each span "
-                "(`np.argmin(run_lat, axis=1)`), so the memory-lean shardings a manual plan "
-                "pins are never offered to the DP; and a stage the DP accepted from summed "
-                "per-layer costs can still fail when solved whole, which ends the search."]
+                "that 1F1B keeps in flight, so the memory-lean shardings a manual plan pins "
+                "(Megatron's, every weight split) are never offered to the DP, which chooses "
+                "among the logical views of each span but not among leaner shardings of one "
+                "view; and a stage the DP accepted from summed per-layer costs can still fail "
+                "when solved whole, which ends the search."]
     return out
 
 
