@@ -274,3 +274,25 @@ def test_plan_stage_option_replays_the_stages(pipeline_plan):
     assert [(s.layers, s.device_ids, s.logical_mesh_shape) for s in again.stages] == \
         [(s.layers, s.device_ids, s.logical_mesh_shape) for s in plan.stages]
     assert again.pipeline["stage_option"] == "ManualStageOption"
+
+
+def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, monkeypatch):
+    """A view that is fastest but does not fit memory must not hide a slower one that fits:
+    every (submesh, view) pair is its own option of the DP."""
+    import dataclasses
+
+    import autopar.inter_op.stages as stages_mod
+    real = stages_mod.solve_stage
+
+    def fake(graph, sl, sub, shape, axis_names, method_, paths=()):
+        sol = real(graph, sl, sub, shape, axis_names, method_, paths)
+        fast = tuple(shape) == (1, 2)          # fast and far too big; (2, 1) slow and small
+        return dataclasses.replace(sol, latency_s=1.0 if fast else 2.0,
+                                   peak_memory_bytes=1e12 if fast else 1e3,
+                                   activation_bytes=0.0, param_bytes=1e3 if not fast else 1e12)
+    monkeypatch.setattr(stages_mod, "solve_stage", fake)
+    res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+        autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
+        memory_budget_bytes=10**6))
+    (st,) = res.stages
+    assert st.solution.logical_shape == (2, 1)
