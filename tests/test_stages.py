@@ -296,3 +296,34 @@ def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, m
         memory_budget_bytes=10**6))
     (st,) = res.stages
     assert st.solution.logical_shape == (2, 1)
+
+
+def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster, monkeypatch):
+    """When no stage assignment of the layers' fastest plans fits, the DP is offered each
+    layer's memory-lean plan (the fastest within 5% of its least memory), and the chosen
+    stage is solved whole for its own memory-lean plan."""
+    import dataclasses
+
+    import autopar.inter_op.stages as stages_mod
+    real = stages_mod.solve_stage
+    budgets = []
+
+    def fake(graph, sl, sub, shape, axis_names, method_, paths=()):
+        sol = real(graph, sl, sub, shape, axis_names, dataclasses.replace(
+            method_, memory_budget_bytes=None), paths)
+        b = method_.memory_budget_bytes
+        budgets.append(b)
+        if b == 1:
+            raise autopar.InfeasiblePlanError("least", needed_bytes=1000, budget_bytes=1)
+        lean = b is not None and b < 10**6
+        return dataclasses.replace(sol, latency_s=2.0 if lean else 1.0,
+                                   peak_memory_bytes=1e3 if lean else 1e12,
+                                   activation_bytes=0.0, param_bytes=10.0 if lean else 1e12)
+    monkeypatch.setattr(stages_mod, "solve_stage", fake)
+    res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+        autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
+        memory_budget_bytes=10**6))
+    (st,) = res.stages
+    assert st.solution.latency_s == 2.0                      # the lean plan
+    assert 1 in budgets and 1050 in [int(b) for b in budgets if b]
+    assert budgets[-2:] == [1, 1050]                         # the whole span, lean

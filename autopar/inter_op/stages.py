@@ -80,23 +80,40 @@ class _Solver:
         return self.graphs[key]
 
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-              ) -> StageSolution | None:
+              budget: float | None = None) -> StageSolution | None:
+        """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
         graph, fp = self.graph(sl)
         paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
-        key = (fp, submesh, shape, paths)
+        key = (fp, submesh, shape, paths, budget)
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
         self.num_ilps += 1
         sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+        method = self.method if budget is None else dataclasses.replace(
+            self.method, memory_budget_bytes=max(1, int(budget)))
         try:
-            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, self.method, paths)
+            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, method, paths)
         except InfeasiblePlanError as e:
             sol = None
             span = (sl.start, sl.stop)
             self.needed[span] = min(self.needed.get(span, float("inf")), e.needed_bytes)
+            self.cache[(key, "needed")] = e.needed_bytes
         self.cache[key] = sol
         return sol
+
+    def lean(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+             ) -> StageSolution | None:
+        """The fastest plan within 5% of the least memory the stage can take: the
+        memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
+        layer alone may not take."""
+        tiny = self.solve(sl, submesh, shape, budget=1)
+        if tiny is not None:                                  # fits anything
+            return tiny
+        graph, fp = self.graph(sl)
+        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
+        least = self.cache.get(((fp, submesh, shape, paths, 1), "needed"))
+        return self.solve(sl, submesh, shape, float(least) * 1.05) if least else None
 
     def best(self, sl: StageSlice, submesh: tuple[int, int], shapes) -> StageSolution | None:
         sols = [s for s in (self.solve(sl, submesh, v) for v in shapes) if s is not None]
@@ -141,14 +158,16 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
     return out
 
 
-def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, budget):
+def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, budget,
+                     lean=None):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try
-    (the fastest wins)."""
+    (the fastest wins); `lean[p]` asks for stage p's memory-lean plan (`_Solver.lean`)."""
     stages = []
+    lean = lean or [False] * len(spans)
     for p, ((i, j), sub, shape, devs) in enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
-        sol = solver.best(sl, sub, shape)
+        sol = solver.lean(sl, sub, shape[0]) if lean[p] else solver.best(sl, sub, shape)
         if sol is None:
             raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
                               solver.needed[(sl.start, sl.stop)])
@@ -254,22 +273,57 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     # that does not (the DP weighs each with its in-flight activations).
     pairs = [(k, v) for k in range(len(submeshes)) for v in range(len(shapes_per_k[k]))]
     ks, vs = np.array([k for k, _ in pairs]), np.array([v for _, v in pairs])
-    lat, static, act = lat[:, ks, vs], static[:, ks, vs], act[:, ks, vs]
-    span_lat = np.full((num_layers, num_layers, len(pairs)), np.inf)
+    options = [(lat[:, ks, vs], static[:, ks, vs], act[:, ks, vs], None)]
+    try:
+        choice = _run_dp(options, submeshes, ks, device_ids, method, option, budget)
+    except InfeasiblePlanError:
+        # Each layer's fastest plan ignores the optimizer state and the activations a
+        # pipeline keeps in flight; offer the memory-lean plan of every layer as well.
+        options.append(_lean_options(loss, boundaries, submeshes, shapes_per_k, pairs, solver,
+                                     opt_ratio))
+        choice = _run_dp(options, submeshes, ks, device_ids, method, option, budget)
+    n = len(pairs)
+    subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
+            for p in choice.submeshes]
+    shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
+    stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
+                              solver, budget, [p >= n for p in choice.submeshes])
+    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
+
+
+def _lean_options(loss, boundaries, submeshes, shapes_per_k, pairs, solver, opt_ratio):
+    """Per layer and (submesh, view) pair: the memory-lean plan's latency, static and
+    activation bytes."""
+    shape = (len(boundaries) - 1, len(pairs))
+    lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    for l in range(shape[0]):
+        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
+        for p, (k, v) in enumerate(pairs):
+            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
+            sol = solver.lean(sl, sub, shapes_per_k[k][v])
+            if sol is not None:
+                lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
+                act[l, p] = sol.activation_bytes
+    return lat, static, act
+
+
+def _run_dp(options, submeshes, ks, device_ids, method, option, budget):
+    """The stage DP over spans of layers on every option (a (submesh, view) pair, fast plans
+    first, then lean ones if given); span costs are the summed layer costs."""
+    lat = np.concatenate([o[0] for o in options], axis=1)
+    static = np.concatenate([o[1] for o in options], axis=1)
+    act = np.concatenate([o[2] for o in options], axis=1)
+    num_layers = lat.shape[0]
+    span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
     span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
     for i in range(num_layers):
         span_lat[i, i:] = np.cumsum(lat[i:], axis=0)
         span_static[i, i:] = np.cumsum(static[i:], axis=0)
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
-    costs = StageCosts(latency_s=span_lat, static_bytes=np.where(np.isfinite(span_lat),
-                                                                  span_static, 0.0),
-                       activation_bytes=np.where(np.isfinite(span_lat), span_act, 0.0),
+    finite = np.isfinite(span_lat)
+    costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
+                       activation_bytes=np.where(finite, span_act, 0.0),
                        memory_budget_bytes=budget)
-    choice = solve_stage_dp(costs, [submeshes[k] for k in ks], len(device_ids),
-                            method.num_microbatches, max_stages=option.max_stages)
-    subs = [(submeshes[ks[p]].num_hosts, submeshes[ks[p]].devices_per_host)
-            for p in choice.submeshes]
-    shapes = [[shapes_per_k[ks[p]][vs[p]]] for p in choice.submeshes]
-    stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
-                              solver, budget)
-    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
+    subs = [submeshes[k] for k in ks] * len(options)
+    return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
+                          max_stages=option.max_stages)
