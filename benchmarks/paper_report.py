@@ -241,6 +241,9 @@ def goals(res) -> list[tuple[str, str, str]]:
                     f"one autopar.plan took {first['wall_s']:.1f} s (M={first['m']}, "
                     f"{first['status']}; {first['wall_s'] / 60:.2f}x the goal), all tries "
                     f"{total:.1f} s"))
+    elif g and (g.get("incomplete") or g.get("error")):   # ran, stopped before a plan
+        out.append(("plan GPT-39B for 64 GPUs in under 60 s", "missed",
+                    f"no plan: {g.get('incomplete') or g.get('error')}"))
     else:
         out.append(("plan GPT-39B for 64 GPUs in under 60 s", "not run", "gpt-39B not selected"))
     worse, compared, both_none = [], 0, 0
