@@ -187,6 +187,21 @@ def run_child(script: str, argv: list[str], prefix: str, timeout_s: float,
     return result, outcome, time.perf_counter() - t0
 
 
+def run_case(script: str, argv: list[str], label: str, timeout_s: float, prefix: str,
+             report) -> dict:
+    """`run_child` for one case of a benchmark, with progress through `report(msg)`: the
+    results the child saved (or {}), plus `incomplete` (what stopped it) and
+    `process_wall_s`."""
+    report(f"{label}: starting worker")
+    result, outcome, wall_s = run_child(script, argv, prefix, timeout_s, "per-case limit")
+    result = result or {}
+    if outcome:
+        result["incomplete"] = outcome
+    result["process_wall_s"] = wall_s
+    report(f"{label}: done in {wall_s:.1f} s" + (f" ({outcome})" if outcome else ""))
+    return result
+
+
 def setup_worker(num_devices: int | None = None) -> None:
     """Environment of a worker, before it imports jax: CPU platform (`num_devices` simulated
     devices if given) and the repository on `sys.path` (for `models`)."""

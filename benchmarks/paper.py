@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-from common import Saver, load_avg, progress, run_child, setup_worker, source_revision, utc_now
+from common import Saver, load_avg, progress, run_case, setup_worker, source_revision, utc_now
 from paper_configs import (ALL, DEFAULT, FAMILIES, PRESET, SCALE_AUTO_LAYERS, SCALE_BATCH, SCALE_CFG,
                            SCALE_HOSTS, SCALE_LAYERS, SCALE_MICROBATCHES, auto_microbatches,
                            cluster_shape, manual_stage_layout, megatron_grid)
@@ -268,15 +268,8 @@ def _scale_worker(args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _child(argv: list[str], label: str, timeout_s: float) -> dict:
-    _progress(f"{label}: starting worker")
-    result, outcome, wall_s = run_child(os.path.abspath(__file__), argv, "autopar_paper_",
-                                        timeout_s, "per-case limit")
-    result = result or {}
-    if outcome:
-        result["incomplete"] = outcome
-    result["process_wall_s"] = wall_s
-    _progress(f"{label}: done in {wall_s:.1f} s" + (f" ({outcome})" if outcome else ""))
-    return result
+    return run_case(os.path.abspath(__file__), argv, label, timeout_s, "autopar_paper_",
+                    _progress)
 
 
 def selected(args) -> list[str]:

@@ -41,7 +41,7 @@ import sys
 import time
 
 from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, gpt_state_fn,
-                    gpt_train_step, load_avg, progress, run_child, setup_worker, source_revision,
+                    gpt_train_step, load_avg, progress, run_case, setup_worker, source_revision,
                     utc_now)
 from pipeline_report import (PLAN_CFG, PLAN_FALLBACK_BATCH, PLAN_MICROBATCHES, PRESET, RUN_BATCH,
                              RUN_CFG, RUN_MICROBATCHES, _short, section, write_section)
@@ -343,16 +343,8 @@ def _run_case(args, out: Saver) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _child(argv: list[str], label: str, timeout_s: float) -> dict:
-    _progress(f"{label}: starting worker")
-    result, outcome, wall_s = run_child(os.path.abspath(__file__), argv, "autopar_pipeline_",
-                                        timeout_s, "per-case limit")
-    result = result or {}
-    if outcome:
-        result["incomplete"] = outcome
-    result["process_wall_s"] = wall_s
-    _progress(f"{label}: done in {result['process_wall_s']:.1f} s"
-              + (f" ({outcome})" if outcome else ""))
-    return result
+    return run_case(os.path.abspath(__file__), argv, label, timeout_s, "autopar_pipeline_",
+                    _progress)
 
 
 def run(args) -> dict:
