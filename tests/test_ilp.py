@@ -317,3 +317,47 @@ def test_lazy_memory_points_are_exact(seed):
     _assert_close(sol.objective, best.objective)
     assert ilp.peak_memory_bytes(problem, sol.choice) <= budget
     assert "liveness constraints needed" in sol.message
+
+
+def _many_points(rng, k, count):
+    return [MemoryPoint(terms=tuple((int(g), rng.uniform(0, 10, k[g]))
+                                    for g in rng.choice(len(k), size=3, replace=False)),
+                        constant_bytes=float(rng.uniform(0, 5))) for _ in range(count)]
+
+
+def test_lazy_min_peak_memory_is_exact(monkeypatch):
+    """min_peak_memory adds points as the choice exceeds the optimum over those taken: it
+    must still give the least peak of every plan (brute force over all of them)."""
+    rounds, real = [], ilp._min_peak_choice
+    monkeypatch.setattr(ilp, "_min_peak_choice", lambda *a: rounds.append(1) or real(*a))
+    per_seed = []
+    for seed in range(4):
+        rng = np.random.default_rng(300 + seed)
+        k = [3, 4, 3, 4, 3, 2, 3]
+        problem = IlpProblem(node_costs=tuple(rng.uniform(0, 1, n) for n in k), edges=(),
+                             memory_points=tuple(_many_points(rng, k, 3 * ilp.LAZY_MEMORY_POINTS)))
+        rounds.clear()
+        need, choice = min_peak_memory(problem)
+        _assert_close(need, _all_peaks(problem).min())
+        assert need == peak_memory_bytes(problem, choice)
+        per_seed.append(len(rounds))
+    assert max(per_seed) > 1          # some seed needed points beyond the first batch
+
+
+def test_folded_points_solve_like_the_points_they_fold():
+    """`folded_point` moves each group's minimum into the constant; the ILP must not see a
+    difference (objective, peak, and the least memory)."""
+    rng = np.random.default_rng(11)
+    k = [3, 4, 3, 4, 3, 2]
+    costs = tuple(rng.uniform(0, 1, n) for n in k)
+    edges = tuple(_edge(u, u + 1, rng.uniform(0, 1, (k[u], k[u + 1]))) for u in range(5))
+    points = _many_points(rng, k, 12)
+    folded = [ilp.folded_point(dict(p.terms), p.constant_bytes) for p in points]
+    assert all(f.folded and f.max_bytes >= f.constant_bytes for f in folded)
+    plain = IlpProblem(node_costs=costs, edges=edges, memory_points=tuple(points))
+    budget = float(np.median(_all_peaks(plain)))
+    a, b = (ilp.solve_ilp(IlpProblem(node_costs=costs, edges=edges, memory_points=tuple(ps),
+                                     memory_budget_bytes=budget)) for ps in (points, folded))
+    _assert_close(a.objective, b.objective)
+    _assert_close(min_peak_memory(plain)[0], min_peak_memory(IlpProblem(
+        node_costs=costs, edges=edges, memory_points=tuple(folded)))[0])

@@ -276,21 +276,43 @@ def test_plan_stage_option_replays_the_stages(pipeline_plan):
     assert again.pipeline["stage_option"] == "ManualStageOption"
 
 
+class _Rigged:
+    """A stage problem whose solutions `rig(solution, shape, budget)` rewrites."""
+
+    def __init__(self, real, shape, rig, least, calls):
+        self.real, self.shape, self.rig, self.least, self.calls = real, shape, rig, least, calls
+        self.ilp = real.ilp
+
+    def least_bytes(self):
+        self.calls.append(("least", id(self)))
+        return self.least
+
+    def solve(self, budget=None):
+        self.calls.append(("solve", budget))
+        return self.rig(self.real.solve(None), tuple(self.shape), budget)
+
+
+def _rig_stage_problems(monkeypatch, rig, least=1000.0):
+    import autopar.inter_op.stages as stages_mod
+    real, calls = stages_mod.stage_problem, []
+
+    def fake(graph, sl, sub, shape, *args, **kw):
+        return _Rigged(real(graph, sl, sub, shape, *args, **kw), shape, rig, least, calls)
+    monkeypatch.setattr(stages_mod, "stage_problem", fake)
+    return calls
+
+
 def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, monkeypatch):
     """A view that is fastest but does not fit memory must not hide a slower one that fits:
     every (submesh, view) pair is its own option of the DP."""
     import dataclasses
 
-    import autopar.inter_op.stages as stages_mod
-    real = stages_mod.solve_stage
-
-    def fake(graph, sl, sub, shape, axis_names, method_, paths=()):
-        sol = real(graph, sl, sub, shape, axis_names, method_, paths)
-        fast = tuple(shape) == (1, 2)          # fast and far too big; (2, 1) slow and small
+    def rig(sol, shape, budget):
+        fast = shape == (1, 2)          # fast and far too big; (2, 1) slow and small
         return dataclasses.replace(sol, latency_s=1.0 if fast else 2.0,
                                    peak_memory_bytes=1e12 if fast else 1e3,
                                    activation_bytes=0.0, param_bytes=1e3 if not fast else 1e12)
-    monkeypatch.setattr(stages_mod, "solve_stage", fake)
+    _rig_stage_problems(monkeypatch, rig)
     res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
         autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
         memory_budget_bytes=10**6))
@@ -301,29 +323,48 @@ def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, m
 def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster, monkeypatch):
     """When no stage assignment of the layers' fastest plans fits, the DP is offered each
     layer's memory-lean plan (the fastest within 5% of its least memory), and the chosen
-    stage is solved whole for its own memory-lean plan."""
+    stage is solved whole for its own memory-lean plan. Each built problem's least memory is
+    computed once."""
     import dataclasses
 
-    import autopar.inter_op.stages as stages_mod
-    real = stages_mod.solve_stage
-    budgets = []
-
-    def fake(graph, sl, sub, shape, axis_names, method_, paths=()):
-        sol = real(graph, sl, sub, shape, axis_names, dataclasses.replace(
-            method_, memory_budget_bytes=None), paths)
-        b = method_.memory_budget_bytes
-        budgets.append(b)
-        if b == 1:
-            raise autopar.InfeasiblePlanError("least", needed_bytes=1000, budget_bytes=1)
-        lean = b is not None and b < 10**6
+    def rig(sol, shape, budget):
+        lean = budget is not None
         return dataclasses.replace(sol, latency_s=2.0 if lean else 1.0,
                                    peak_memory_bytes=1e3 if lean else 1e12,
                                    activation_bytes=0.0, param_bytes=10.0 if lean else 1e12)
-    monkeypatch.setattr(stages_mod, "solve_stage", fake)
+    calls = _rig_stage_problems(monkeypatch, rig)
     res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
         autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
         memory_budget_bytes=10**6))
     (st,) = res.stages
     assert st.solution.latency_s == 2.0                      # the lean plan
-    assert 1 in budgets and 1050 in [int(b) for b in budgets if b]
-    assert budgets[-2:] == [1, 1050]                         # the whole span, lean
+    budgets = [b for kind, b in calls if kind == "solve"]
+    assert None in budgets and 1050 in [int(b) for b in budgets if b]
+    assert int(budgets[-1]) == 1050                          # the whole span, lean
+    leasts = [problem for kind, problem in calls if kind == "least"]
+    assert leasts and len(leasts) == len(set(leasts))       # once per built problem
+
+
+def test_lean_fallback_skips_solves_it_does_not_need(loss, bounds, cluster, monkeypatch):
+    """A layer whose least memory is over the budget gets no lean solve (and the error names
+    what it needs); a layer whose fastest plan is already within 5% of its least memory is
+    its own lean plan (no second solve)."""
+    import dataclasses
+
+    def rig(sol, shape, budget):
+        return dataclasses.replace(sol, peak_memory_bytes=1e3, activation_bytes=0.0,
+                                   param_bytes=1e12)      # static bytes never fit
+    calls = _rig_stage_problems(monkeypatch, rig, least=2e6)
+    with pytest.raises(autopar.InfeasiblePlanError) as e:
+        choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+            autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
+            memory_budget_bytes=10**6))
+    assert all(b is None for kind, b in calls if kind == "solve")   # no budgeted solve
+    assert e.value.needed_bytes > 10**6
+    calls = _rig_stage_problems(monkeypatch, rig, least=990.0)
+    with pytest.raises(autopar.InfeasiblePlanError):
+        choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+            autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
+            memory_budget_bytes=10**6))
+    assert any(kind == "least" for kind, _ in calls)
+    assert all(b is None for kind, b in calls if kind == "solve")   # fast plan was lean

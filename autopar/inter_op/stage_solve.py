@@ -16,11 +16,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..cluster import ClusterSpec
+from ..cluster import ClusterSpec, LogicalMesh
 from ..cost import CostModel
 from ..graph import OpGraph, TensorKind
-from ..intra_op import solve_intra_op
-from ..intra_op.solve import IlpStats
+from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, build_intra_op,
+                              least_memory, solve_built)
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
 from ..plan import constrained_tensors
@@ -176,22 +176,61 @@ def stage_input_paths(loss: LossGraph, sl: StageSlice) -> tuple[str, ...]:
     return tuple(path(p) for p in sl.param_inputs + sl.data_inputs)
 
 
-def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
-                logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
-                method: ShardParallel, input_paths: tuple[str, ...] = ()) -> StageSolution:
-    """Solve the stage's ILP on `logical_shape`; `input_paths` (see `stage_input_paths`)
-    name its first inputs for `method.sharding_rules`.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageProblem:
+    """A stage's ILP on one logical mesh, built once and solved at any memory budget."""
+    graph: OpGraph
+    slice: StageSlice
+    ilp: IntraOpProblem
+    logical: LogicalMesh
 
-    Raises:
-      InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
-    """
+    def least_bytes(self) -> float:
+        """The least peak bytes per device of any plan of the stage (one microbatch)."""
+        return least_memory(self.ilp)
+
+    def solve(self, budget: float | None = None) -> StageSolution:
+        """The fastest plan whose peak fits `budget` (default: the method's budget).
+
+        Raises:
+          InfeasiblePlanError: the stage cannot fit the budget on this logical mesh.
+        """
+        return _stage_solution(self.graph, self.slice, self.logical, solve_built(self.ilp,
+                                                                                  budget))
+
+
+def stage_problem(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
+                  logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
+                  method: ShardParallel, input_paths: tuple[str, ...] = (), *,
+                  points_above: float | None = None) -> StageProblem:
+    """Build the stage's ILP on `logical_shape`; `input_paths` (see `stage_input_paths`) name
+    its first inputs for `method.sharding_rules`; `points_above=0` keeps every memory point
+    (for `least_bytes` and budgets below the method's)."""
     logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
     # A pipeline's stage is sharded like a ShardParallel step with the pipeline's solver
     # settings; gradient accumulation's one stage keeps its method's rules (data, ZeRO).
     inner = method if method.kind != MethodKind.PIPESHARD else ShardParallel(
         **{f.name: getattr(method, f.name) for f in dataclasses.fields(ShardParallel)})
     paths = tuple(input_paths) + ("",) * (len(graph.inputs) - len(input_paths))
-    a = solve_intra_op(graph, CostModel(mesh=logical), inner, {}, paths)
+    ilp = build_intra_op(graph, CostModel(mesh=logical), inner, {}, paths,
+                         points_above=points_above)
+    return StageProblem(graph=graph, slice=sl, ilp=ilp, logical=logical)
+
+
+def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
+                logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
+                method: ShardParallel, input_paths: tuple[str, ...] = ()) -> StageSolution:
+    """Build and solve the stage's ILP on `logical_shape` (see `stage_problem`).
+
+    Raises:
+      InfeasiblePlanError: the stage cannot fit the memory budget on this logical mesh.
+    """
+    return stage_problem(graph, sl, cluster, logical_shape, axis_names, method,
+                         input_paths).solve()
+
+
+def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
+                    a: ShardingAssignment) -> StageSolution:
+    logical_shape = logical.shape
     specs = a.tensor_specs
     ins = [specs[t] for t in graph.inputs]          # params, data, acts, output cotangents
     outs = a.output_specs                           # outputs, param grads, act grads

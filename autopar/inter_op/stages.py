@@ -25,7 +25,7 @@ from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
 from .pipeline import LossGraph, StageSlice, slice_range
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
-from .stage_solve import StageSolution, solve_stage, stage_input_paths, trace_stage
+from .stage_solve import StageSolution, stage_input_paths, stage_problem, trace_stage
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -63,11 +63,14 @@ def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
 
 
 class _Solver:
-    """Solves stage ILPs, caching by (training-graph fingerprint, submesh, logical shape)."""
+    """Solves stage ILPs: each (training graph, submesh, logical shape) is built once (with
+    every memory point, so it can be solved at any budget) and its solutions are cached by
+    budget."""
 
     def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: ShardParallel):
         self.loss, self.cluster, self.method = loss, cluster, method
         self.cache: dict = {}
+        self.problems: dict = {}
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = 0
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
@@ -79,26 +82,33 @@ class _Solver:
             self.graphs[key] = (g, graph_fingerprint(g))
         return self.graphs[key]
 
+    def problem(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int]):
+        """The stage's built ILP and its cache key; layers with identical training graphs
+        share one."""
+        graph, fp = self.graph(sl)
+        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
+        key = (fp, submesh, shape, paths)
+        if key not in self.problems:
+            sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+            self.problems[key] = stage_problem(graph, sl, sub, shape, AXIS_NAMES, self.method,
+                                               paths, points_above=0.0)
+        return self.problems[key], key
+
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
               budget: float | None = None) -> StageSolution | None:
         """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
-        graph, fp = self.graph(sl)
-        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
-        key = (fp, submesh, shape, paths, budget)
+        prob, key = self.problem(sl, submesh, shape)
+        key = (key, budget)
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
         self.num_ilps += 1
-        sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
-        method = self.method if budget is None else dataclasses.replace(
-            self.method, memory_budget_bytes=max(1, int(budget)))
         try:
-            sol = solve_stage(graph, sl, sub, shape, AXIS_NAMES, method, paths)
+            sol = prob.solve(budget)
         except InfeasiblePlanError as e:
             sol = None
             span = (sl.start, sl.stop)
             self.needed[span] = min(self.needed.get(span, float("inf")), e.needed_bytes)
-            self.cache[(key, "needed")] = e.needed_bytes
         self.cache[key] = sol
         return sol
 
@@ -107,13 +117,18 @@ class _Solver:
         """The fastest plan within 5% of the least memory the stage can take: the
         memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
         layer alone may not take."""
-        tiny = self.solve(sl, submesh, shape, budget=1)
-        if tiny is not None:                                  # fits anything
-            return tiny
-        graph, fp = self.graph(sl)
-        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
-        least = self.cache.get(((fp, submesh, shape, paths, 1), "needed"))
-        return self.solve(sl, submesh, shape, float(least) * 1.05) if least else None
+        prob, key = self.problem(sl, submesh, shape)
+        if (key, "least") not in self.cache:
+            self.cache[(key, "least")] = prob.least_bytes()
+        least, budget = self.cache[(key, "least")], prob.ilp.budget
+        if least > budget:                        # no plan of it fits the device
+            span = (sl.start, sl.stop)
+            self.needed[span] = min(self.needed.get(span, float("inf")), least)
+            return None
+        fast = self.solve(sl, submesh, shape)
+        if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
+            return fast                           # the fastest plan is lean already
+        return self.solve(sl, submesh, shape, min(1.05 * least, budget))
 
     def best(self, sl: StageSlice, submesh: tuple[int, int], shapes) -> StageSolution | None:
         sols = [s for s in (self.solve(sl, submesh, v) for v in shapes) if s is not None]

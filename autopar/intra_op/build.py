@@ -7,6 +7,7 @@ follow an operand's group and add their outputs to it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -236,9 +237,20 @@ class _LiveBytes:
         self.b, self.mesh = b, mesh
         self.live: set[int] = set()
         self.terms: dict[int, np.ndarray] = {}
+        self.folded: dict[int, tuple[np.ndarray, float, float]] = {}  # shifted, min, max - min
         self.count: dict[int, int] = {}
         self.const = 0.0
         self.worst = 0.0
+
+    def _set(self, grp: int, vec: np.ndarray | None) -> None:
+        """Group `grp`'s summed bytes, kept folded too (the point's form, see
+        `folded_point`), so recording a point costs no numpy call per group."""
+        if vec is None:
+            del self.terms[grp], self.folded[grp]
+            return
+        lo = float(vec.min())
+        self.terms[grp] = vec
+        self.folded[grp] = (vec - lo, lo, float(vec.max()) - lo)
 
     def _bytes(self, tid: int) -> np.ndarray:
         t = self.b.g.tensors[tid]
@@ -254,7 +266,7 @@ class _LiveBytes:
         if len(vec) == 1:
             self.const += float(vec[0])
         else:
-            self.terms[grp] = self.terms[grp] + vec if grp in self.terms else vec
+            self._set(grp, self.terms[grp] + vec if grp in self.terms else vec)
             self.count[grp] = self.count.get(grp, 0) + 1
 
     def remove(self, tid: int) -> None:
@@ -269,12 +281,17 @@ class _LiveBytes:
         else:
             self.count[grp] -= 1
             if self.count[grp] == 0:
-                del self.terms[grp], self.count[grp]
+                del self.count[grp]
+                self._set(grp, None)
             else:
-                self.terms[grp] = self.terms[grp] - vec
+                self._set(grp, self.terms[grp] - vec)
 
     def point(self) -> MemoryPoint:
-        return MemoryPoint(terms=tuple(self.terms.items()), constant_bytes=max(self.const, 0.0))
+        folded = self.folded.values()
+        const = max(self.const, 0.0) + math.fsum(lo for _, lo, _ in folded)
+        return MemoryPoint(terms=tuple((g, f[0]) for g, f in self.folded.items() if f[2] > 0),
+                           constant_bytes=const, folded=True,
+                           max_bytes=const + math.fsum(span for _, _, span in folded))
 
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],

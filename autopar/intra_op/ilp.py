@@ -39,6 +39,22 @@ class MemoryPoint:
     bytes-vector) term, the bytes of the strategy that group picks."""
     terms: tuple[tuple[int, np.ndarray], ...]
     constant_bytes: float
+    folded: bool = False     # one term per group, each with min 0 and max > 0 (see `folded_point`)
+    max_bytes: float = 0.0   # when folded: the most the point can reach
+
+
+def folded_point(terms: dict[int, np.ndarray], constant_bytes: float) -> MemoryPoint:
+    """A point already in presolve's form (per-group minimums moved into the constant, constant
+    terms dropped), so every later solve reads it without folding it again."""
+    const, out, top = float(constant_bytes), [], 0.0
+    for g, b in terms.items():
+        lo, hi = float(b.min()), float(b.max())
+        const += lo
+        if hi > lo:
+            out.append((g, b - lo))
+            top += hi - lo
+    return MemoryPoint(terms=tuple(out), constant_bytes=const, folded=True,
+                       max_bytes=const + top)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +83,8 @@ class IlpProblem:
                 _require(False, f"edges[{n}].cost must be finite with shape (k_u, k_v) = "
                          f"{(ks[e.u], ks[e.v])}; got shape {np.shape(e.cost)}.")
         for n, p in enumerate(self.memory_points):
+            if p.folded:     # made by `folded_point` or the builder from checked vectors
+                continue
             for g, b in p.terms:
                 if not (0 <= g < len(ks) and len(b) == ks[g]):
                     _require(False, f"memory_points[{n}] has a term for group {g} with shape "
@@ -136,6 +154,8 @@ class _Reduced:
 
 def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
     """Sum repeated groups; fold single-strategy groups and per-term minimums into the constant."""
+    if p.folded:
+        return p.constant_bytes, dict(p.terms)
     merged: dict[int, np.ndarray] = {}
     for g, b in p.terms:
         merged[g] = merged[g] + np.asarray(b, float) if g in merged else np.array(b, float)
@@ -173,6 +193,8 @@ def _presolve(problem: IlpProblem) -> _Reduced:
     budget = problem.memory_budget_bytes
     if budget is not None:
         for p in problem.memory_points:
+            if p.folded and p.max_bytes <= budget:
+                continue
             const, terms = _fold_point(p, ks)
             if const + sum(float(b.max()) for b in terms.values()) <= budget:
                 continue
@@ -278,7 +300,7 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         sub = replace(problem, memory_points=tuple(points[i] for i in active))
-        sol = _solve_once(sub, backend=backend, time_limit_s=remaining)
+        sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False)
         rounds += 1
         if sol.status is SolveStatus.INFEASIBLE:   # a subset is infeasible, so is the whole
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
@@ -299,10 +321,11 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
 
 
 def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
-                time_limit_s: float = 60.0) -> IlpSolution:
+                time_limit_s: float = 60.0, least_memory: bool = True) -> IlpSolution:
     """Presolve, then solve the reduced ILP with `backend` within `time_limit_s` (solvers may
     overshoot). An infeasible budget gives status INFEASIBLE with the minimum-peak-memory choice
-    (this costs a second solve); the caller decides what to raise."""
+    (this costs a second solve, skipped with `least_memory=False`, which gives the
+    presolved choice instead); the caller decides what to raise."""
     _check_args(backend, time_limit_s)
     t0 = time.perf_counter()
     red = _presolve(problem)
@@ -310,7 +333,9 @@ def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.H
     n_var, n_con = (0, 0) if mip is None else (mip.cost.size, mip.row_lower.size)
     res = MipResult(kind=SolveStatus.INFEASIBLE if red.infeasible else SolveStatus.OPTIMAL,
                      x=None, reason="") if mip is None else run_mip(mip, backend, time_limit_s)
-    if res.kind is SolveStatus.INFEASIBLE:
+    if res.kind is SolveStatus.INFEASIBLE and not least_memory:
+        choice, msg = _greedy(red), "memory budget cannot be met"
+    elif res.kind is SolveStatus.INFEASIBLE:
         need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
         choice = np.asarray(choice)
         msg = (f"memory budget {problem.memory_budget_bytes:.6g} bytes per device cannot be met; "
@@ -347,34 +372,74 @@ def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.H
 def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
                     time_limit_s: float = 60.0) -> tuple[float, tuple[int, ...]]:
     """Minimize M subject to every memory point <= M, ignoring costs. Returns (M recomputed
-    exactly, a choice attaining it); groups outside every memory point get a greedy cheap plan."""
+    exactly, a choice attaining it); groups outside every memory point get a greedy cheap plan.
+
+    Points are added lazily (exact): solve over the points that could reach the most, then
+    add the points the choice puts above that optimum, until none is; a long program has
+    thousands of points of which a few bind."""
     _check_args(backend, time_limit_s)
+    t0 = time.perf_counter()
     ks = problem.num_strategies
     points = [_fold_point(p, ks) for p in problem.memory_points]
-    groups = sorted({g for _, terms in points for g in terms})
     free = _presolve(replace(problem, memory_budget_bytes=None))
-    fixed = free.choice.copy()
-    if groups:
-        scale = max([abs(c) for c, _ in points] + [float(b.max()) for _, t in points
-                                                   for b in t.values()] + [1.0])
-        mip = Mip()
-        off = mip.add_groups(groups, {g: np.zeros(ks[g]) for g in groups})
-        m_col = mip.add_cols([1.0], integer=False, lower=-np.inf, upper=np.inf)
-        for const, terms in points:
-            row = mip.add_rows(1, -np.inf, -const / scale)
-            mip.add_entries(row, [m_col], -1.0)
-            mip.add_bytes(row, terms.items(), off, scale)
-        mip.freeze()
-        res = run_mip(mip, backend, time_limit_s)
-        if res.x is not None:
-            fixed = round_solution(mip, res.x, fixed)
-        else:
-            logger.warning("min_peak_memory: %s; using the smallest strategy per group",
-                           res.reason)
-            for g in groups:
-                fixed[g] = int(np.argmin(sum(t[g] for _, t in points if g in t)))
-    choice = _greedy(free, fixed)
+    if not any(terms for _, terms in points):
+        choice = _greedy(free)
+        return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
+    # Every point as a sparse row over (group, strategy) columns, to price a choice at once.
+    terms = [(g, b) for _, t in points for g, b in t.items()]
+    term_group = np.fromiter((g for g, _ in terms), int, len(terms))
+    lens = np.asarray(ks)[term_group]
+    term_point = np.repeat(np.arange(len(points)), [len(t) for _, t in points])
+    first = np.cumsum(lens) - lens
+    start = np.concatenate([[0], np.cumsum(ks)[:-1]])
+    rows = np.repeat(term_point, lens)
+    cols = (np.repeat(start[term_group], lens) + np.arange(int(lens.sum()))
+            - np.repeat(first, lens))
+    vals = np.concatenate([b for _, b in terms])
+    const = np.array([c for c, _ in points])
+    top = const + np.bincount(term_point, weights=np.maximum.reduceat(vals, first),
+                              minlength=len(points))
+    active = [int(i) for i in np.argsort(-top)[:LAZY_MEMORY_POINTS]]
+    while True:
+        sub = [points[i] for i in active]
+        remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
+        fixed, reason = _min_peak_choice(sub, ks, free.choice, backend, remaining)
+        choice = _greedy(free, fixed)
+        if reason:
+            logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
+            break
+        picked = np.zeros(int(np.sum(ks)))
+        picked[start + choice] = 1.0
+        usage = const + np.bincount(rows, weights=vals * picked[cols], minlength=len(points))
+        bound = float(usage[active].max())
+        usage[active] = -np.inf
+        over = np.flatnonzero(usage > bound * (1 + 1e-9))
+        if not over.size:
+            break
+        active.extend(int(i) for i in over[np.argsort(-usage[over])][:LAZY_BATCH])
     return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
+
+
+def _min_peak_choice(points, ks, choice, backend, time_limit_s) -> tuple[np.ndarray, str]:
+    """The min-max-bytes MIP over `points` (folded): the choice of their groups written into
+    a copy of `choice`, and why the solver stopped without one ("" when it did not)."""
+    groups = sorted({g for _, terms in points for g in terms})
+    scale = max([abs(c) + sum(float(b.max()) for b in t.values()) for c, t in points] + [1.0])
+    mip = Mip()
+    off = mip.add_groups(groups, {g: np.zeros(ks[g]) for g in groups})
+    m_col = mip.add_cols([1.0], integer=False, lower=-np.inf, upper=np.inf)
+    for const, terms in points:
+        row = mip.add_rows(1, -np.inf, -const / scale)
+        mip.add_entries(row, [m_col], -1.0)
+        mip.add_bytes(row, terms.items(), off, scale)
+    mip.freeze()
+    res = run_mip(mip, backend, time_limit_s)
+    if res.x is not None:
+        return round_solution(mip, res.x, choice), ""
+    choice = choice.copy()
+    for g in groups:
+        choice[g] = int(np.argmin(sum(t[g] for _, t in points if g in t)))
+    return choice, res.reason or "no solution"
 
 
 def brute_force(problem: IlpProblem) -> IlpSolution:

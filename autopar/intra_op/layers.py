@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import OpGraph
-from .ilp import IlpEdge, IlpProblem, MemoryPoint
+from .ilp import IlpEdge, IlpProblem, folded_point
 
 _NUMBERED = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z][A-Za-z0-9]*)_(\d+)(?![A-Za-z0-9_])")
 MIN_REPEATS = 4
@@ -117,7 +117,7 @@ def tied_problem(problem: IlpProblem, tying: Tying) -> IlpProblem:
         for g, b in p.terms:
             r = int(rep[g])
             terms[r] = terms[r] + b if r in terms else np.array(b, float)
-        points.append(MemoryPoint(terms=tuple(terms.items()), constant_bytes=p.constant_bytes))
+        points.append(folded_point(terms, p.constant_bytes))
     return IlpProblem(node_costs=tuple(costs), edges=tuple(IlpEdge(u=u, v=v, cost=m)
                                                             for (u, v), m in edges.items()),
                       memory_points=tuple(points), memory_budget_bytes=problem.memory_budget_bytes)

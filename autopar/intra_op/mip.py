@@ -70,9 +70,13 @@ class Mip:
         return off
 
     def add_bytes(self, row: int, terms, off: dict[int, int], scale: float) -> None:
-        for g, v in terms:
-            nz = np.flatnonzero(v)
-            self.add_entries(row, off[g] + nz, v[nz] / scale)
+        """Row `row` gets bytes[g][i] / scale on group g's column i (zeros left out)."""
+        if not terms:
+            return
+        cols = np.concatenate([off[g] + np.arange(len(v)) for g, v in terms])
+        vals = np.concatenate([v for _, v in terms])
+        nz = vals != 0
+        self._nz.append((np.full(int(nz.sum()), row), cols[nz], vals[nz] / scale))
 
     def freeze(self) -> Mip:
         self.cost, self.lower, self.upper, self.integer = map(np.concatenate, zip(*self._cols))

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cluster import LogicalMesh
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import OpGraph, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
-from .build import Fallback, build_ilp, deferred_nodes
+from .build import Built, Fallback, build_ilp, deferred_nodes
 from .constraints import method_input_options
-from .ilp import IlpSolution, SolveStatus, evaluate, solve_ilp
+from .ilp import IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp
 from .layers import find_family, group_keys, tie, tied_problem
 from .rules import RuleContext
 
@@ -99,44 +100,94 @@ def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple
                        message=sol.message), note
 
 
-def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
-                   output_targets: dict[int, int],
-                   input_paths: tuple[str, ...] | None = None,
-                   perturb: tuple[int, float] | None = None) -> ShardingAssignment:
-    """Solve the ILP. `input_paths` names the graph's inputs for `method.sharding_rules`
-    where the graph's own paths are not the user's (a pipeline stage's graph).
-    `perturb=(seed, fraction)` then replaces the choice of each ILP group, with probability
-    `fraction`, by one of its strategies drawn at random (a random feasible plan, to check
-    the cost model against; see `autopar.sample_plan`)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraOpProblem:
+    """A built intra-op ILP, solvable at any memory budget (`solve_built`) without rebuilding
+    its costs: the stage search asks one layer for its fastest plan and its memory-lean one."""
+    graph: OpGraph
+    mesh: LogicalMesh
+    method: ShardParallel
+    built: Built
+    output_targets: dict[int, int]
+    build_time_s: float
+
+    @property
+    def budget(self) -> float:
+        """The method's memory budget (the mesh's memory when it sets none)."""
+        return float(self.method.memory_budget_bytes or self.mesh.memory_bytes)
+
+
+def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
+                   output_targets: dict[int, int], input_paths: tuple[str, ...] | None = None,
+                   *, points_above: float | None = None) -> IntraOpProblem:
+    """Build the ILP (strategies, costs, memory points). Memory points are kept where the
+    live bytes could exceed `points_above` (default: the method's budget); pass 0 to solve it
+    later at budgets below that, or for its least memory (`least_memory`)."""
     mesh = cost.mesh
-    budget = method.memory_budget_bytes or mesh.memory_bytes
+    budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
-                      output_targets, float(budget))
-    build_s = time.perf_counter() - t0
-    sol, reuse = _solve(graph, built, method, float(budget))
+                      output_targets, budget if points_above is None else float(points_above))
+    built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)
+    return IntraOpProblem(graph=graph, mesh=mesh, method=method, built=built,
+                          output_targets=output_targets, build_time_s=time.perf_counter() - t0)
+
+
+def least_memory(p: IntraOpProblem) -> float:
+    """The least peak bytes per device any plan of the problem needs (a min-peak MIP; exact
+    where the problem was built with `points_above=0`)."""
+    return min_peak_memory(p.built.problem, backend=p.method.solver,
+                           time_limit_s=p.method.solver_time_limit_s)[0]
+
+
+def solve_built(p: IntraOpProblem, budget: float | None = None,
+                perturb: tuple[int, float] | None = None) -> ShardingAssignment:
+    """Solve a built ILP at `budget` bytes per device (default: the method's).
+
+    Raises:
+      InfeasiblePlanError: no sharding fits; it says what the least-memory plan needs.
+    """
+    graph, built, mesh = p.graph, p.built, p.mesh
+    budget = p.budget if budget is None else float(budget)
+    if budget != built.problem.memory_budget_bytes:
+        built = dataclasses.replace(built, problem=dataclasses.replace(
+            built.problem, memory_budget_bytes=budget))
+    sol, reuse = _solve(graph, built, p.method, budget)
     if sol.status == SolveStatus.INFEASIBLE:
         specs = [built.tensor_specs[t][sol.choice[g]] for t, g in enumerate(built.tensor_group)]
         needed = peak_memory(graph, specs, mesh.shape)
         raise InfeasiblePlanError(
-            f"memory: no sharding of this step fits {budget:,} bytes per device on mesh "
+            f"memory: no sharding of this step fits {budget:,.0f} bytes per device on mesh "
             f"{mesh.shape}; the plan with the least memory needs {needed:,.0f} bytes per "
             f"device. Fix: raise memory_budget_bytes, use more devices, a smaller batch, or "
             f"a sharded method (Zero3Parallel).", needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
     if perturb is not None:
-        sol = _perturbed(graph, built, sol, mesh.shape, float(budget), *perturb)
+        sol = _perturbed(graph, built, sol, mesh.shape, budget, *perturb)
     stats = IlpStats(
         num_groups=len(built.group_size), num_edges=len(built.edges),
         num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,
-        num_constraints=sol.num_constraints, build_time_s=build_s,
+        num_constraints=sol.num_constraints, build_time_s=p.build_time_s,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
         objective_s=float(evaluate(built.problem, sol.choice)), layer_reuse=reuse)
-    return assignment_of(graph, built, sol.choice, mesh, output_targets, stats)
+    return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats)
+
+
+def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
+                   output_targets: dict[int, int],
+                   input_paths: tuple[str, ...] | None = None,
+                   perturb: tuple[int, float] | None = None) -> ShardingAssignment:
+    """Build and solve the ILP. `input_paths` names the graph's inputs for
+    `method.sharding_rules` where the graph's own paths are not the user's (a pipeline stage's
+    graph). `perturb=(seed, fraction)` then replaces the choice of each ILP group, with
+    probability `fraction`, by one of its strategies drawn at random (a random feasible plan,
+    to check the cost model against; see `autopar.sample_plan`)."""
+    return solve_built(build_intra_op(graph, cost, method, output_targets, input_paths),
+                       perturb=perturb)
 
 
 def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: float, seed: int,
