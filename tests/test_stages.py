@@ -287,9 +287,9 @@ class _Rigged:
         self.calls.append(("least", id(self)))
         return self.least
 
-    def solve(self, budget=None):
-        self.calls.append(("solve", budget))
-        return self.rig(self.real.solve(None), tuple(self.shape), budget)
+    def solve(self, budget=None, **held):
+        self.calls.append(("fitting", held["in_flight"]) if held else ("solve", budget))
+        return self.rig(self.real.solve(None), tuple(self.shape), budget, **held)
 
 
 def _rig_stage_problems(monkeypatch, rig, least=1000.0):
@@ -307,7 +307,7 @@ def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, m
     every (submesh, view) pair is its own option of the DP."""
     import dataclasses
 
-    def rig(sol, shape, budget):
+    def rig(sol, shape, budget, **held):
         fast = shape == (1, 2)          # fast and far too big; (2, 1) slow and small
         return dataclasses.replace(sol, latency_s=1.0 if fast else 2.0,
                                    peak_memory_bytes=1e12 if fast else 1e3,
@@ -322,27 +322,44 @@ def test_auto_stages_offer_every_logical_view_to_the_dp(loss, bounds, cluster, m
 
 def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster, monkeypatch):
     """When no stage assignment of the layers' fastest plans fits, the DP is offered each
-    layer's memory-lean plan (the fastest within 5% of its least memory), and the chosen
-    stage is solved whole for its own memory-lean plan. Each built problem's least memory is
-    computed once."""
+    layer's memory-lean plan (the fastest within 5% of its least memory); the chosen stage is
+    then solved whole for the fastest plan that fits with its optimizer state and in-flight
+    activations (`fitting`), and the error says so when none does. Each built problem's least
+    memory is computed once."""
     import dataclasses
 
-    def rig(sol, shape, budget):
-        lean = budget is not None
-        return dataclasses.replace(sol, latency_s=2.0 if lean else 1.0,
-                                   peak_memory_bytes=1e3 if lean else 1e12,
-                                   activation_bytes=0.0, param_bytes=10.0 if lean else 1e12)
-    calls = _rig_stage_problems(monkeypatch, rig)
+    def rigged(fitting_fits):
+        def rig(sol, shape, budget, **held):
+            if held and not fitting_fits:
+                raise autopar.InfeasiblePlanError("none fits", needed_bytes=2 * 10**6,
+                                                  budget_bytes=10**6)
+            if budget is None and not held:                # fastest: never fits
+                return dataclasses.replace(sol, latency_s=1.0, peak_memory_bytes=1e12,
+                                           activation_bytes=0.0, param_bytes=1e12)
+            return dataclasses.replace(sol, latency_s=1.5 if held else 2.0,
+                                       peak_memory_bytes=1e3, activation_bytes=0.0,
+                                       param_bytes=10.0)
+        return rig
+
+    calls = _rig_stage_problems(monkeypatch, rigged(True))
     res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
         autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
         memory_budget_bytes=10**6))
     (st,) = res.stages
-    assert st.solution.latency_s == 2.0                      # the lean plan
+    assert st.solution.latency_s == 1.5                      # the whole stage, fitting
     budgets = [b for kind, b in calls if kind == "solve"]
-    assert None in budgets and 1050 in [int(b) for b in budgets if b]
-    assert int(budgets[-1]) == 1050                          # the whole span, lean
+    assert None in budgets and 1050 in [int(b) for b in budgets if b]   # lean layer options
+    assert ("fitting", 1) in calls                           # one stage: 1 in flight
     leasts = [problem for kind, problem in calls if kind == "least"]
-    assert leasts and len(leasts) == len(set(leasts))       # once per built problem
+    assert leasts and len(leasts) == len(set(leasts))        # once per built problem
+    assert st.peak_bytes <= 10**6
+
+    _rig_stage_problems(monkeypatch, rigged(False))
+    with pytest.raises(autopar.InfeasiblePlanError, match="microbatch.*in flight") as e:
+        choose_stages(loss, bounds, cluster, DEVICES[:2], method(
+            autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
+            memory_budget_bytes=10**6))
+    assert e.value.needed_bytes == 2 * 10**6
 
 
 def test_lean_fallback_skips_solves_it_does_not_need(loss, bounds, cluster, monkeypatch):
@@ -351,7 +368,7 @@ def test_lean_fallback_skips_solves_it_does_not_need(loss, bounds, cluster, monk
     its own lean plan (no second solve)."""
     import dataclasses
 
-    def rig(sol, shape, budget):
+    def rig(sol, shape, budget, **held):
         return dataclasses.replace(sol, peak_memory_bytes=1e3, activation_bytes=0.0,
                                    param_bytes=1e12)      # static bytes never fit
     calls = _rig_stage_problems(monkeypatch, rig, least=2e6)
@@ -368,3 +385,29 @@ def test_lean_fallback_skips_solves_it_does_not_need(loss, bounds, cluster, monk
             memory_budget_bytes=10**6))
     assert any(kind == "least" for kind, _ in calls)
     assert all(b is None for kind, b in calls if kind == "solve")   # fast plan was lean
+
+
+def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
+    """StageProblem.solve(opt_ratio=, in_flight=) gives the fastest plan whose pipeline peak
+    (the stage DP's formula: one microbatch's peak, a gradient accumulator, the parameters'
+    optimizer state, and the activations of the other microbatches in flight) fits."""
+    from autopar.inter_op.stage_solve import stage_problem
+    from autopar.inter_op.stages import _static_bytes
+    sl = slice_range(loss, bounds[0], bounds[4], 0)
+    prob = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
+        num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
+        autopar.AutoStageOption()), points_above=0.0)
+    q, opt = 3, 2.0
+
+    def dp(s):
+        return _static_bytes(s, opt) + q * s.activation_bytes
+    fast, lean = prob.solve(), prob.solve(prob.least_bytes())
+    assert dp(lean) < dp(fast)
+    budget = (dp(fast) + dp(lean)) / 2
+    fit = prob.solve(budget, opt_ratio=opt, in_flight=q)
+    assert dp(fit) <= budget * (1 + 1e-9)
+    tol = 1e-9 * lean.latency_s
+    assert fast.latency_s - tol <= fit.latency_s <= lean.latency_s + tol
+    assert prob.solve(budget).latency_s <= fit.latency_s + tol     # the ILP peak alone: looser
+    with pytest.raises(autopar.InfeasiblePlanError):
+        prob.solve(1.0, opt_ratio=opt, in_flight=q)

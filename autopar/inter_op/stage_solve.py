@@ -188,14 +188,25 @@ class StageProblem:
         """The least peak bytes per device of any plan of the stage (one microbatch)."""
         return least_memory(self.ilp)
 
-    def solve(self, budget: float | None = None) -> StageSolution:
-        """The fastest plan whose peak fits `budget` (default: the method's budget).
+    def solve(self, budget: float | None = None, *, in_flight: int | None = None,
+              opt_ratio: float = 0.0) -> StageSolution:
+        """The fastest plan whose peak fits `budget` (default: the method's budget). With
+        `in_flight`, the peak is the pipeline's as the stage DP counts it: one microbatch's
+        peak, plus a gradient accumulator and `opt_ratio` bytes of optimizer state per
+        parameter byte, plus the activations of `in_flight - 1` more microbatches.
 
         Raises:
           InfeasiblePlanError: the stage cannot fit the budget on this logical mesh.
         """
-        return _stage_solution(self.graph, self.slice, self.logical, solve_built(self.ilp,
-                                                                                  budget))
+        held = {}
+        if in_flight is not None:
+            graph, n_params = self.graph, len(self.slice.param_inputs)
+            held = {t: 1.0 + opt_ratio for t in graph.inputs[:n_params]}
+            for t in split_train_graph(graph, self.slice).residuals:
+                if graph.tensors[t].kind == TensorKind.INTERMEDIATE:
+                    held[t] = held.get(t, 0.0) + in_flight - 1
+        return _stage_solution(self.graph, self.slice, self.logical,
+                               solve_built(self.ilp, budget, held=held))
 
 
 def stage_problem(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,

@@ -74,6 +74,7 @@ class _Solver:
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = 0
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
+        self.opt_ratio = _opt_ratio(loss.step)
 
     def graph(self, sl: StageSlice) -> tuple[OpGraph, str]:
         key = (sl.start, sl.stop)
@@ -97,33 +98,65 @@ class _Solver:
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
               budget: float | None = None) -> StageSolution | None:
         """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
+        if self.floor(sl, submesh) > self.budget:
+            self._need(sl, self.floor(sl, submesh))
+            return None
         prob, key = self.problem(sl, submesh, shape)
-        key = (key, budget)
+        return self._cached(sl, (key, budget), lambda: prob.solve(budget))
+
+    def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+                in_flight: int) -> StageSolution | None:
+        """The fastest plan whose pipeline peak (one microbatch's peak, the optimizer state of
+        its parameters, and `in_flight - 1` more microbatches' activations) fits the budget:
+        the DP's memory formula, as an ILP constraint."""
+        if self.floor(sl, submesh) > self.budget:
+            return self.solve(sl, submesh, shape)     # None, and the need recorded
+        prob, key = self.problem(sl, submesh, shape)
+        return self._cached(sl, (key, "fitting", in_flight), lambda: prob.solve(
+            self.budget, opt_ratio=self.opt_ratio, in_flight=in_flight))
+
+    def _cached(self, sl: StageSlice, key, solve) -> StageSolution | None:
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
         self.num_ilps += 1
         try:
-            sol = prob.solve(budget)
+            sol = solve()
         except InfeasiblePlanError as e:
             sol = None
-            span = (sl.start, sl.stop)
-            self.needed[span] = min(self.needed.get(span, float("inf")), e.needed_bytes)
+            self._need(sl, e.needed_bytes)
         self.cache[key] = sol
         return sol
+
+    @property
+    def budget(self) -> float:
+        return float(self.method.memory_budget_bytes or self.cluster.memory_bytes)
+
+    def _need(self, sl: StageSlice, needed: float) -> None:
+        span = (sl.start, sl.stop)
+        self.needed[span] = min(self.needed.get(span, float("inf")), needed)
+
+    def floor(self, sl: StageSlice, submesh: tuple[int, int]) -> float:
+        """A lower bound of the stage's memory per device on `submesh`: its parameters and
+        their optimizer state, split over every device. Above the budget, no plan of it on
+        that submesh can be part of a pipeline that fits, so none is built."""
+        graph = self.graph(sl)[0]
+        params = sum(graph.tensors[t].nbytes for t in graph.inputs[:len(sl.param_inputs)])
+        return params * (1 + self.opt_ratio) / (submesh[0] * submesh[1])
 
     def lean(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
              ) -> StageSolution | None:
         """The fastest plan within 5% of the least memory the stage can take: the
         memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
         layer alone may not take."""
+        if self.floor(sl, submesh) > self.budget:
+            return self.solve(sl, submesh, shape)     # None, and the need recorded
         prob, key = self.problem(sl, submesh, shape)
         if (key, "least") not in self.cache:
             self.cache[(key, "least")] = prob.least_bytes()
         least, budget = self.cache[(key, "least")], prob.ilp.budget
         if least > budget:                        # no plan of it fits the device
-            span = (sl.start, sl.stop)
-            self.needed[span] = min(self.needed.get(span, float("inf")), least)
+            self._need(sl, least)
             return None
         fast = self.solve(sl, submesh, shape)
         if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
@@ -173,19 +206,28 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
     return out
 
 
-def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, budget,
-                     lean=None):
+def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, method,
+                     budget, lean=None):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try
-    (the fastest wins); `lean[p]` asks for stage p's memory-lean plan (`_Solver.lean`)."""
+    (the fastest wins). A stage whose fastest plan does not fit with its optimizer state and
+    the activations its schedule keeps in flight, or that the DP chose from memory-lean layer
+    plans (`lean[p]`), is solved for the fastest plan that does fit (`_Solver.fitting`)."""
     stages = []
     lean = lean or [False] * len(spans)
+    in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).in_flight()
     for p, ((i, j), sub, shape, devs) in enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
-        sol = solver.lean(sl, sub, shape[0]) if lean[p] else solver.best(sl, sub, shape)
+        q = in_flight[p]
+        sol = None if lean[p] else solver.best(sl, sub, shape)
+        if sol is None or _static_bytes(sol, solver.opt_ratio) + q * sol.activation_bytes \
+                > budget * (1 + 1e-9):
+            fits = [f for f in (solver.fitting(sl, sub, v, q) for v in shape) if f is not None]
+            sol = min(fits, key=lambda f: f.latency_s) if fits else sol
         if sol is None:
-            raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub}", budget,
-                              solver.needed[(sl.start, sl.stop)])
+            raise _infeasible(f"stage {p} (layers {i}..{j}) on submesh {sub} with its "
+                              f"optimizer state and {q} microbatch(es) of activations in "
+                              "flight", budget, solver.needed[(sl.start, sl.stop)])
         stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub), device_ids=devs,
                                   solution=sol, graph=solver.graph(sl)[0]))
     return stages
@@ -217,7 +259,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                 f"{num_layers - 1}). Fix: cover every layer, or change the layer option.")
         stages = _spans_to_stages(loss, boundaries, option.layer_spans, option.submesh_shapes,
                                   [[tuple(v)] for v in option.logical_shapes], device_ids,
-                                  solver, budget)
+                                  solver, method, budget)
     elif isinstance(option, UniformStageOption):
         s = option.num_stages
         if s > num_layers or n % s:
@@ -230,7 +272,8 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         cuts = np.array_split(np.arange(num_layers), s)
         spans = [(int(c[0]), int(c[-1])) for c in cuts]
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
-                                  [logical_shapes(per)] * s, device_ids, solver, budget)
+                                  [logical_shapes(per)] * s, device_ids, solver, method,
+                                  budget)
     else:
         stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
     stages = _with_peaks(stages, loss, method, budget)
@@ -302,7 +345,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
             for p in choice.submeshes]
     shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
     stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
-                              solver, budget, [p >= n for p in choice.submeshes])
+                              solver, method, budget, [p >= n for p in choice.submeshes])
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
 
 

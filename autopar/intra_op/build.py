@@ -169,7 +169,7 @@ class _Builder:
         self._add_leader(node, strategies)
 
     def _objective(self, node, s: Strategy) -> float:
-        return (s.compute_s if node.primitive in MATMUL_LIKE else 0.0) + s.comm_s
+        return s.compute_s + s.comm_s
 
     def _add_leader(self, node, strategies: list[Strategy]) -> None:
         g = self.new_group(len(strategies), ("node", node.id))

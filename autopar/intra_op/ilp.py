@@ -57,6 +57,19 @@ def folded_point(terms: dict[int, np.ndarray], constant_bytes: float) -> MemoryP
                        max_bytes=const + top)
 
 
+def with_extra_bytes(problem: IlpProblem, extra: dict[int, np.ndarray]) -> IlpProblem:
+    """The problem with `extra[g][i]` bytes added to every memory point when group g picks
+    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere)."""
+    ks = problem.num_strategies
+    points = []
+    for p in problem.memory_points:
+        const, terms = _fold_point(p, ks)
+        for g, b in extra.items():
+            terms[g] = terms[g] + b if g in terms else np.asarray(b, float)
+        points.append(folded_point(terms, const))
+    return replace(problem, memory_points=tuple(points))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IlpProblem:
     """Node costs per group, edge cost matrices, and optional memory points with a budget.

@@ -16,7 +16,8 @@ from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
 from .build import Built, Fallback, build_ilp, deferred_nodes
 from .constraints import method_input_options
-from .ilp import IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp
+from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
+                  with_extra_bytes)
 from .layers import find_family, group_keys, tie, tied_problem
 from .rules import RuleContext
 
@@ -143,17 +144,24 @@ def least_memory(p: IntraOpProblem) -> float:
 
 
 def solve_built(p: IntraOpProblem, budget: float | None = None,
-                perturb: tuple[int, float] | None = None) -> ShardingAssignment:
-    """Solve a built ILP at `budget` bytes per device (default: the method's).
+                perturb: tuple[int, float] | None = None,
+                held: dict[int, float] | None = None) -> ShardingAssignment:
+    """Solve a built ILP at `budget` bytes per device (default: the method's). `held` maps
+    tensor ids to a factor: that many more copies of the tensor (as sharded) count at every
+    memory point, e.g. a parameter's optimizer state, or the activations of microbatches a
+    pipeline keeps in flight.
 
     Raises:
       InfeasiblePlanError: no sharding fits; it says what the least-memory plan needs.
     """
     graph, built, mesh = p.graph, p.built, p.mesh
     budget = p.budget if budget is None else float(budget)
-    if budget != built.problem.memory_budget_bytes:
+    problem = built.problem
+    if held:
+        problem = with_extra_bytes(problem, _held_bytes(graph, built, mesh.shape, held))
+    if budget != problem.memory_budget_bytes or problem is not built.problem:
         built = dataclasses.replace(built, problem=dataclasses.replace(
-            built.problem, memory_budget_bytes=budget))
+            problem, memory_budget_bytes=budget))
     sol, reuse = _solve(graph, built, p.method, budget)
     if sol.status == SolveStatus.INFEASIBLE:
         specs = [built.tensor_specs[t][sol.choice[g]] for t, g in enumerate(built.tensor_group)]
@@ -175,6 +183,20 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
         objective_s=float(evaluate(built.problem, sol.choice)), layer_reuse=reuse)
     return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats)
+
+
+def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],
+                ) -> dict[int, np.ndarray]:
+    """Per ILP group, the bytes per device of `held`'s extra copies under each strategy."""
+    out: dict[int, np.ndarray] = {}
+    for t, factor in held.items():
+        if factor == 0 or graph.tensors[t].kind == TensorKind.CONST:
+            continue
+        g = built.tensor_group[t]
+        vec = factor * np.array([graph.tensors[t].nbytes / num_shards(s, mesh_shape)
+                                 for s in built.tensor_specs[t]])
+        out[g] = out[g] + vec if g in out else vec
+    return out
 
 
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
