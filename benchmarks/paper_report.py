@@ -311,14 +311,14 @@ def observations(res) -> list[str]:
                      "the DP's least")
         out.append(f"- {what}.")
     if out:
-        out += ["", "A likely cause, from reading `autopar/inter_op/stages.py` (not measured "
-                "here): each (layer, submesh, logical view) ILP minimizes time under the whole "
-                "16 GB for one microbatch, without the optimizer state and the activations "
-                "that 1F1B keeps in flight, so the memory-lean shardings a manual plan pins "
-                "(Megatron's, every weight split) are never offered to the DP, which chooses "
-                "among the logical views of each span but not among leaner shardings of one "
-                "view; and a stage the DP accepted from summed per-layer costs can still fail "
-                "when solved whole, which ends the search."]
+        out += ["", "How the search decides this (from `autopar/inter_op/stages.py`): the "
+                "DP is offered each layer's fastest plan and its memory-lean plan on every "
+                "(submesh, logical view), and a chosen stage is solved for the fastest plan "
+                "whose parameters, gradient accumulator, optimizer state and in-flight "
+                "activations fit; autopar does not rematerialize activations (Alpa's and "
+                "Megatron-LM's published runs do), so a model whose least-memory pipeline "
+                "exceeds the device memory by the activations 1F1B keeps in flight has no "
+                "plan here."]
     return out
 
 
