@@ -281,7 +281,6 @@ class _Rigged:
 
     def __init__(self, real, shape, rig, least, calls):
         self.real, self.shape, self.rig, self.least, self.calls = real, shape, rig, least, calls
-        self.ilp = real.ilp
 
     def least_bytes(self):
         self.calls.append(("least", id(self)))

@@ -154,14 +154,14 @@ class _Solver:
         prob, key = self.problem(sl, submesh, shape)
         if (key, "least") not in self.cache:
             self.cache[(key, "least")] = prob.least_bytes()
-        least, budget = self.cache[(key, "least")], prob.ilp.budget
-        if least > budget:                        # no plan of it fits the device
+        least = self.cache[(key, "least")]
+        if least > self.budget:                        # no plan of it fits the device
             self._need(sl, least)
             return None
         fast = self.solve(sl, submesh, shape)
         if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
             return fast                           # the fastest plan is lean already
-        return self.solve(sl, submesh, shape, min(1.05 * least, budget))
+        return self.solve(sl, submesh, shape, min(1.05 * least, self.budget))
 
     def best(self, sl: StageSlice, submesh: tuple[int, int], shapes) -> StageSolution | None:
         sols = [s for s in (self.solve(sl, submesh, v) for v in shapes) if s is not None]
