@@ -98,8 +98,9 @@ class _Solver:
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
               budget: float | None = None) -> StageSolution | None:
         """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
-        if self.floor(sl, submesh) > self.budget:
-            self._need(sl, self.floor(sl, submesh))
+        floor = self.floor(sl, submesh)
+        if floor > self.budget:
+            self._need(sl, floor)
             return None
         prob, key = self.problem(sl, submesh, shape)
         return self._cached(sl, (key, budget), lambda: prob.solve(budget))
@@ -304,41 +305,29 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
 
 def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption, solver,
           budget):
-    num_layers = len(boundaries) - 1
     hosts = max(1, len(device_ids) // cluster.devices_per_host)
     dph = min(cluster.devices_per_host, len(device_ids))
     submeshes = candidate_submeshes(hosts, dph)
     shapes_per_k = [logical_shapes(s.num_devices, option.logical_shapes) for s in submeshes]
-    opt_ratio = _opt_ratio(loss.step)
-    lat = np.full((num_layers, len(submeshes), max(map(len, shapes_per_k))), np.inf)
-    static = np.zeros_like(lat)
-    act = np.zeros_like(lat)
-    for l in range(num_layers):
-        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
-        for k, sub in enumerate(submeshes):
-            for v, shape in enumerate(shapes_per_k[k]):
-                sol = solver.solve(sl, (sub.num_hosts, sub.devices_per_host), shape)
-                if sol is not None:
-                    lat[l, k, v] = sol.latency_s
-                    static[l, k, v] = _static_bytes(sol, opt_ratio)
-                    act[l, k, v] = sol.activation_bytes
-    if not np.isfinite(lat).any(axis=(1, 2)).all():
-        layer = int(np.argmin(np.isfinite(lat).any(axis=(1, 2))))
-        raise _infeasible(f"layer {layer}, even alone on all {len(device_ids)} devices,", budget,
-                          solver.needed[(boundaries[layer], boundaries[layer + 1])])
     # Span (i..j) on (submesh k, logical view v): the summed layer costs. Every (k, v) pair is
     # its own option of the DP, so a leaner view that fits memory competes with a faster one
     # that does not (the DP weighs each with its in-flight activations).
     pairs = [(k, v) for k in range(len(submeshes)) for v in range(len(shapes_per_k[k]))]
     ks, vs = np.array([k for k, _ in pairs]), np.array([v for _, v in pairs])
-    options = [(lat[:, ks, vs], static[:, ks, vs], act[:, ks, vs], None)]
+    fast = _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solver.solve,
+                          solver.opt_ratio)
+    if not np.isfinite(fast[0]).any(axis=1).all():
+        layer = int(np.argmin(np.isfinite(fast[0]).any(axis=1)))
+        raise _infeasible(f"layer {layer}, even alone on all {len(device_ids)} devices,", budget,
+                          solver.needed[(boundaries[layer], boundaries[layer + 1])])
+    options = [fast]
     try:
         choice = _run_dp(options, submeshes, ks, device_ids, method, option, budget)
     except InfeasiblePlanError:
         # Each layer's fastest plan ignores the optimizer state and the activations a
         # pipeline keeps in flight; offer the memory-lean plan of every layer as well.
-        options.append(_lean_options(loss, boundaries, submeshes, shapes_per_k, pairs, solver,
-                                     opt_ratio))
+        options.append(_layer_options(loss, boundaries, submeshes, shapes_per_k, pairs,
+                                      solver.lean, solver.opt_ratio))
         choice = _run_dp(options, submeshes, ks, device_ids, method, option, budget)
     n = len(pairs)
     subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
@@ -349,16 +338,17 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
 
 
-def _lean_options(loss, boundaries, submeshes, shapes_per_k, pairs, solver, opt_ratio):
-    """Per layer and (submesh, view) pair: the memory-lean plan's latency, static and
-    activation bytes."""
+def _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio):
+    """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
+    plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean);
+    inf latency where it gives none."""
     shape = (len(boundaries) - 1, len(pairs))
     lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
     for l in range(shape[0]):
         sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
         for p, (k, v) in enumerate(pairs):
             sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            sol = solver.lean(sl, sub, shapes_per_k[k][v])
+            sol = solve(sl, sub, shapes_per_k[k][v])
             if sol is not None:
                 lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
                 act[l, p] = sol.activation_bytes

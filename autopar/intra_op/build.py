@@ -55,6 +55,12 @@ class Built:
         return out
 
 
+def option_bytes(graph: OpGraph, tensor_specs, tid: int, mesh_shape) -> np.ndarray:
+    """Tensor `tid`'s bytes per device under each option of its group (`tensor_specs[tid]`)."""
+    t = graph.tensors[tid]
+    return np.array([t.nbytes / num_shards(s, mesh_shape) for s in tensor_specs[tid]])
+
+
 def deferred_nodes(graph: OpGraph) -> frozenset[int]:
     """Nodes from which no heavy operator is reachable (e.g. gradient reductions feeding only
     the optimizer): XLA combines their independent collectives, so the ILP charges only the
@@ -253,8 +259,7 @@ class _LiveBytes:
         self.folded[grp] = (vec - lo, lo, float(vec.max()) - lo)
 
     def _bytes(self, tid: int) -> np.ndarray:
-        t = self.b.g.tensors[tid]
-        return np.array([t.nbytes / num_shards(s, self.mesh) for s in self.b.tensor_specs[tid]])
+        return option_bytes(self.b.g, self.b.tensor_specs, tid, self.mesh)
 
     def add(self, tid: int) -> None:
         if tid in self.live:
@@ -329,5 +334,5 @@ def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Sp
     return options
 
 
-__all__ = ["Built", "Fallback", "build_ilp", "deferred_nodes", "cheap_source_tensors",
+__all__ = ["Built", "Fallback", "build_ilp", "option_bytes", "deferred_nodes", "cheap_source_tensors",
            "default_input_options", "InputRole"]

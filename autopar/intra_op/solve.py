@@ -14,7 +14,7 @@ from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import OpGraph, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
-from .build import Built, Fallback, build_ilp, deferred_nodes
+from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
 from .constraints import method_input_options
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
                   with_extra_bytes)
@@ -193,8 +193,7 @@ def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float]
         if factor == 0 or graph.tensors[t].kind == TensorKind.CONST:
             continue
         g = built.tensor_group[t]
-        vec = factor * np.array([graph.tensors[t].nbytes / num_shards(s, mesh_shape)
-                                 for s in built.tensor_specs[t]])
+        vec = factor * option_bytes(graph, built.tensor_specs, t, mesh_shape)
         out[g] = out[g] + vec if g in out else vec
     return out
 
