@@ -243,6 +243,27 @@ class ParallelizedFunction:
         out = entry.executor.run(flat) if pipeline else self._compiled(args, entry)(*flat)
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 
+    def input_shardings(self, *args) -> tuple:
+        """Where the plan for these arguments places each positional argument: one pytree of
+        `NamedSharding`s per argument (None for a static one), e.g. to restore a checkpoint
+        straight onto the plan's layout.
+
+        Example:
+            >>> state_shardings = step.input_shardings(state, batch)[0]
+            >>> state = autopar.restore_checkpoint(path, state_shardings)
+        """
+        entry = self._entry(args)
+        flat = iter(entry.executor.p.in_shardings if entry.executor is not None
+                    else entry.lowered.in_shardings)
+        out = []
+        for i, a in enumerate(args):
+            if i in self._static:
+                out.append(None)
+                continue
+            leaves, treedef = jax.tree_util.tree_flatten(a)
+            out.append(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves]))
+        return tuple(out)
+
     def get_plan(self, *args) -> ParallelPlan:
         """The plan used for these arguments (planned now if not yet)."""
         return self._entry(args).plan

@@ -69,6 +69,33 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
     return [env[t] for t in graph.outputs]
 
 
+def plan_input_shardings(plan: ParallelPlan, devices=None) -> tuple[NamedSharding, ...]:
+    """The sharding of every flat (non-static) argument leaf, as the plan places it: on the
+    plan's mesh, or for a pipeline on the submesh of the stage holding the leaf. `devices`
+    (default `jax.devices()`) must contain every device id the plan names.
+
+    Example:
+        >>> shardings = plan_input_shardings(plan)   # e.g. to restore a checkpoint onto
+    """
+    by_id = {int(d.id): d for d in (jax.devices() if devices is None else devices)}
+    missing = sorted(set(plan.device_ids) - set(by_id))
+    if missing:
+        raise PlanMismatchError(
+            f"the plan names devices {missing[:8]} that are not among this runtime's devices "
+            f"{sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}. Fix: re-plan for this "
+            "mesh (a plan is tied to the devices it was made for).")
+
+    def mesh_of(ids, shape, names):
+        devs = np.array([by_id[i] for i in ids], dtype=object).reshape(shape)
+        return jax.sharding.Mesh(devs, tuple(names))
+
+    if plan.pipeline:
+        meshes = [mesh_of(s.device_ids, s.logical_mesh_shape, s.axis_names) for s in plan.stages]
+        return tuple(named(meshes[t.stage], t.spec) for t in plan.inputs)
+    mesh = mesh_of(plan.device_ids, plan.mesh_shape, plan.axis_names)
+    return tuple(named(mesh, t.spec) for t in plan.inputs)
+
+
 def lower(graph: OpGraph, plan: ParallelPlan, mesh: jax.sharding.Mesh) -> Lowered:
     if tuple(mesh.devices.shape) != tuple(plan.mesh_shape):
         raise PlanMismatchError(
