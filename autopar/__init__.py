@@ -7,8 +7,10 @@
 """
 from .api import ParallelizedFunction, parallelize, plan
 from .calibrate import Calibration, calibrate
+from .checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from .cluster import ClusterSpec, LogicalMesh
 from .cost import CostModel
+from .distributed import DistributedInfo, init_distributed, to_host
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
                      ProfileError, UnsupportedError)
 from .inspect import dump
@@ -28,7 +30,8 @@ __all__ = [
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
     "ClusterSpec", "LogicalMesh", "CostModel", "profile", "DeviceProfile", "ProfileError",
-    "calibrate", "Calibration",
+    "calibrate", "Calibration", "init_distributed", "DistributedInfo", "to_host",
+    "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",
 ]
