@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -23,6 +25,7 @@ import numpy as np
 
 from .cluster import ClusterSpec
 from .cost import CostModel
+from .distributed import check_agreement
 from .errors import InvalidArgumentError, PlanMismatchError
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
@@ -32,6 +35,7 @@ from .options import PipeshardParallel, ShardParallel
 from .pipeshard import accumulation_method, plan_pipeline
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
+from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
 from .trace import abstract_signature, check_argnums, trace
 
@@ -124,6 +128,32 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
                        tuple(range(cluster.num_devices)))
 
 
+def _plan_cache(option) -> PlanCache | None:
+    """`parallelize(plan_cache=...)`: True = the default directory (`AUTOPAR_PLAN_CACHE=off`
+    turns it off, a path there moves it), a path = that directory, False / None = off."""
+    if option is True:
+        env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
+        if env.lower() in ("0", "off", "false", "no"):
+            return None
+        return PlanCache(env or None)
+    if option is False or option is None:
+        return None
+    if isinstance(option, (str, os.PathLike)):
+        return PlanCache(option)
+    raise InvalidArgumentError(
+        f"plan_cache={option!r} must be True (the default cache directory), a directory path, "
+        "or False (no plan cache).")
+
+
+def _layout_text(program) -> str:
+    """Every sharding a pipeline program places values on, as text (to compare processes)."""
+    parts = [repr(s) for s in program.in_shardings]
+    for st in program.stages:
+        parts += [repr(s) for s in (*st.param_shardings, *st.data_shardings,
+                                    *st.act_shardings.values(), *st.out_shardings.values())]
+    return "\n".join(parts)
+
+
 @dataclass(slots=True, eq=False)
 class _Entry:
     graph: OpGraph
@@ -137,7 +167,7 @@ class ParallelizedFunction:
     """What `parallelize` returns: call it like the original function."""
 
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
-                 plan, cluster):
+                 plan, cluster, plan_cache=True):
         functools.update_wrapper(self, fun)
         self._fun = fun
         self._mesh = mesh
@@ -147,13 +177,16 @@ class ParallelizedFunction:
         self._batch = tuple(batch_argnums)
         self._saved_plan = plan
         self._cluster = cluster
+        self._plan_cache = plan_cache
+        self._plans = _plan_cache(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        if self._mesh is None:
+        if self._mesh is None:      # hosts x devices per host: the host axis is the slow one
             devices = np.array(jax.devices())
-            self._mesh = jax.sharding.Mesh(devices.reshape(1, -1), ("data", "model"))
+            self._mesh = jax.sharding.Mesh(devices.reshape(jax.process_count(), -1),
+                                           ("data", "model"))
         return self._mesh
 
     def _key(self, args) -> Any:
@@ -166,6 +199,29 @@ class ParallelizedFunction:
                 leaves, treedef = jax.tree_util.tree_flatten(a)
                 parts.append((treedef, tuple(abstract_signature(x) for x in leaves)))
         return tuple(parts)
+
+    def _signature(self, args) -> str:
+        """The abstract arguments as text that is the same in every process and run: leaf
+        paths, shapes, dtypes and static values (object addresses removed)."""
+        parts = []
+        for i, a in enumerate(args):
+            if i in self._static:
+                parts.append(f"{i}:static={re.sub(r' at 0x[0-9a-f]+', '', repr(a))}")
+                continue
+            for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+                parts.append(f"{i}{jax.tree_util.keystr(path)}:{abstract_signature(leaf)}")
+        return ";".join(parts)
+
+    def _find(self, args, fingerprint: str, mesh, search) -> tuple[ParallelPlan, bool]:
+        """(plan, whether this process searched): from the plan cache, from process 0 in a
+        multi-process job, else `search()`."""
+        key = cache_key(graph_fingerprint=fingerprint, args_signature=self._signature(args),
+                        cluster=self.cluster, method=self._method,
+                        mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
+                        device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+                        extra=f"batch={self._batch};static={self._static};"
+                              f"donate={self._donate}")
+        return find_plan(key, search, self._plans)
 
     def _entry(self, args) -> _Entry:
         key = self._key(args)
@@ -189,9 +245,9 @@ class ParallelizedFunction:
                     f"{graph_fingerprint(graph)}). Fix: re-plan, or call with the shapes the "
                     "plan was made for.")
         else:
-            cluster = self.cluster
-            plan_ = _plan_graph(graph, cluster, mesh.devices.shape, mesh.axis_names,
-                                self._method, tuple(int(d.id) for d in mesh.devices.flat))
+            plan_, _ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
+                graph, self.cluster, mesh.devices.shape, mesh.axis_names, self._method,
+                tuple(int(d.id) for d in mesh.devices.flat)))
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
@@ -201,20 +257,39 @@ class ParallelizedFunction:
     def _pipeline_entry(self, args, mesh) -> _Entry:
         cluster = self.cluster
         method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
-        if self._saved_plan is not None:
-            method = dataclasses.replace(method, stage_option=self._saved_plan.stage_option())
-        plan_, parts, graph = plan_pipeline(
-            self._fun, args, cluster=cluster, device_ids=tuple(int(d.id) for d in
-                                                                mesh.devices.flat),
-            mesh_shape=tuple(mesh.devices.shape), method=method, static_argnums=self._static,
-            batch_argnums=self._batch, donate_argnums=self._donate, stage_method=stage_method)
-        if self._saved_plan is not None and \
-                self._saved_plan.graph_fingerprint != plan_.graph_fingerprint:
-            raise PlanMismatchError(
-                "the saved plan was made for a different function or argument shapes (plan "
-                f"fingerprint {self._saved_plan.graph_fingerprint}, this call "
-                f"{plan_.graph_fingerprint}). Fix: re-plan, or call with the shapes the plan "
-                "was made for.")
+        kw = dict(static_argnums=self._static, batch_argnums=self._batch,
+                  donate_argnums=self._donate)
+        step = trace(self._fun, args, keep_grad=True, **kw)
+
+        def run(m):
+            return plan_pipeline(self._fun, args, cluster=cluster,
+                                 device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+                                 mesh_shape=tuple(mesh.devices.shape), method=m,
+                                 stage_method=stage_method, step_graph=step, **kw)
+
+        replay, searched = self._saved_plan, None
+        if replay is None:
+            def search():
+                nonlocal searched
+                searched = run(method)
+                return searched[0]
+            replay, _ = self._find(args, graph_fingerprint(step), mesh, search)
+        if searched is not None:
+            plan_, parts, graph = searched
+        else:      # a saved, cached or shared plan: replay its stages (their ILPs only)
+            if replay.graph_fingerprint != graph_fingerprint(step):
+                raise PlanMismatchError(
+                    "the saved plan was made for a different function or argument shapes (plan"
+                    f" fingerprint {replay.graph_fingerprint}, this call "
+                    f"{graph_fingerprint(step)}). Fix: re-plan, or call with the shapes the "
+                    "plan was made for.")
+            t0 = time.perf_counter()
+            plan_, parts, graph = run(dataclasses.replace(
+                method, stage_option=replay.stage_option()))
+            origin = "saved plan" if self._saved_plan is not None else replay.origin
+            plan_ = dataclasses.replace(plan_, origin=origin, timings_s={
+                **plan_.timings_s, "plan_lookup": replay.timings_s.get("plan_lookup", 0.0)
+                + time.perf_counter() - t0})
         program = lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
                                  list(mesh.devices.flat), method.schedule,
                                  method.num_microbatches, method.max_in_flight_calls)
@@ -222,6 +297,7 @@ class ParallelizedFunction:
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
+        check_agreement(graph_fingerprint(step), _layout_text(program), "pipeline layouts")
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
 
     def _leaves(self, args) -> list:
@@ -282,9 +358,24 @@ class ParallelizedFunction:
     def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
         """The same step, mesh, method and argnums, planned against `cluster` (a fresh
         function: nothing planned yet; a saved plan is not carried over)."""
-        return ParallelizedFunction(self._fun, mesh=self.mesh, method=self._method,
+        return self._fresh(mesh=self.mesh, cluster=cluster)
+
+    def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> "ParallelizedFunction":
+        """The same step, method and argnums re-planned for another mesh (None: every device
+        now present): elastic re-planning when the device count or mesh changes. Restore the
+        state onto the new plan with `autopar.restore_checkpoint(path,
+        new_step.input_shardings(abstract_state, batch)[0])` and train on.
+
+        Example:
+            >>> step8 = step.with_mesh(jax.make_mesh((1, 8), ("data", "model")))
+        """
+        return self._fresh(mesh=mesh, cluster=None)
+
+    def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
+        return ParallelizedFunction(self._fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
-                                    batch_argnums=self._batch, plan=None, cluster=cluster)
+                                    batch_argnums=self._batch, plan=None, cluster=cluster,
+                                    plan_cache=self._plan_cache)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -329,13 +420,14 @@ class ParallelizedFunction:
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
                 donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
-                plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None):
+                plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
+                plan_cache: bool | str | os.PathLike = True):
     """Parallelize a training step over a device mesh.
 
     Args:
       fun: the step, e.g. `train_step(state, batch) -> (state, loss)`.
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None uses every device as a
-        1 x N mesh.
+        hosts x devices-per-host mesh (1 x N on one host).
       method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()`,
         `Zero3Parallel()` (any of them with `num_microbatches=M` for gradient accumulation)
         or `PipeshardParallel(...)`.
@@ -343,6 +435,12 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
       batch_argnums: positional arguments whose leaves carry the batch as dimension 0.
       plan: a saved `ParallelPlan` (e.g. `ParallelPlan.from_json(text)`): skip the search.
       cluster: a `ClusterSpec` to cost plans with instead of the one read off the devices.
+      plan_cache: plans found by a search are kept on disk and reused by later runs (keyed
+        by the traced step, argument shapes, cluster, mesh, method and autopar / JAX
+        versions). True: `$AUTOPAR_PLAN_CACHE` if set (a directory, or `off`), else
+        `$AUTOPAR_CACHE_DIR`, else `~/.cache/autopar/plans`; a path: that directory; False:
+        no plan cache. A hit skips the search (`plan.origin` says "plan cache"). In a
+        multi-process job process 0 finds the plan and the others receive it.
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.
@@ -354,7 +452,8 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
     if fun is None:
         return functools.partial(parallelize, mesh=mesh, method=method,
                                  static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 batch_argnums=batch_argnums, plan=plan, cluster=cluster)
+                                 batch_argnums=batch_argnums, plan=plan, cluster=cluster,
+                                 plan_cache=plan_cache)
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise InvalidArgumentError(
             f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
@@ -365,4 +464,4 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
             f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
     return ParallelizedFunction(fun, mesh=mesh, method=method, static_argnums=static_argnums,
                                 donate_argnums=donate_argnums, batch_argnums=batch_argnums,
-                                plan=plan, cluster=cluster)
+                                plan=plan, cluster=cluster, plan_cache=plan_cache)

@@ -271,8 +271,8 @@ def to_host(tree):
 
 
 def _fetch(x):
-    """One leaf to numpy: a process that holds no replica gets one through a single-device
-    copy from a process that does (every process takes part in every copy)."""
+    """One leaf to numpy. Processes that hold a replica read it; each other process gets a
+    single-device copy from the first holder (every process takes part in every copy)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -282,21 +282,22 @@ def _fetch(x):
     held = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
     if not x.is_fully_replicated:
         x = jax.device_put(x, on(held))
-    source, me = held[0], jax.process_index()
-    local = [s.data for s in x.addressable_shards if s.device == source]
-    one = jax.make_array_from_single_device_arrays(x.shape, on([source]), local,
-                                                   dtype=x.dtype)
-    mine = one
+    holders = {d.process_index for d in held}
+    me, source = jax.process_index(), held[0]
     first = {}
     for dev in jax.devices():
         first.setdefault(dev.process_index, dev)
-    for p, dev in sorted(first.items()):
-        if p != source.process_index:
+    missing = [(p, dev) for p, dev in sorted(first.items()) if p not in holders]
+    mine = x if me in holders else None
+    if missing:
+        local = [s.data for s in x.addressable_shards if s.device == source]
+        one = jax.make_array_from_single_device_arrays(x.shape, on([source]), local,
+                                                       dtype=x.dtype)
+        for p, dev in missing:
             copy = jax.device_put(one, on([dev]))
             if p == me:
                 mine = copy
     return np.asarray(mine.addressable_data(0))
-
 
 def share_from_first(key: str, produce: Callable[[], str]) -> tuple[str, bool]:
     """Process 0 computes `produce()` and every process gets its result: (text, whether this

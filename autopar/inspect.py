@@ -71,7 +71,10 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     names = plan.axis_names
     lines = [f"autopar plan  method={plan.method}  cluster={plan.cluster}",
              "mesh: " + " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh_shape))
-             + f"  devices={list(plan.device_ids)}", ""]
+             + f"  devices={list(plan.device_ids)}",
+             f"plan from: {plan.origin}" + (f" (looked up in {_time(plan.timings_s['plan_lookup'])};"
+                                            " no search)" if "plan_lookup" in plan.timings_s
+                                            else ""), ""]
     lines.append("predicted per step (per device):")
     lines.append(f"  compute {_time(plan.predicted_compute_s)}   communication "
                  f"{_time(plan.predicted_comm_s)}   resharding {_time(plan.predicted_reshard_s)}"

@@ -106,14 +106,15 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                   device_ids: tuple[int, ...], mesh_shape: tuple[int, ...],
                   method: PipeshardParallel, static_argnums=(), batch_argnums=(1,),
                   donate_argnums=(), stage_method: ShardParallel | None = None,
-                  ) -> tuple[ParallelPlan, PipelineParts, Any]:
+                  step_graph=None) -> tuple[ParallelPlan, PipelineParts, Any]:
     """Plan a pipeline; returns (plan, the parts the lowering needs, the step graph).
     `stage_method` (gradient accumulation) is the user's method: its rules shape the stage's
-    ILP and its name is the plan's method."""
+    ILP and its name is the plan's method. `step_graph`: the step already traced with
+    `keep_grad=True` (else it is traced here)."""
     t0 = time.perf_counter()
     kw = dict(static_argnums=static_argnums, batch_argnums=batch_argnums,
               donate_argnums=donate_argnums, keep_grad=True)
-    step = trace(fun, args, **kw)
+    step = step_graph if step_graph is not None else trace(fun, args, **kw)
     m = method.num_microbatches
     micro = trace(fun, microbatch_args(args, batch_argnums, m), **kw) if m > 1 else step
     loss = split_step(step, micro, m)

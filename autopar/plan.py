@@ -119,6 +119,7 @@ class ParallelPlan:
     timings_s: dict = field(default_factory=dict)
     pipeline: dict = field(default_factory=dict)  # schedule, microbatches, layers, DP stats
     measured: dict = field(default_factory=dict)  # from autopar.calibrate: step_s, peak_bytes
+    origin: str = "search"   # "search", "plan cache", "saved plan", or "process 0 (...)"
 
     def stage_option(self):
         """The `ManualStageOption` that replays this plan's stages (pipeline plans)."""

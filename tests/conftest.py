@@ -4,3 +4,5 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests that exercise the on-disk plan cache pass their own directory; the rest must search.
+os.environ.setdefault("AUTOPAR_PLAN_CACHE", "off")

@@ -385,3 +385,29 @@ def test_concurrent_writers_leave_a_complete_entry(tmp_path, plan):
     final = PlanCache(directory).get(key)
     assert final in plans
     assert sorted(p.name for p in directory.iterdir()) == [f"plan-{key}.json"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_parallelize_reuses_a_cached_plan(tmp_path, pipeline):
+    """A second decorated step with the same function, shapes, mesh and method reads the
+    plan from disk (no search), says so in the plan and the dump, and computes the same."""
+    from steps import make_case, mesh_of, sgd_momentum_clip
+    method = (autopar.PipeshardParallel(num_microbatches=2,
+                                        layer_option=autopar.AutoLayerOption(num_layers=2),
+                                        stage_option=autopar.UniformStageOption(num_stages=2))
+              if pipeline else autopar.ShardParallel())
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(),
+                                     value_and_grad=autopar.value_and_grad)
+    first = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method,
+                                plan_cache=tmp_path)
+    second = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method,
+                                 plan_cache=tmp_path)
+    p1, p2 = first.get_plan(state, batches[0]), second.get_plan(state, batches[0])
+    assert p1.origin == "search" and p2.origin == "plan cache"
+    assert "plan from: plan cache" in autopar.dump(p2)
+    assert [s.device_ids for s in p1.stages] == [s.device_ids for s in p2.stages]
+    assert p1.inputs == p2.inputs
+    assert len(PlanCache(tmp_path).entries()) == 1
+    assert float(first(state, batches[0])[1]) == float(second(state, batches[0])[1])
+    off = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method, plan_cache=False)
+    assert off.get_plan(state, batches[0]).origin == "search"
