@@ -79,7 +79,7 @@ def save_checkpoint(path, state, step: int, *, keep: int | None = None) -> str:
                 f"in {directory} (steps there: {sorted(manager.all_steps())}); orbax only "
                 f"adds newer steps. Fix: pass a step greater than {latest}, or first delete "
                 f"the checkpoint directories numbered {step} and above.")
-        manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        manager.save(step, args=ocp.args.StandardSave(_savable(state)), force=True)
         manager.wait_until_finished()
         kept = list(manager.all_steps())
     nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
@@ -87,6 +87,53 @@ def save_checkpoint(path, state, step: int, *, keep: int | None = None) -> str:
              step, len(leaves), format_bytes(nbytes), directory,
              format_time(time.perf_counter() - t0), kept)
     return str(directory / str(step))
+
+
+def _savable(state):
+    """Orbax writes, in a multi-process job, only arrays that span every process (others look
+    host-local to it): a leaf a pipeline keeps on one stage's devices is saved as a copy
+    replicated on every device."""
+    if jax.process_count() == 1:
+        return state
+    from .distributed import to_host
+    everywhere = _everywhere()
+
+    def leaf(x):
+        if not isinstance(x, jax.Array) or _spans_all(x.sharding):
+            return x
+        value = to_host(x)
+        return jax.make_array_from_callback(value.shape, everywhere, lambda idx: value[idx],
+                                            dtype=value.dtype)
+    return jax.tree_util.tree_map(leaf, state)
+
+
+def _everywhere():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    return NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+
+
+def _spans_all(sharding) -> bool:
+    return {d.process_index for d in sharding.device_set} == set(range(jax.process_count()))
+
+
+def _spanning(abstract):
+    """Orbax restores, in a multi-process job, only onto shardings that span every process:
+    a leaf bound for one pipeline stage is read replicated on every device first."""
+    if jax.process_count() == 1:
+        return abstract
+    return jax.tree_util.tree_map(
+        lambda a: a if _spans_all(a.sharding) else
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_everywhere()), abstract)
+
+
+def _narrow(x, want):
+    """`x` (restored replicated on every device) on `want.sharding`, built from this
+    process's replica (a process with no device there contributes nothing)."""
+    if x.sharding == want.sharding or jax.process_count() == 1:
+        return x
+    value = np.asarray(x.addressable_data(0))
+    return jax.make_array_from_callback(value.shape, want.sharding, lambda idx: value[idx],
+                                        dtype=value.dtype)
 
 
 def restore_checkpoint(path, target, *, step: int | None = None, like: Any = None,
@@ -143,7 +190,9 @@ def restore_checkpoint(path, target, *, step: int | None = None, like: Any = Non
                     f"available steps: {steps}. Fix: pass one of them, or step=None for the "
                     "latest.")
         abstract = _abstract_target(target, _saved_leaves(manager, directory, step), step)
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        wide = _spanning(abstract)
+        restored = manager.restore(step, args=ocp.args.StandardRestore(wide))
+        restored = jax.tree_util.tree_map(_narrow, restored, abstract)
     leaves = jax.tree_util.tree_leaves(restored)
     log.info("autopar: restored checkpoint %d (%d leaves, %s) from %s in %s", step,
              len(leaves), format_bytes(sum(int(x.nbytes) for x in leaves)), directory,

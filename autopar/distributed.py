@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import os
 import socket
@@ -50,6 +51,7 @@ ENV_JOIN_TIMEOUT = "AUTOPAR_JOIN_TIMEOUT_S"
 ENV_HEARTBEAT = "AUTOPAR_HEARTBEAT_TIMEOUT_S"
 _CLUSTER_ENVS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
                  "KUBERNETES_SERVICE_HOST", "TPU_WORKER_HOSTNAMES")
+_TO_HOST_CALLS = itertools.count()   # the job's to_host calls, numbered alike on every process
 _PLAN_WAIT_S = 24 * 3600   # process 0 may search for long; a dead one is caught by the watchdog
 
 
@@ -267,17 +269,29 @@ def to_host(tree):
         >>> print(float(autopar.to_host(loss)))   # on every process
     """
     import jax
-    return jax.tree_util.tree_map(_fetch, tree)
+    import numpy as np
+    if jax.process_count() == 1:
+        return jax.tree_util.tree_map(np.asarray, tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keep: list = []          # what other processes copy from must outlive their copies
+    readable = [_replica(x, keep) for x in leaves]
+    values = [np.asarray(r.addressable_data(0)) if isinstance(r, jax.Array) else r
+              for r in readable]
+    # Every process calls to_host in the same order, so the n-th call is one barrier.
+    _client().wait_at_barrier(f"autopar/to_host/{next(_TO_HOST_CALLS)}",
+                              int(_PLAN_WAIT_S * 1000))
+    return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _fetch(x):
-    """One leaf to numpy. Processes that hold a replica read it; each other process gets a
-    single-device copy from the first holder (every process takes part in every copy)."""
+def _replica(x, keep: list):
+    """A fully replicated array with a replica on this process (or x as numpy). Processes
+    that hold a replica read it; each other process gets a single-device copy from the first
+    holder (every process takes part in every copy, whether x is addressable here or not)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    if not isinstance(x, jax.Array) or jax.process_count() == 1:
-        return np.asarray(x)     # (whether x is addressable differs between processes)
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
     on = lambda devs: NamedSharding(Mesh(np.array(devs, dtype=object), ("d",)), PartitionSpec())
     held = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
     if not x.is_fully_replicated:
@@ -293,11 +307,12 @@ def _fetch(x):
         local = [s.data for s in x.addressable_shards if s.device == source]
         one = jax.make_array_from_single_device_arrays(x.shape, on([source]), local,
                                                        dtype=x.dtype)
+        keep += [x, one]
         for p, dev in missing:
             copy = jax.device_put(one, on([dev]))
             if p == me:
                 mine = copy
-    return np.asarray(mine.addressable_data(0))
+    return mine
 
 def share_from_first(key: str, produce: Callable[[], str]) -> tuple[str, bool]:
     """Process 0 computes `produce()` and every process gets its result: (text, whether this

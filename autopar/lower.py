@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _compat
 from .errors import PlanMismatchError
@@ -41,8 +41,30 @@ def has_sharding(x, sharding) -> bool:
 
 
 def put(x, sharding):
-    """`x` on `sharding`: itself if it is already there, else a `jax.device_put` copy."""
-    return x if has_sharding(x, sharding) else jax.device_put(x, sharding)
+    """`x` on `sharding`: itself if it is already there, else a copy. In a multi-process job a
+    host-local value (numpy, or an array on one device) is taken as the same value on every
+    process, and each process places its own shards (`jax.device_put` refuses a sharding
+    with no device on this process)."""
+    if has_sharding(x, sharding):
+        return x
+    local = not isinstance(x, jax.Array) or isinstance(x.sharding, SingleDeviceSharding)
+    if local and not sharding.is_fully_addressable:
+        value = np.asarray(x)
+        value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx],
+                                            dtype=value.dtype)
+    if not local and jax.process_count() > 1 and x.sharding.device_set != sharding.device_set \
+            and not _same_layout(x.sharding, sharding):
+        # Across processes JAX moves an array only between shardings of one layout: go
+        # through replicated copies, resharding on each side.
+        whole = lambda s: NamedSharding(s.mesh, PartitionSpec())
+        x = jax.device_put(jax.device_put(x, whole(x.sharding)), whole(sharding))
+    return jax.device_put(x, sharding)
+
+
+def _same_layout(a, b) -> bool:
+    return (isinstance(a, NamedSharding) and isinstance(b, NamedSharding)
+            and a.mesh.devices.shape == b.mesh.devices.shape and a.spec == b.spec)
 
 
 def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None) -> None:

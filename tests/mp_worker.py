@@ -4,7 +4,7 @@
 MODE "train": the tiny GPT for 3 steps under ShardParallel and under a 2-stage 1F1B pipeline
 on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final parameters and
 plan facts to OUT/<method>.npz / .json, and every process writes its shards of a checkpoint of
-the ShardParallel state to OUT/ckpt. MODE "die": process 1 kills itself after one step while
+the final state to OUT/ckpt_<method> and reads it back. MODE "die": process 1 kills itself after one step while
 process 0 keeps stepping (and fetching the loss, which needs process 1).
 """
 import json
@@ -45,14 +45,20 @@ def train(out: str, name: str, mesh) -> None:
             arrays[f"grad_{i}_{j}"] = g
     for j, p in enumerate(flat(autopar.to_host(state.params))):
         arrays[f"param_{j}"] = p
-    if name == "shard":
-        autopar.save_checkpoint(os.path.join(out, "ckpt"), state, step=len(batches))
+    # Both processes write one checkpoint (a pipeline's leaves each live on one process) and
+    # read it back onto the plan's layout.
+    path = os.path.join(out, f"ckpt_{name}")
+    autopar.save_checkpoint(path, state, step=len(batches))
+    restored = autopar.restore_checkpoint(path, par.input_shardings(state, batches[0])[0])
+    restored_equal = all(np.array_equal(a, b) for a, b in zip(
+        flat(autopar.to_host(restored)), flat(autopar.to_host(state))))
     if jax.process_index() == 0:
         np.savez(os.path.join(out, f"{name}.npz"), **arrays)
         facts = {"stages": [list(s.device_ids) for s in plan.stages],
                  "processes": [sorted({d.process_index for d in jax.devices()
                                        if d.id in s.device_ids}) for s in plan.stages],
-                 "origin": plan.origin, "num_hosts": par.cluster.num_hosts}
+                 "origin": plan.origin, "num_hosts": par.cluster.num_hosts,
+                 "restored_equal": restored_equal}
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(facts, f)
 

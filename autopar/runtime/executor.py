@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..inter_op.apply_grad import PIPELINE
-from ..lower import has_sharding
+from ..lower import has_sharding, put
 from ..lower_pipeline import PipelineProgram
 from .schedule import Phase
 
@@ -110,7 +110,7 @@ class Executor:
         if has_sharding(value, sharding):
             return value
         self.stats.num_transfers += 1
-        return jax.device_put(value, sharding)
+        return put(value, sharding)
 
     def _const(self, key, make):
         if key not in self._consts:
