@@ -243,6 +243,8 @@ def _abstract(x):
 
 
 def abstract_signature(x) -> tuple:
+    if isinstance(x, jax.Array):        # the common case, on every call: keep it cheap
+        return (x.shape, x.dtype.name, bool(x.weak_type))
     a = _abstract(x)
     return (tuple(a.shape), str(a.dtype), bool(a.weak_type))
 

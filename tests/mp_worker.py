@@ -1,8 +1,8 @@
 """Run by tests/test_launch.py in every process of
 `python -m autopar.launch --num-processes 2 --devices-per-process 4 tests/mp_worker.py OUT MODE`.
 
-MODE "train": the tiny GPT for 3 steps under ShardParallel and under a 2-stage 1F1B pipeline
-on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final parameters and
+MODE "train": the tiny GPT for 3 steps under ShardParallel, Zero3Parallel and 2-stage 1F1B and
+GPipe pipelines on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final parameters and
 plan facts to OUT/<method>.npz / .json, and every process writes its shards of a checkpoint of
 the final state to OUT/ckpt_<method> and reads it back. MODE "die": process 1 kills itself after one step while
 process 0 keeps stepping (and fetching the loss, which needs process 1).
@@ -19,12 +19,17 @@ import numpy as np
 import autopar
 from steps import make_case, sgd_momentum_clip
 
+def _pipeline(schedule):
+    return autopar.PipeshardParallel(
+        num_microbatches=4, schedule=schedule, layer_option=autopar.AutoLayerOption(num_layers=2),
+        stage_option=autopar.UniformStageOption(num_stages=2))
+
+
 METHODS = {
     "shard": autopar.ShardParallel(),
-    "pipe": autopar.PipeshardParallel(
-        num_microbatches=4, schedule=autopar.Schedule.ONE_F_ONE_B,
-        layer_option=autopar.AutoLayerOption(num_layers=2),
-        stage_option=autopar.UniformStageOption(num_stages=2)),
+    "zero3": autopar.Zero3Parallel(),
+    "pipe": _pipeline(autopar.Schedule.ONE_F_ONE_B),
+    "gpipe": _pipeline(autopar.Schedule.GPIPE),
 }
 
 

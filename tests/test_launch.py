@@ -1,6 +1,7 @@
 """`python -m autopar.launch` end to end: 2 processes x 4 simulated CPU devices on 127.0.0.1
-form one job. GPT under ShardParallel (sharded across both processes) and under a 2-stage
-1F1B pipeline whose stages sit on different processes equals plain `jax.jit` on one device
+form one job. GPT under ShardParallel and Zero3Parallel (sharded across both processes) and
+under 2-stage 1F1B and GPipe pipelines whose stages sit on different processes equals plain
+`jax.jit` on one device
 (the tolerances of the single-process equivalence tests); the checkpoint both processes wrote
 restores into this single 8-device process (a new device count and mesh) and trains on
 identically; a killed process stops the other within the bound, with an error naming it; a
@@ -63,14 +64,15 @@ def _check(npz, ref, rtol):
         assert np.max(np.abs(npz[f"param_{j}"] - p)) <= rtol * max(np.max(np.abs(p)), 1e-12)
 
 
-@pytest.mark.parametrize("name,rtol", [("shard", 1e-5), ("pipe", 2e-5)])
+@pytest.mark.parametrize("name,rtol", [("shard", 1e-5), ("zero3", 1e-5), ("pipe", 2e-5),
+                                       ("gpipe", 2e-5)])
 def test_two_processes_match_one_device(trained, name, rtol):
     *_, ref = _reference()
     _check(np.load(trained / f"{name}.npz"), (ref[0], *ref), rtol)
     facts = json.loads((trained / f"{name}.json").read_text())
     assert facts["restored_equal"]          # the 2-process checkpoint round trip
     assert facts["num_hosts"] == 2          # the cluster spec sees the process hierarchy
-    if name == "pipe":                      # each stage on its own process
+    if name in ("pipe", "gpipe"):           # each stage on its own process
         assert facts["processes"] == [[0], [1]]
     else:
         assert facts["processes"] == [[0, 1]]

@@ -1,0 +1,31 @@
+"""benchmarks/multihost.py's report: the tables come from the measured dict, failures are
+reported as such (no numbers invented)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+
+import multihost  # noqa: E402
+
+BASE = {"started": "s", "finished": "f", "revision": "r", "cpu": "c", "load": [1.0],
+        "steps": 10}
+
+
+def test_section_tables_and_ratios():
+    res = {**BASE,
+           "cache": {"ShardParallel": {"search": 4.0, "hit": 1.0, "lookup": 0.1}},
+           "one": {"processes": 1, "ShardParallel": {"step_s": 0.5, "loss": 7.5}},
+           "two": {"processes": 2, "ShardParallel": {"step_s": 0.75, "loss": 7.5}}}
+    text = multihost.section(res, "make bench")
+    assert text.startswith("<!-- multihost:begin -->") and text.endswith("<!-- multihost:end -->")
+    assert "| ShardParallel | 4.00 | 1.00 | 0.10 | 4.0x |" in text
+    assert "| ShardParallel | 500.0 | 750.0 | 1.50 | 7.500000 | 7.500000 |" in text
+
+
+def test_section_reports_failures_without_numbers():
+    res = {**BASE, "cache": {"error": "exit 1: boom"}, "one": {"error": "exit 2: x"},
+           "two": {"processes": 2}}
+    text = multihost.section(res, "make bench")
+    assert "not measured: exit 1: boom" in text
+    assert "not measured: 1 process: exit 2: x" in text
+    assert "| plan |" not in text
