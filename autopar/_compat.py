@@ -61,3 +61,15 @@ def equation_context(eqn):
     so HLO metadata says `transpose(jvp(MLP))/Dense_3/dot_general` and the user's line."""
     info = eqn.source_info
     return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+
+
+def distributed_client():
+    """The `jax.distributed` coordination-service client (key-value store, barriers, live
+    processes), or None before `jax.distributed.initialize`."""
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
+def coordinator_address() -> str | None:
+    from jax._src import distributed
+    return distributed.global_state.coordinator_address

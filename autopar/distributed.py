@@ -92,8 +92,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _client():
-    from jax._src import distributed   # the one private name: the coordination client
-    return distributed.global_state.client
+    from ._compat import distributed_client
+    return distributed_client()
 
 
 def is_initialized() -> bool:
@@ -102,9 +102,10 @@ def is_initialized() -> bool:
 
 def _info() -> DistributedInfo:
     import jax
-    from jax._src import distributed
+
+    from ._compat import coordinator_address
     return DistributedInfo(process_id=jax.process_index(), num_processes=jax.process_count(),
-                           coordinator_address=distributed.global_state.coordinator_address,
+                           coordinator_address=coordinator_address(),
                            transfer_address=jax.config.values.get(
                                "jax_cross_host_transfer_socket_address") or None)
 
