@@ -212,9 +212,9 @@ class ParallelizedFunction:
                 parts.append(f"{i}{jax.tree_util.keystr(path)}:{abstract_signature(leaf)}")
         return ";".join(parts)
 
-    def _find(self, args, fingerprint: str, mesh, search) -> tuple[ParallelPlan, bool]:
-        """(plan, whether this process searched): from the plan cache, from process 0 in a
-        multi-process job, else `search()`."""
+    def _find(self, args, fingerprint: str, mesh, search) -> ParallelPlan:
+        """The plan: from the plan cache, from process 0 in a multi-process job, else
+        `search()`."""
         key = cache_key(graph_fingerprint=fingerprint, args_signature=self._signature(args),
                         cluster=self.cluster, method=self._method,
                         mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
@@ -245,7 +245,7 @@ class ParallelizedFunction:
                     f"{graph_fingerprint(graph)}). Fix: re-plan, or call with the shapes the "
                     "plan was made for.")
         else:
-            plan_, _ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
+            plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
                 graph, self.cluster, mesh.devices.shape, mesh.axis_names, self._method,
                 tuple(int(d.id) for d in mesh.devices.flat)))
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
@@ -273,7 +273,7 @@ class ParallelizedFunction:
                 nonlocal searched
                 searched = run(method)
                 return searched[0]
-            replay, _ = self._find(args, graph_fingerprint(step), mesh, search)
+            replay = self._find(args, graph_fingerprint(step), mesh, search)
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages (their ILPs only)

@@ -367,16 +367,14 @@ def _decode(data: bytes, key: str) -> ParallelPlan:
 
 
 def find_plan(key: str, search: Callable[[], ParallelPlan],
-              cache: PlanCache | None) -> tuple[ParallelPlan, bool]:
-    """The plan for `key`: (plan, whether this process searched for it). Process 0 reads the
-    cache, else searches (and writes the cache); in a multi-process job every other process
-    receives process 0's plan, so all of them run the same one. The plan's `origin` and
-    `timings_s["plan_lookup"]` say where it came from and how long that took."""
+              cache: PlanCache | None) -> ParallelPlan:
+    """The plan for `key`. Process 0 reads the cache, else searches (and writes the cache); in
+    a multi-process job every other process receives process 0's plan, so all of them run the
+    same one. The plan's `origin` and `timings_s["plan_lookup"]` say where it came from and
+    how long that took."""
     from .distributed import share_from_first
-    searched = False
 
     def produce() -> ParallelPlan:
-        nonlocal searched
         t0 = time.perf_counter()
         hit = cache.get(key) if cache is not None else None
         if hit is not None:
@@ -385,18 +383,17 @@ def find_plan(key: str, search: Callable[[], ParallelPlan],
             return dataclasses.replace(hit, origin="plan cache", timings_s={
                 **hit.timings_s, "plan_lookup": time.perf_counter() - t0})
         plan = search()
-        searched = True
         if cache is not None and cache.put(key, plan) is not None:
             log.info("autopar: plan saved to the plan cache (%s)", cache.path(key))
         return plan
 
     import jax
     if jax.process_count() == 1:
-        return produce(), searched
+        return produce()
     t0 = time.perf_counter()
     text, first = share_from_first(key, lambda: produce().to_json())
-    if first:
-        return ParallelPlan.from_json(text), searched
     plan = ParallelPlan.from_json(text)
+    if first:
+        return plan
     return dataclasses.replace(plan, origin=f"process 0 ({plan.origin})", timings_s={
-        **plan.timings_s, "plan_lookup": time.perf_counter() - t0}), False
+        **plan.timings_s, "plan_lookup": time.perf_counter() - t0})
