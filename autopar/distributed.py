@@ -296,7 +296,9 @@ def _replica(x, keep: list):
     on = lambda devs: NamedSharding(Mesh(np.array(devs, dtype=object), ("d",)), PartitionSpec())
     held = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
     if not x.is_fully_replicated:
-        x = jax.device_put(x, on(held))
+        # A reshard is a collective; waiting on each keeps a many-leaf tree from enqueueing
+        # more than the CPU runtime can hold in flight (it hangs past ~32, see JAX_NOTES).
+        x = jax.device_put(x, on(held)).block_until_ready()
     holders = {d.process_index for d in held}
     me, source = jax.process_index(), held[0]
     first = {}

@@ -56,9 +56,13 @@ def put(x, sharding):
     if not local and jax.process_count() > 1 and x.sharding.device_set != sharding.device_set \
             and not _same_layout(x.sharding, sharding):
         # Across processes JAX moves an array only between shardings of one layout: go
-        # through replicated copies, resharding on each side.
+        # through replicated copies, resharding on each side. Each reshard is a collective:
+        # wait on it, so that putting a many-leaf tree never has more in flight than the CPU
+        # runtime holds (it hangs past ~32 calls, see JAX_NOTES). The pipeline's own
+        # transfers (one layout on both sides) stay asynchronous.
         whole = lambda s: NamedSharding(s.mesh, PartitionSpec())
-        x = jax.device_put(jax.device_put(x, whole(x.sharding)), whole(sharding))
+        x = jax.device_put(jax.device_put(x, whole(x.sharding)).block_until_ready(),
+                           whole(sharding)).block_until_ready()
     return jax.device_put(x, sharding)
 
 
