@@ -261,11 +261,12 @@ class ParallelizedFunction:
                   donate_argnums=self._donate)
         step = trace(self._fun, args, keep_grad=True, **kw)
 
-        def run(m):
+        def run(m, solutions=()):
             return plan_pipeline(self._fun, args, cluster=cluster,
                                  device_ids=tuple(int(d.id) for d in mesh.devices.flat),
                                  mesh_shape=tuple(mesh.devices.shape), method=m,
-                                 stage_method=stage_method, step_graph=step, **kw)
+                                 stage_method=stage_method, step_graph=step,
+                                 stage_solutions=solutions, **kw)
 
         replay, searched = self._saved_plan, None
         if replay is None:
@@ -276,7 +277,7 @@ class ParallelizedFunction:
             replay = self._find(args, graph_fingerprint(step), mesh, search)
         if searched is not None:
             plan_, parts, graph = searched
-        else:      # a saved, cached or shared plan: replay its stages (their ILPs only)
+        else:      # a saved, cached or shared plan: replay its stages and their solutions
             if replay.graph_fingerprint != graph_fingerprint(step):
                 raise PlanMismatchError(
                     "the saved plan was made for a different function or argument shapes (plan"
@@ -285,7 +286,7 @@ class ParallelizedFunction:
                     "plan was made for.")
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
-                method, stage_option=replay.stage_option()))
+                method, stage_option=replay.stage_option()), replay.stage_solutions)
             origin = "saved plan" if self._saved_plan is not None else replay.origin
             plan_ = dataclasses.replace(plan_, origin=origin, timings_s={
                 **plan_.timings_s, "plan_lookup": replay.timings_s.get("plan_lookup", 0.0)

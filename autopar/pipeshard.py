@@ -24,6 +24,7 @@ from .cluster import ClusterSpec
 from .errors import InvalidArgumentError
 from .inter_op.apply_grad import Placement, place
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
+from .inter_op.stage_solve import solution_from_record, solution_record
 from .inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from .options import (AutoLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
                       ShardParallel)
@@ -106,11 +107,13 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                   device_ids: tuple[int, ...], mesh_shape: tuple[int, ...],
                   method: PipeshardParallel, static_argnums=(), batch_argnums=(1,),
                   donate_argnums=(), stage_method: ShardParallel | None = None,
-                  step_graph=None) -> tuple[ParallelPlan, PipelineParts, Any]:
+                  step_graph=None, stage_solutions: tuple[dict, ...] = (),
+                  ) -> tuple[ParallelPlan, PipelineParts, Any]:
     """Plan a pipeline; returns (plan, the parts the lowering needs, the step graph).
     `stage_method` (gradient accumulation) is the user's method: its rules shape the stage's
     ILP and its name is the plan's method. `step_graph`: the step already traced with
-    `keep_grad=True` (else it is traced here)."""
+    `keep_grad=True` (else it is traced here). `stage_solutions`: a saved plan's (with
+    `method.stage_option` its `ManualStageOption`), used instead of solving the stages."""
     t0 = time.perf_counter()
     kw = dict(static_argnums=static_argnums, batch_argnums=batch_argnums,
               donate_argnums=donate_argnums, keep_grad=True)
@@ -124,7 +127,7 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
              len(loss.forward.nodes))
     t1 = time.perf_counter()
     result = choose_stages(loss, tuple(bounds), cluster, tuple(device_ids), method,
-                           stage_method)
+                           stage_method, tuple(map(solution_from_record, stage_solutions)))
     placement = place(loss, result.stages)
     t_stages = time.perf_counter() - t1
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
@@ -160,6 +163,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "bubble_fraction": schedule.bubble_fraction, "in_flight": list(in_flight),
         "predicted_latency_s": sum(lat) + (m - 1) * max(lat),
         "num_ilps": result.num_ilps, "num_reused": result.num_reused,
+        "num_replayed": result.num_replayed,
         "dp_candidates": result.dp_candidates, "dp_pruned": result.dp_pruned,
         "dp_time_s": result.dp_time_s, "segments": len(placement.segments),
         "stage_option": type(method.stage_option).__name__,
@@ -186,4 +190,6 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         predicted_overhead_s=overhead,
         peak_memory_bytes=float(peak),
         memory_budget_bytes=float(method.memory_budget_bytes or cluster.memory_bytes),
-        timings_s=timings, pipeline=pipeline)
+        timings_s=timings, pipeline=pipeline,
+        stage_solutions=tuple(solution_record(st.solution, graph_fingerprint(st.graph))
+                              for st in result.stages))

@@ -120,6 +120,9 @@ class ParallelPlan:
     pipeline: dict = field(default_factory=dict)  # schedule, microbatches, layers, DP stats
     measured: dict = field(default_factory=dict)  # from autopar.calibrate: step_s, peak_bytes
     origin: str = "search"   # "search", "plan cache", "saved plan", or "process 0 (...)"
+    # Pipeline plans: each stage's ILP solution as JSON data (`inter_op.stage_solve.
+    # solution_record`), so that a saved or cached plan replays its stages without solving.
+    stage_solutions: tuple[dict, ...] = ()
 
     def stage_option(self):
         """The `ManualStageOption` that replays this plan's stages (pipeline plans)."""
@@ -144,7 +147,7 @@ class ParallelPlan:
             raise PlanMismatchError(
                 f"plan format version {d.get('version')!r} is not the supported version "
                 f"{PLAN_FORMAT_VERSION}. Fix: re-plan with this autopar version.")
-        spec = _spec
+        spec = spec_from_json
         d["inputs"] = tuple(_tensor_plan(t) for t in d["inputs"])
         d["outputs"] = tuple(_tensor_plan(t) for t in d["outputs"])
         d["constraints"] = tuple((int(t), spec(s)) for t, s in d["constraints"])
@@ -158,15 +161,17 @@ class ParallelPlan:
                             for s in d["stages"])
         for k in ("mesh_shape", "axis_names", "device_ids"):
             d[k] = tuple(d[k])
+        d["stage_solutions"] = tuple(d.get("stage_solutions", ()))
         return cls(**d)
 
 
-def _spec(value: Any) -> Spec:
+def spec_from_json(value: Any) -> Spec:
+    """A spec read back from JSON (lists) as the tuples `Spec` is."""
     return tuple(tuple(int(a) for a in dim) for dim in value)
 
 
 def _tensor_plan(d: dict) -> TensorPlan:
-    return TensorPlan(**{**d, "shape": tuple(d["shape"]), "spec": _spec(d["spec"])})
+    return TensorPlan(**{**d, "shape": tuple(d["shape"]), "spec": spec_from_json(d["spec"])})
 
 
 _SIMPLE = (int, float, bool, str, type(None), enum.Enum)

@@ -1,6 +1,8 @@
 """PipeshardParallel end to end on 8 simulated CPU devices: losses, gradients and parameters
 over 3 steps equal plain `jax.jit` on one device (same tolerances and optimizer rule as the
 ShardParallel equivalence tests, including `clip_by_global_norm`)."""
+import dataclasses
+
 import jax
 import optax
 import pytest
@@ -107,6 +109,32 @@ def test_auto_stages_and_replay_from_plan():
     assert [s.device_ids for s in replayed.stages] == [s.device_ids for s in plan.stages]
     assert [s.logical_mesh_shape for s in replayed.stages] == \
         [s.logical_mesh_shape for s in plan.stages]
+    # The saved stage solutions are replayed: no ILP is solved, and the replay trains as the
+    # searched plan did (which equals jax.jit, checked by _check).
+    assert replayed.pipeline["num_ilps"] == 0
+    assert replayed.pipeline["num_replayed"] == len(plan.stages)
+    assert replayed.stage_solutions == plan.stage_solutions
+    assert_equivalent(run_steps(par, state, batches), run_steps(replay, state, batches),
+                      compare_params=True, rtol=1e-6)
+
+
+def test_replay_solves_a_stage_whose_saved_solution_does_not_match(caplog):
+    """A stage solution recorded for another stage graph (a hand-edited or stale plan) is not
+    trusted: that stage's ILP is solved again, with a warning, and the result is still exact."""
+    method = _method(2, F, 2)
+    par, state, batches = _check("mlp", "linen", method)
+    plan = par.get_plan(state, batches[0])
+    stale = [dict(r) for r in plan.stage_solutions]
+    stale[1]["graph_fingerprint"] = "0" * 16
+    edited = dataclasses.replace(plan, stage_solutions=tuple(stale))
+    replay = autopar.parallelize(par.__wrapped__, mesh=mesh_of((2, 4)), method=method,
+                                 plan=edited)
+    with caplog.at_level("WARNING"):
+        replayed = replay.get_plan(state, batches[0])
+    assert "stage 1 of the saved plan was solved for another stage graph" in caplog.text
+    assert replayed.pipeline["num_replayed"] == 1 and replayed.pipeline["num_ilps"] >= 1
+    assert_equivalent(run_steps(par, state, batches), run_steps(replay, state, batches),
+                      compare_params=True, rtol=1e-6)
 
 
 @pytest.mark.parametrize("schedule", [F, G])

@@ -407,6 +407,9 @@ def test_parallelize_reuses_a_cached_plan(tmp_path, pipeline):
     assert "plan from: plan cache" in autopar.dump(p2)
     assert [s.device_ids for s in p1.stages] == [s.device_ids for s in p2.stages]
     assert p1.inputs == p2.inputs
+    if pipeline:        # the cached stage solutions are replayed: no stage ILP is solved
+        assert p1.pipeline["num_ilps"] > 0
+        assert p2.pipeline["num_ilps"] == 0 and p2.pipeline["num_replayed"] == 2
     assert len(PlanCache(tmp_path).entries()) == 1
     assert float(first(state, batches[0])[1]) == float(second(state, batches[0])[1])
     off = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method, plan_cache=False)

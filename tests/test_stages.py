@@ -8,8 +8,10 @@ import pytest
 import autopar
 from autopar.cluster import ClusterSpec
 from autopar.graph import TensorKind
+from autopar.plan import graph_fingerprint
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, split_step
-from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
+from autopar.inter_op.stage_solve import (solution_from_record, solution_record, solve_stage,
+                                          stage_io, trace_stage)
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
 from autopar.trace import trace
 
@@ -159,6 +161,13 @@ def test_manual_stages(loss, bounds, cluster):
     assert [(st.slice.start, st.slice.stop) for st in res.stages] == \
         [(bounds[0], bounds[1]), (bounds[1], bounds[4])]
     assert res.num_ilps == 2
+    # Given the solutions (as a saved plan records them), the stages replay without an ILP.
+    records = [solution_record(st.solution, graph_fingerprint(st.graph)) for st in res.stages]
+    given = tuple(solution_from_record(r) for r in records)
+    assert [sol for _, sol in given] == [st.solution for st in res.stages]
+    again = choose_stages(loss, bounds, cluster, DEVICES, method(option), solutions=given)
+    assert (again.num_ilps, again.num_replayed) == (0, 2)
+    assert [st.solution for st in again.stages] == [st.solution for st in res.stages]
 
 
 def test_manual_stages_must_cover_every_layer(loss, bounds, cluster):

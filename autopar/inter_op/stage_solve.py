@@ -10,6 +10,7 @@ the residuals are what the backward reads from the forward.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, buil
                               least_memory, solve_built)
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
-from ..plan import constrained_tensors
+from ..plan import constrained_tensors, spec_from_json
 from ..spec import Spec, num_shards
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
@@ -174,6 +175,25 @@ def stage_input_paths(loss: LossGraph, sl: StageSlice) -> tuple[str, ...]:
         t = step.tensors[operands[pos]]
         return t.path if t.kind == TensorKind.INPUT else ""
     return tuple(path(p) for p in sl.param_inputs + sl.data_inputs)
+
+
+def solution_record(sol: StageSolution, graph_fp: str) -> dict:
+    """`sol` as JSON data for a `ParallelPlan`, with the fingerprint of the stage graph its
+    tensor ids refer to: a saved or cached pipeline plan replays its stages without an ILP."""
+    return json.loads(json.dumps({"graph_fingerprint": graph_fp, **dataclasses.asdict(sol)}))
+
+
+def solution_from_record(record: dict) -> tuple[str, StageSolution]:
+    """(stage graph fingerprint, solution) from `solution_record`'s data."""
+    d = dict(record)
+    fp = d.pop("graph_fingerprint")
+    specs = lambda v: tuple(spec_from_json(s) for s in v)
+    for k in ("param_specs", "data_specs", "act_specs", "out_specs", "grad_specs"):
+        d[k] = specs(d[k])
+    d["logical_shape"] = tuple(d["logical_shape"])
+    d["constraints"] = tuple((int(t), spec_from_json(s)) for t, s in d["constraints"])
+    d["ilp"] = IlpStats(**d["ilp"])
+    return fp, StageSolution(**d)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

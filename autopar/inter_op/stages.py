@@ -49,6 +49,7 @@ class InterOpResult:
     stages: tuple[ChosenStage, ...]
     num_ilps: int                        # distinct ILPs solved
     num_reused: int                      # stage/layer solves answered from the cache
+    num_replayed: int = 0                # stages whose solution came with a saved plan
     dp_candidates: int
     dp_pruned: int
     dp_time_s: float
@@ -72,7 +73,7 @@ class _Solver:
         self.cache: dict = {}
         self.problems: dict = {}
         self.graphs: dict[tuple[int, int], tuple[OpGraph, str]] = {}
-        self.num_ilps = self.num_reused = 0
+        self.num_ilps = self.num_reused = self.num_replayed = 0
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
         self.opt_ratio = _opt_ratio(loss.step)
 
@@ -208,11 +209,13 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
 
 
 def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, method,
-                     budget, lean=None):
+                     budget, lean=None, given=()):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try
     (the fastest wins). A stage whose fastest plan does not fit with its optimizer state and
     the activations its schedule keeps in flight, or that the DP chose from memory-lean layer
-    plans (`lean[p]`), is solved for the fastest plan that does fit (`_Solver.fitting`)."""
+    plans (`lean[p]`), is solved for the fastest plan that does fit (`_Solver.fitting`).
+    `given[p]`, (stage graph fingerprint, solution) from a saved plan, is taken as stage p's
+    solution when the stage's graph and logical shape are the ones it was solved for."""
     stages = []
     lean = lean or [False] * len(spans)
     in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).in_flight()
@@ -220,6 +223,16 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
         q = in_flight[p]
+        if p < len(given) and given[p][0] == solver.graph(sl)[1] \
+                and tuple(given[p][1].logical_shape) in map(tuple, shape):
+            solver.num_replayed += 1
+            stages.append(ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub),
+                                      device_ids=devs, solution=given[p][1],
+                                      graph=solver.graph(sl)[0]))
+            continue
+        if p < len(given):
+            log.warning("autopar: stage %d of the saved plan was solved for another stage "
+                        "graph or logical mesh; solving it again", p)
         sol = None if lean[p] else solver.best(sl, sub, shape)
         if sol is None or _static_bytes(sol, solver.opt_ratio) + q * sol.activation_bytes \
                 > budget * (1 + 1e-9):
@@ -236,9 +249,11 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
 
 def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: ClusterSpec,
                   device_ids: tuple[int, ...], method: PipeshardParallel,
-                  stage_method: ShardParallel | None = None) -> InterOpResult:
+                  stage_method: ShardParallel | None = None,
+                  solutions: tuple[tuple[str, StageSolution], ...] = ()) -> InterOpResult:
     """Run the stage option of `method` over the layers given by `boundaries`; each stage's
     ILP follows `stage_method` (default: `method`'s solver settings, free shardings).
+    `solutions` (a saved plan's, with `ManualStageOption`) replace the stages' ILPs.
 
     Raises:
       InfeasiblePlanError: a stage does not fit the memory budget with its optimizer state,
@@ -260,7 +275,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                 f"{num_layers - 1}). Fix: cover every layer, or change the layer option.")
         stages = _spans_to_stages(loss, boundaries, option.layer_spans, option.submesh_shapes,
                                   [[tuple(v)] for v in option.logical_shapes], device_ids,
-                                  solver, method, budget)
+                                  solver, method, budget, given=solutions)
     elif isinstance(option, UniformStageOption):
         s = option.num_stages
         if s > num_layers or n % s:
@@ -278,10 +293,12 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     else:
         stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
     stages = _with_peaks(stages, loss, method, budget)
-    log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, in %.2f s", len(stages),
-             solver.num_ilps, solver.num_reused, time.perf_counter() - start)
+    log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
+             "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
+             solver.num_replayed, time.perf_counter() - start)
     return InterOpResult(boundaries=tuple(boundaries), stages=tuple(stages),
                          num_ilps=solver.num_ilps, num_reused=solver.num_reused,
+                         num_replayed=solver.num_replayed,
                          dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
                          profile_time_s=time.perf_counter() - start)
 
