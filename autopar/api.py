@@ -209,7 +209,9 @@ class ParallelizedFunction:
                 parts.append(f"{i}:static={re.sub(r' at 0x[0-9a-f]+', '', repr(a))}")
                 continue
             for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
-                parts.append(f"{i}{jax.tree_util.keystr(path)}:{abstract_signature(leaf)}")
+                shape, dtype, weak = abstract_signature(leaf)
+                parts.append(f"{i}{jax.tree_util.keystr(path)}:{shape}{dtype.name}"
+                             f"{'~' if weak else ''}")
         return ";".join(parts)
 
     def _find(self, args, fingerprint: str, mesh, search) -> ParallelPlan:

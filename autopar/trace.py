@@ -243,10 +243,16 @@ def _abstract(x):
 
 
 def abstract_signature(x) -> tuple:
-    if isinstance(x, jax.Array):        # the common case, on every call: keep it cheap
-        return (x.shape, x.dtype.name, bool(x.weak_type))
+    """(shape, numpy dtype, weak type) of a leaf: the key a decorated step's plans are cached
+    under. Built for every leaf on every call, so the common case is kept cheap (the dtype
+    object itself: numpy computes `dtype.name` in Python)."""
+    if isinstance(x, jax.Array):
+        try:
+            return (x.shape, x.dtype, x.weak_type)
+        except AttributeError:          # a typed key array has no weak type
+            return (x.shape, x.dtype, False)
     a = _abstract(x)
-    return (tuple(a.shape), str(a.dtype), bool(a.weak_type))
+    return (tuple(a.shape), a.dtype, bool(a.weak_type))
 
 
 def _leaf_sig(x) -> tuple:

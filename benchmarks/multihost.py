@@ -63,6 +63,7 @@ def _cache_worker(out: str, rounds: int) -> None:
     result = {}
     for name, method in _methods(autopar, CACHE_CFG["num_layers"]).items():
         times = {"search": [], "hit": [], "lookup": []}
+        ilps = {}
         for _ in range(rounds):
             with tempfile.TemporaryDirectory() as d:
                 for kind in ("search", "hit"):
@@ -73,7 +74,9 @@ def _cache_worker(out: str, rounds: int) -> None:
                     assert plan.origin == ("search" if kind == "search" else "plan cache")
                     if kind == "hit":
                         times["lookup"].append(plan.timings_s["plan_lookup"])
-        result[name] = {k: statistics.median(v) for k, v in times.items()}
+                    ilps[kind] = plan.pipeline.get("num_ilps")
+        result[name] = {**{k: statistics.median(v) for k, v in times.items()},
+                        **{f"ilps_{k}": v for k, v in ilps.items()}}
     with open(out, "w") as f:
         json.dump(result, f)
 
@@ -148,15 +151,20 @@ def section(res: dict, cmdline: str) -> str:
         out.append(f"not measured: {cache['error']}")
     else:
         out += ["| method | fresh search s | cache hit s | of which the lookup s | "
-                "search / hit |", "|---|---:|---:|---:|---:|"]
+                "search / hit | stage ILPs solved: search / hit |",
+                "|---|---:|---:|---:|---:|---:|"]
+        ilps = lambda t: ("–" if t.get("ilps_search") is None
+                          else f"{t['ilps_search']} / {t['ilps_hit']}")
         for name, t in cache.items():
             if isinstance(t, dict):
                 out.append(f"| {name} | {fmt(t['search'])} | {fmt(t['hit'])} | "
-                           f"{fmt(t['lookup'])} | {t['search'] / t['hit']:.1f}x |")
+                           f"{fmt(t['lookup'])} | {t['search'] / t['hit']:.1f}x | "
+                           f"{ilps(t)} |")
         out += ["", "The rest of a hit is tracing the step, which every call with new shapes "
-                "does."]
-        out += ["", "A pipeline hit replays the cached stages: it skips the layer clustering "
-                "and the stage DP, and re-solves only the chosen stages' ILPs."]
+                "does. A pipeline hit replays the cached stages with their ILP solutions "
+                "(`ParallelPlan.stage_solutions`): no layer clustering, stage DP or ILP; its "
+                "lookup is tracing the microbatch step and the stages' training graphs, which "
+                "the lowering needs."]
     out += ["", "### Step time: 2 processes x 4 devices vs 1 process x 8 devices", "",
             f"GPT {STEP_CFG['num_layers']} layers, hidden {STEP_CFG['hidden']}, seq "
             f"{STEP_CFG['seq_len']}, vocab {STEP_CFG['vocab_size']}, batch {STEP_BATCH}, "

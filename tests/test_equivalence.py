@@ -6,6 +6,8 @@ MLP and GPT train steps (flax linen TrainState and Flax NNX), under every method
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -70,6 +72,23 @@ def test_donation_and_cache_reuse():
     got = run_steps(par, state, batches)
     assert_equivalent(ref, got, compare_params=True)
     assert len(par._cache) == 1  # three calls, one plan
+
+
+def test_typed_key_argument_and_host_arrays_share_one_plan():
+    """A typed PRNG key array is an argument like any other (it has no weak type), and a numpy
+    batch and a jax.Array batch of one shape and dtype reuse one plan."""
+    def noisy(w, x, key):
+        x = x + 0.1 * jax.random.normal(key, x.shape)
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    w = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+    x = np.linspace(0.0, 1.0, 128, dtype=np.float32).reshape(16, 8)
+    key = jax.random.key(3)
+    par = autopar.parallelize(noisy, mesh=mesh_of((2, 4)), batch_argnums=(1,))
+    want = jax.jit(noisy)(w, x, key)
+    assert np.allclose(par(w, x, key), want, rtol=1e-6)
+    assert np.allclose(par(w, jnp.asarray(x), jax.random.key(3)), want, rtol=1e-6)
+    assert len(par._cache) == 1
 
 
 def _plan_spec(plan, path):
