@@ -127,13 +127,27 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
              len(loss.forward.nodes))
     t1 = time.perf_counter()
     result = choose_stages(loss, tuple(bounds), cluster, tuple(device_ids), method,
-                           stage_method, tuple(map(solution_from_record, stage_solutions)))
+                           stage_method, _readable(stage_solutions))
     placement = place(loss, result.stages)
     t_stages = time.perf_counter() - t1
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
                        {"trace": t_trace, "inter_op": t_stages},
                        (stage_method or method).kind)
     return plan, PipelineParts(loss=loss, inter_op=result, placement=placement), step
+
+
+def _readable(records: tuple[dict, ...]) -> tuple:
+    """A saved plan's stage solutions; one that cannot be read (a hand-edited plan, another
+    format) is reported and left to be solved again."""
+    out = []
+    for p, record in enumerate(records):
+        try:
+            out.append(solution_from_record(record))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            log.warning("autopar: the saved plan's solution of stage %d cannot be read (%s: "
+                        "%s); solving the stage again", p, type(e).__name__, e)
+            out.append(("", None))
+    return tuple(out)
 
 
 def _build_plan(loss, result: InterOpResult, placement: Placement, method, cluster,

@@ -119,22 +119,30 @@ def test_auto_stages_and_replay_from_plan():
 
 
 def test_replay_solves_a_stage_whose_saved_solution_does_not_match(caplog):
-    """A stage solution recorded for another stage graph (a hand-edited or stale plan) is not
-    trusted: that stage's ILP is solved again, with a warning, and the result is still exact."""
+    """A stage solution recorded for another stage graph, or one that cannot be read (a
+    hand-edited or stale plan), is not trusted: that stage's ILP is solved again, with a
+    warning, and the result is still exact."""
     method = _method(2, F, 2)
     par, state, batches = _check("mlp", "linen", method)
     plan = par.get_plan(state, batches[0])
+    want = run_steps(par, state, batches)
     stale = [dict(r) for r in plan.stage_solutions]
     stale[1]["graph_fingerprint"] = "0" * 16
-    edited = dataclasses.replace(plan, stage_solutions=tuple(stale))
-    replay = autopar.parallelize(par.__wrapped__, mesh=mesh_of((2, 4)), method=method,
-                                 plan=edited)
-    with caplog.at_level("WARNING"):
-        replayed = replay.get_plan(state, batches[0])
-    assert "stage 1 of the saved plan was solved for another stage graph" in caplog.text
-    assert replayed.pipeline["num_replayed"] == 1 and replayed.pipeline["num_ilps"] >= 1
-    assert_equivalent(run_steps(par, state, batches), run_steps(replay, state, batches),
-                      compare_params=True, rtol=1e-6)
+    broken = [dict(r) for r in plan.stage_solutions]
+    del broken[0]["param_specs"]
+    for records, message in [(stale, "stage 1 of the saved plan was solved for another stage"),
+                             (broken, "solution of stage 0 cannot be read (KeyError")]:
+        edited = autopar.ParallelPlan.from_json(dataclasses.replace(
+            plan, stage_solutions=tuple(records)).to_json())
+        replay = autopar.parallelize(par.__wrapped__, mesh=mesh_of((2, 4)), method=method,
+                                     plan=edited)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            replayed = replay.get_plan(state, batches[0])
+        assert message in caplog.text
+        assert replayed.pipeline["num_replayed"] == 1 and replayed.pipeline["num_ilps"] >= 1
+        assert_equivalent(want, run_steps(replay, state, batches), compare_params=True,
+                          rtol=1e-6)
 
 
 @pytest.mark.parametrize("schedule", [F, G])
