@@ -145,6 +145,16 @@ def _plan_cache(option) -> PlanCache | None:
         "or False (no plan cache).")
 
 
+def _matching(plan_: ParallelPlan, fingerprint: str) -> ParallelPlan:
+    """`plan_` if it was made for the traced step with this fingerprint, else a clear error."""
+    if plan_.graph_fingerprint != fingerprint:
+        raise PlanMismatchError(
+            "the saved plan was made for a different function or argument shapes (plan "
+            f"fingerprint {plan_.graph_fingerprint}, this call {fingerprint}). Fix: re-plan, or "
+            "call with the shapes the plan was made for.")
+    return plan_
+
+
 def _layout_text(program) -> str:
     """Every sharding a pipeline program places values on, as text (to compare processes)."""
     parts = [repr(s) for s in program.in_shardings]
@@ -239,13 +249,7 @@ class ParallelizedFunction:
                       batch_argnums=self._batch, donate_argnums=self._donate)
         _check_batch(graph)
         if self._saved_plan is not None:
-            plan_ = self._saved_plan
-            if plan_.graph_fingerprint != graph_fingerprint(graph):
-                raise PlanMismatchError(
-                    "the saved plan was made for a different function or argument shapes "
-                    f"(plan fingerprint {plan_.graph_fingerprint}, this call "
-                    f"{graph_fingerprint(graph)}). Fix: re-plan, or call with the shapes the "
-                    "plan was made for.")
+            plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
                 graph, self.cluster, mesh.devices.shape, mesh.axis_names, self._method,
@@ -262,6 +266,7 @@ class ParallelizedFunction:
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
                   donate_argnums=self._donate)
         step = trace(self._fun, args, keep_grad=True, **kw)
+        fingerprint = graph_fingerprint(step)
 
         def run(m, solutions=()):
             return plan_pipeline(self._fun, args, cluster=cluster,
@@ -276,16 +281,11 @@ class ParallelizedFunction:
                 nonlocal searched
                 searched = run(method)
                 return searched[0]
-            replay = self._find(args, graph_fingerprint(step), mesh, search)
+            replay = self._find(args, fingerprint, mesh, search)
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages and their solutions
-            if replay.graph_fingerprint != graph_fingerprint(step):
-                raise PlanMismatchError(
-                    "the saved plan was made for a different function or argument shapes (plan"
-                    f" fingerprint {replay.graph_fingerprint}, this call "
-                    f"{graph_fingerprint(step)}). Fix: re-plan, or call with the shapes the "
-                    "plan was made for.")
+            _matching(replay, fingerprint)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), replay.stage_solutions)
@@ -300,7 +300,7 @@ class ParallelizedFunction:
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
-        check_agreement(graph_fingerprint(step), _layout_text(program), "pipeline layouts")
+        check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
 
     def _leaves(self, args) -> list:
