@@ -62,11 +62,19 @@ class ShardParallel:
         chooses everything else around it. Optimizer-state paths contain their parameter's
         path, so one rule usually pins both. In a pipeline the rules apply inside every
         stage, whose logical mesh axes are ("data", "model"). Use it to try a hand-written
-        plan (e.g. Megatron's column/row split) under the same cost model.
+        plan (e.g. Megatron's column/row split) under the same cost model. A rule that
+        splits the leading dimension of the batch leaves pins the whole batch path, as
+        `batch_axis` does.
+      batch_axis: a mesh axis name (or tuple of names) the batch dimension is split over
+        along the whole batch path: the batch leaves and every value computed from them keep
+        their batch dimension on these axes (Alpa's `force_batch_dim_to_mesh_dim`); the ILP
+        chooses what the other axes split. DataParallel and ZeRO split the batch over every
+        axis unless it names fewer.
 
     Example:
         >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
         >>> autopar.Zero3Parallel(num_microbatches=2)
+        >>> autopar.ShardParallel(batch_axis="data")        # data parallel on "data", ILP on the rest
         >>> autopar.ShardParallel(sharding_rules=(         # Megatron-style MLP, batch on data
         ...     (r"\['fc'\]\['kernel'\]", (None, "model")),
         ...     (r"\['proj'\]\['kernel'\]", ("model", None)),
@@ -78,6 +86,7 @@ class ShardParallel:
     layer_reuse: LayerReuse = LayerReuse.AUTO
     num_microbatches: int = 1
     sharding_rules: tuple[tuple[str, tuple], ...] = ()
+    batch_axis: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         v = self.num_microbatches
@@ -95,6 +104,15 @@ class ShardParallel:
                 f"solver={self.solver!r} is not a SolverBackend; use one of "
                 f"{[b for b in SolverBackend]}.")
         object.__setattr__(self, "sharding_rules", _check_rules(self.sharding_rules))
+        axis = self.batch_axis
+        if isinstance(axis, list):
+            axis = tuple(axis)
+            object.__setattr__(self, "batch_axis", axis)
+        if not (axis is None or isinstance(axis, str) or (
+                isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis))):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.batch_axis={axis!r} must be None, a mesh axis name or "
+                "a tuple of axis names, e.g. batch_axis='data'.")
 
     @property
     def kind(self) -> MethodKind:

@@ -42,6 +42,7 @@ class Built:
     owners: list[tuple[str, int]]           # group -> ("input" | "node" | "const", id)
     constant_tensors: frozenset[int]        # tensors computed from constants alone
     fallbacks: list[Fallback] = field(default_factory=list)
+    unmet_pins: tuple[int, ...] = ()        # tensors no option could give the method's sharding
 
     def signatures(self) -> list[tuple]:
         """Per group, what its options are (tied groups must agree option by option)."""
@@ -154,7 +155,9 @@ class _Builder:
         name = node.primitive
         follow = FOLLOW_RULES.get(name)
         if follow is not None and node.inputs and node.outputs:
+            biggest = max(self.g.tensors[t].size for t in node.inputs)
             pos = main_operand(self.ctx, node, lambda t: (
+                self._pinned_split(t) and self.g.tensors[t].size == biggest,
                 len(self.tensor_specs[t]) > 1, not cheap[t]))
             if pos is not None:
                 return self._add_follower(node, follow, pos)
@@ -173,6 +176,13 @@ class _Builder:
                 self.fallbacks.append(Fallback(node=node.id, primitive=name,
                                                source=node.source, reason=reason))
         self._add_leader(node, strategies)
+
+    def _pinned_split(self, tid: int) -> bool:
+        """Whether `tid` has one possible sharding and it is split (a pinned ZeRO moment or a
+        `sharding_rules` pin): an elementwise update of its size follows it, so the update
+        runs on the shard instead of gathering the pinned operand."""
+        specs = self.tensor_specs[tid]
+        return len(specs) == 1 and any(specs[0])
 
     def _objective(self, node, s: Strategy) -> float:
         return s.compute_s + s.comm_s
@@ -201,6 +211,49 @@ class _Builder:
         for j, tid in enumerate(node.outputs):
             self.tensor_group[tid] = g
             self.tensor_specs[tid] = [s.out_specs[j] for s in strategies]
+
+    # --------------------------------------------------------------------- method pins
+    def restrict(self, allowed: Callable[..., bool]) -> list[int]:
+        """Drop the options of every group that give one of its tensors, or want for one of
+        its operators' operands, a sharding the method forbids (`allowed(tid, spec,
+        wanted)`), so the
+        ILP cannot choose them (a batch-split activation is then never gathered either). A
+        tensor that no option of its group can satisfy is returned (reported, not enforced)."""
+        checks: dict[int, list] = {}     # group -> (tensor, spec per option, wanted)
+        for tid, g in enumerate(self.tensor_group):
+            if g >= 0:
+                checks.setdefault(g, []).append((tid, self.tensor_specs[tid], False))
+        for nid, g in enumerate(self.node_group):
+            strategies = self.node_strategies[nid]
+            if g >= 0:
+                for i, tid in enumerate(self.g.nodes[nid].inputs):
+                    checks.setdefault(g, []).append(
+                        (tid, [s.in_specs[i] for s in strategies], True))
+        unmet, keep = set(), {}
+        for g, items in checks.items():
+            mask = np.ones(len(self.costs[g]), dtype=bool)
+            for tid, specs, wanted in items:
+                ok = np.array([s is None or allowed(tid, s, wanted) for s in specs])
+                if ok.all():
+                    continue
+                if (mask & ok).any():
+                    mask &= ok
+                else:
+                    unmet.add(tid)
+            if not mask.all():
+                keep[g] = np.flatnonzero(mask)
+        for g, idx in keep.items():
+            self.costs[g], self.diag[g] = self.costs[g][idx], self.diag[g][idx]
+        for tid, g in enumerate(self.tensor_group):
+            if g in keep:
+                self.tensor_specs[tid] = [self.tensor_specs[tid][i] for i in keep[g]]
+        for nid, g in enumerate(self.node_group):
+            if g in keep:
+                self.node_strategies[nid] = [self.node_strategies[nid][i] for i in keep[g]]
+        for (u, v), mat in list(self.edges.items()):
+            if u in keep or v in keep:
+                self.edges[(u, v)] = mat[keep.get(u, slice(None))][:, keep.get(v, slice(None))]
+        return sorted(unmet)
 
     # -------------------------------------------------------------------------- memory
     def memory_points(self, budget: float | None) -> list[MemoryPoint]:
@@ -300,10 +353,12 @@ class _LiveBytes:
 
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
-              output_targets: dict[int, int], budget: float | None) -> Built:
+              output_targets: dict[int, int], budget: float | None,
+              allowed: Callable[..., bool] | None = None) -> Built:
     """Build the ILP. `output_targets` maps a flat output position to the input tensor it
     replaces next step (a loop-carried state): the output is charged for moving into that
-    input's sharding."""
+    input's sharding. `allowed(tid, spec)`: the method's pins on every tensor (see
+    `constraints.method_tensor_rule`); options that break them are not offered."""
     b = _Builder(graph, ctx, input_options)
     b.add_sources()
     cheap = cheap_source_tensors(graph)
@@ -313,6 +368,7 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
         out_tid = graph.outputs[pos]
         g_in = b.tensor_group[in_tid]
         b.connect(out_tid, g_in, list(b.tensor_specs[in_tid]))
+    unmet = b.restrict(allowed) if allowed is not None else []
     node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
     edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]
     problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
@@ -321,7 +377,7 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
-                 owners=b.owners, fallbacks=b.fallbacks,
+                 owners=b.owners, fallbacks=b.fallbacks, unmet_pins=tuple(unmet),
                  constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
 
 

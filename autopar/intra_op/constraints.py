@@ -1,5 +1,10 @@
-"""Method constraints on the ILP: data parallel and ZeRO are the same ILP with some input
-shardings fixed (batch dimension on every device; optimizer state / parameters sharded)."""
+"""Method constraints on the ILP: data parallel and ZeRO are the same ILP with some shardings
+fixed. The input leaves are pinned (batch dimension on the data axes; optimizer state /
+parameters sharded), and so is the whole batch path: every tensor computed from the batch
+keeps its batch dimension split exactly as the batch input's (see `batch_dims`), and under
+DataParallel every other tensor (parameters, gradients, the update) is replicated. A
+`ShardParallel(batch_axis=...)`, or a `sharding_rules` entry that splits a batch leaf's leading
+dimension, pins the batch path the same way and leaves the other axes to the ILP."""
 from __future__ import annotations
 
 import math
@@ -10,18 +15,22 @@ from ..errors import InvalidArgumentError
 from ..graph import InputRole, OpGraph
 from ..options import MethodKind, ShardParallel
 from ..spec import Spec, enumerate_specs, is_valid, num_shards, replicated
+from .batch_dims import batch_dims
 from .build import default_input_options
 
 
-def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int], path: str, method: str) -> Spec:
-    """Leading (batch) dimension split over every mesh axis of size > 1."""
-    axes = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int], path: str, method: str,
+               axes: Sequence[int] | None = None) -> Spec:
+    """Leading (batch) dimension split over the mesh `axes` (default: every axis of size > 1)."""
+    if axes is None:
+        axes = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+    axes = tuple(axes)
     if not shape:
         return ()
     n = math.prod(mesh_shape[a] for a in axes)
     if shape[0] % n:
         raise InvalidArgumentError(
-            f"{method} splits the batch (leading) dimension over all {n} devices, but batch "
+            f"{method} splits the batch (leading) dimension over {n} devices, but batch "
             f"leaf `{path}` has shape {tuple(shape)}: {shape[0]} is not divisible by {n} "
             f"(mesh shape {tuple(mesh_shape)}). Fix: use a batch size that is a multiple of "
             f"{n}, or method=autopar.ShardParallel(), which chooses shardings that divide.")
@@ -79,13 +88,80 @@ def rule_spec(rules, path: str, shape: Sequence[int], mesh_shape: Sequence[int],
     return None
 
 
+def batch_axes(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
+               axis_names: Sequence[str] = (), paths: Sequence[str] | None = None,
+               ) -> tuple[int, ...] | None:
+    """The mesh axes the batch dimension is pinned to along the whole batch path, or None
+    (the ILP chooses): `method.batch_axis`; else every axis of size > 1 for DataParallel and
+    ZeRO; else the axes a `sharding_rules` entry splits the leading dimension of the batch
+    leaves over (when the entries that match batch leaves agree).
+
+    Raises:
+      InvalidArgumentError: `batch_axis` names an axis the mesh lacks.
+    """
+    if method.batch_axis is not None:
+        names = (method.batch_axis,) if isinstance(method.batch_axis, str) \
+            else tuple(method.batch_axis)
+        unknown = [a for a in names if a not in axis_names]
+        if unknown:
+            raise InvalidArgumentError(
+                f"{type(method).__name__}(batch_axis={method.batch_axis!r}): the mesh axes are "
+                f"{tuple(axis_names)}; there is no axis {unknown[0]!r}. Fix: name mesh axes "
+                f"(in a pipeline, each stage's axes are ('data', 'model')).")
+        return tuple(axis_names.index(a) for a in names)
+    if method.kind in (MethodKind.DATA, MethodKind.ZERO2, MethodKind.ZERO3):
+        return tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+    if not method.sharding_rules:
+        return None
+    path_of = dict(zip(graph.inputs, paths)) if paths is not None else {}
+    pinned = set()
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        path = path_of.get(tid) or t.path
+        if t.role == InputRole.BATCH and t.rank and path:
+            spec = rule_spec(method.sharding_rules, path, t.shape, mesh_shape, axis_names)
+            if spec is not None and spec[0]:
+                pinned.add(spec[0])
+    return pinned.pop() if len(pinned) == 1 else None
+
+
+def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
+                       axis_names: Sequence[str] = (), paths: Sequence[str] | None = None,
+                       sources: dict[int, int] | None = None,
+                       ) -> Callable[..., bool] | None:
+    """`allowed(tid, spec, wanted=False)`: whether tensor `tid` may take sharding `spec` under
+    `method`, or with `wanted`, be read in `spec` by an operator (None: every sharding may).
+
+    With batch axes A (see `batch_axes`), a tensor whose batch dimension d (see `batch_dims`;
+    `sources` seeds it, default the batch inputs' leading dimensions) divides by A's size
+    keeps A on d: exactly A and nothing else under DataParallel and ZeRO, A first under
+    ShardParallel (other axes are the ILP's). DataParallel replicates every other tensor."""
+    axes = batch_axes(graph, method, mesh_shape, axis_names, paths)
+    if axes is None:
+        return None
+    dims = batch_dims(graph, sources)
+    n = math.prod(mesh_shape[a] for a in axes)
+    exact = method.kind != MethodKind.SHARD
+    replicate_rest = method.kind == MethodKind.DATA
+
+    def allowed(tid: int, spec: Spec, wanted: bool = False) -> bool:
+        d = dims[tid]
+        if d is None or graph.tensors[tid].shape[d] % n:
+            # an operator may take a slice of a replicated value: that moves nothing
+            return wanted or not (replicate_rest and any(spec))
+        if exact:
+            return spec[d] == axes and not any(s for i, s in enumerate(spec) if i != d)
+        return spec[d][:len(axes)] == axes
+    return allowed
+
+
 def method_input_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
                          axis_names: Sequence[str] = (),
                          paths: Sequence[str] | None = None) -> Callable[[int], list[Spec]]:
     """The shardings each graph input may take under `method`: its `sharding_rules` first
     (by the leaf's path; `paths[i]` overrides the path of `graph.inputs[i]`, for a stage graph
     whose inputs come from a step), then the method's own rules."""
-    base = _kind_options(graph, method, mesh_shape)
+    base = _kind_options(graph, method, mesh_shape, axis_names)
     rules = method.sharding_rules
     if not rules:
         return base
@@ -101,18 +177,19 @@ def method_input_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequ
     return options
 
 
-def _kind_options(graph: OpGraph, method: ShardParallel,
-                  mesh_shape: Sequence[int]) -> Callable[[int], list[Spec]]:
+def _kind_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
+                  axis_names: Sequence[str]) -> Callable[[int], list[Spec]]:
     free = default_input_options(graph, mesh_shape)
     kind = method.kind
     if kind == MethodKind.SHARD:
         return free
     label = type(method).__name__
+    axes = batch_axes(graph, method, mesh_shape, axis_names)
 
     def options(tid: int) -> list[Spec]:
         t = graph.tensors[tid]
         if t.role == InputRole.BATCH:
-            return [batch_spec(t.shape, mesh_shape, t.path, label)]
+            return [batch_spec(t.shape, mesh_shape, t.path, label, axes)]
         if t.role == InputRole.OPT_STATE and kind in (MethodKind.ZERO2, MethodKind.ZERO3):
             return [zero_spec(t.shape, mesh_shape)]
         if t.role == InputRole.PARAM and kind == MethodKind.ZERO3:

@@ -126,12 +126,37 @@ def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]
         specs = [_spec_from(len(s), a) for s, a in zip(shapes, assigns)]
         shards = math.prod(ctx.mesh_shape[a] for axes in used.values() for a in axes)
         out_bytes = out_t.nbytes / num_shards(specs[-1], ctx.mesh_shape)
-        comm_s = ctx.all_reduce(node, out_bytes, red_axes)
-        comm = ctx.all_reduce_label(out_bytes, red_axes)
-        strategies.append(Strategy(name=" ".join(names) or "replicated", in_specs=tuple(specs[:-1]),
-                                   out_specs=(specs[-1],), compute_s=ctx.compute(node, shards),
-                                   comm_s=comm_s, comm=comm))
+        name, compute_s = " ".join(names) or "replicated", ctx.compute(node, shards)
+        strategies.append(Strategy(name=name, in_specs=tuple(specs[:-1]), out_specs=(specs[-1],),
+                                   compute_s=compute_s,
+                                   comm_s=ctx.all_reduce(node, out_bytes, red_axes),
+                                   comm=ctx.all_reduce_label(out_bytes, red_axes)))
+        if red_axes and node.id in ctx.deferred:
+            strategies += _reduce_scatter_variants(ctx, node, strategies[-1], red_axes,
+                                                   out_bytes)
     return strategies
+
+
+def _reduce_scatter_variants(ctx: RuleContext, node: Node, s: Strategy, red_axes: list[int],
+                             in_bytes: float) -> list[Strategy]:
+    """`s` with its partial sums reduce-scattered onto one output dimension instead of
+    all-reduced: the strategy ZeRO's gradients take (each device keeps the reduced shard it
+    updates). Offered for nodes that feed no heavy operator (gradients on their way to the
+    optimizer), where the scattered result is worth its smaller update and memory."""
+    out = []
+    spec, shape = s.out_specs[0], ctx.t(node.outputs[0]).shape
+    n = math.prod(ctx.mesh_shape[a] for a in red_axes)
+    for d in range(len(shape)):
+        if spec[d] or shape[d] % n:
+            continue
+        scattered = spec[:d] + (tuple(red_axes),) + spec[d + 1:]
+        comm_s = ctx.cost.reduce_scatter_s(in_bytes, red_axes) \
+            - ctx.cost.reduce_scatter_s(0.0, red_axes)       # deferred: combined by XLA
+        label = (f"reduce-scatter({ctx.axis_label(red_axes)}) {format_bytes(in_bytes)}")
+        out.append(Strategy(name=f"{s.name} rs{d}", in_specs=s.in_specs,
+                            out_specs=(scattered,), compute_s=s.compute_s, comm_s=comm_s,
+                            comm=label))
+    return out
 
 
 def dot_general_rule(ctx: RuleContext, node: Node) -> list[Strategy]:

@@ -15,7 +15,7 @@ from ..graph import OpGraph, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
 from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
-from .constraints import method_input_options
+from .constraints import method_input_options, method_tensor_rule
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
                   with_extra_bytes)
 from .layers import find_family, group_keys, tie, tied_problem
@@ -120,20 +120,43 @@ class IntraOpProblem:
 
 def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    output_targets: dict[int, int], input_paths: tuple[str, ...] | None = None,
-                   *, points_above: float | None = None) -> IntraOpProblem:
+                   *, points_above: float | None = None,
+                   batch_sources: dict[int, int] | None = None) -> IntraOpProblem:
     """Build the ILP (strategies, costs, memory points). Memory points are kept where the
     live bytes could exceed `points_above` (default: the method's budget); pass 0 to solve it
-    later at budgets below that, or for its least memory (`least_memory`)."""
+    later at budgets below that, or for its least memory (`least_memory`). `batch_sources`
+    maps tensor ids to their batch dimension (default: the batch inputs' leading one), where
+    the method pins the batch path."""
     mesh = cost.mesh
     budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
+    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, input_paths,
+                                 batch_sources)
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
-                      output_targets, budget if points_above is None else float(points_above))
+                      output_targets, budget if points_above is None else float(points_above),
+                      allowed)
+    if built.unmet_pins:
+        _warn_unmet(graph, method, built.unmet_pins)
     built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)
     return IntraOpProblem(graph=graph, mesh=mesh, method=method, built=built,
                           output_targets=output_targets, build_time_s=time.perf_counter() - t0)
+
+
+def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...]) -> None:
+    """Say which values the method could not keep on its sharding (no strategy of the
+    operator making them can), with where they are made."""
+    where = []
+    for tid in unmet[:4]:
+        t = graph.tensors[tid]
+        made = graph.nodes[t.producer] if t.producer is not None else None
+        where.append(f"{t.path or 'value'} {t.shape} from {made.primitive} at {made.source}"
+                     if made is not None else f"{t.path or 'value'} {t.shape}")
+    log.warning("autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
+                "operator making them keeps the batch split as the method says): %s%s",
+                type(method).__name__, len(unmet), "; ".join(where),
+                " ..." if len(unmet) > 4 else "")
 
 
 def least_memory(p: IntraOpProblem) -> float:
