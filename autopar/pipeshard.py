@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import jax
 
 from .cluster import ClusterSpec
 from .errors import InvalidArgumentError
+from .graph import InputRole
+from .intra_op.constraints import method_input_options
 from .inter_op.apply_grad import Placement, place
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from .inter_op.stage_solve import solution_from_record, solution_record
@@ -32,7 +35,7 @@ from .plan import ParallelPlan, StagePlan, graph_fingerprint
 from .planner import output_paths, tensor_plans
 from .primitives import HEAVY_OPERATORS
 from .runtime.schedule import make_schedule
-from .spec import replicated
+from .spec import Spec, replicated
 from .trace import _abstract, check_argnums, trace
 
 log = logging.getLogger(__name__)
@@ -128,12 +131,35 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
     t1 = time.perf_counter()
     result = choose_stages(loss, tuple(bounds), cluster, tuple(device_ids), method,
                            stage_method, _readable(stage_solutions))
-    placement = place(loss, result.stages)
+    placement = place(loss, result.stages, _state_pins(loss, result, stage_method or method))
     t_stages = time.perf_counter() - t1
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
                        {"trace": t_trace, "inter_op": t_stages},
                        (stage_method or method).kind)
     return plan, PipelineParts(loss=loss, inter_op=result, placement=placement), step
+
+
+def _state_pins(loss: LossGraph, result: InterOpResult, method: ShardParallel):
+    """`pinned(tid, stage)` for `place`: the sharding the method's own rules give a step
+    input that no stage's ILP placed (optimizer state, ...) on that stage's logical mesh:
+    ZeRO's sharded optimizer state under gradient accumulation, `sharding_rules` anywhere."""
+    if method.kind == MethodKind.PIPESHARD:     # a pipeline's stages follow ShardParallel
+        method = ShardParallel(**{f.name: getattr(method, f.name)
+                                  for f in dataclasses.fields(ShardParallel)})
+    if method.kind == MethodKind.SHARD and not method.sharding_rules:
+        return None
+    step, options = loss.step, {}
+
+    def pinned(tid: int, stage: int) -> Spec | None:
+        shape = result.stages[stage].solution.logical_shape
+        if shape not in options:
+            options[shape] = method_input_options(step, method, shape, AXIS_NAMES)
+        t = step.tensors[tid]
+        if t.role == InputRole.BATCH:
+            return None
+        found = options[shape](tid)
+        return found[0] if len(found) == 1 else None
+    return pinned
 
 
 def _readable(records: tuple[dict, ...]) -> tuple:

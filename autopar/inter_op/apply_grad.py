@@ -13,6 +13,7 @@ are joined through elementwise operators of equal shape).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..graph import OpGraph, TensorKind
 from ..primitives import ELEMENTWISE
@@ -153,7 +154,12 @@ def _segments(step: OpGraph, color: list[int], num_stages: int) -> tuple[Segment
     return tuple(out)
 
 
-def place(loss: LossGraph, stages: tuple[ChosenStage, ...]) -> Placement:
+def place(loss: LossGraph, stages: tuple[ChosenStage, ...],
+          pinned: Callable[[int, int], Spec | None] | None = None) -> Placement:
+    """Where every state leaf and apply-gradient operator goes. `pinned(tid, stage)`: the
+    sharding the method fixes for step input `tid` on that stage's logical mesh (ZeRO's
+    sharded optimizer state, a `sharding_rules` entry), or None; it overrides the sharding a
+    leaf would take from its parameter."""
     step = loss.step
     num_stages = len(stages)
     stage, spec, readers = _known(loss, stages)
@@ -179,7 +185,8 @@ def place(loss: LossGraph, stages: tuple[ChosenStage, ...]) -> Placement:
             users = [color[c] for c in consumers[tid] if color[c] >= 0]
             s = users[0] if users else 0
         in_stage.append(s)
-        in_spec.append(spec.get(tid) or class_spec.get(uf.find(tid)) or replicated(t.rank))
+        in_spec.append(spec.get(tid) or (pinned and pinned(tid, s))
+                       or class_spec.get(uf.find(tid)) or replicated(t.rank))
     out_stage, out_spec = [], []
     for pos, tid in enumerate(step.outputs):
         src = step.carried_outputs.get(pos)

@@ -208,13 +208,34 @@ def _gather(graph, node, dims):
 
 
 def _scatter(graph, node, dims):
-    """The result has the operand's shape: batched only where the operand is (a scatter of
-    per-example updates into a table, an embedding gradient, loses the batch)."""
+    """The result has the operand's shape: batched where the operand is, or where the
+    per-example indices or updates scatter along an operand batching dimension (the
+    transpose of `take_along_axis`); a scatter of per-example updates into a shared table
+    (an embedding gradient) loses the batch."""
     d = dims[node.inputs[0]]
     dn = node.eqn.params["dimension_numbers"]
-    if d is None or d in dn.scatter_dims_to_operand_dims:
-        return [None]
-    return [d]
+    if d is not None:
+        return [None if d in dn.scatter_dims_to_operand_dims else d]
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    j = dims[node.inputs[1]]
+    if j is None and len(node.inputs) > 2 and dims[node.inputs[2]] is not None:
+        update_rank = len(_shape(graph, node.inputs[2]))
+        scatter_dims = [x for x in range(update_rank) if x not in dn.update_window_dims]
+        du = dims[node.inputs[2]]
+        j = scatter_dims.index(du) if du in scatter_dims else None
+    if j is not None and j in idx_batching:
+        return [op_batching[idx_batching.index(j)]]
+    du = dims[node.inputs[2]] if len(node.inputs) > 2 else None
+    if du is not None and du in dn.update_window_dims:     # a whole-extent window dimension
+        operand_shape = _shape(graph, node.inputs[0])
+        window = [x for x in range(len(operand_shape)) if x not in dn.inserted_window_dims
+                  and x not in op_batching]
+        d = window[list(dn.update_window_dims).index(du)]
+        if _shape(graph, node.inputs[2])[du] == operand_shape[d] \
+                and d not in dn.scatter_dims_to_operand_dims:
+            return [d]
+    return [None]
 
 
 _RULES = {
