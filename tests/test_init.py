@@ -67,25 +67,27 @@ def _assert_bit_identical(got, create_state):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
 
 
-def test_state_larger_than_the_budget_is_created_sharded():
+@pytest.mark.parametrize("method", [autopar.Zero3Parallel, autopar.ShardParallel])
+def test_state_larger_than_the_budget_is_created_sharded(method):
     cfg = GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128, num_heads=4)
     create_state, train_step, batches = gpt_case(cfg, optax.adam(1e-3), batch_size=8)
     total = _nbytes(jax.eval_shape(create_state, KEY))            # params + 2 Adam moments
-    budget = total // 2
+    budget = total // 2                                           # 3.2 MB of 6.4 MB
     step = autopar.parallelize(train_step, mesh=mesh_of((2, 4)), donate_argnums=(0,),
-                               method=autopar.Zero3Parallel(memory_budget_bytes=budget))
+                               method=method(memory_budget_bytes=budget))
     init = compile_init(create_state, step, batches[0], create_args=(KEY,))
     assert len(init.parts) == 1
     # XLA's own account of the init executable: no device holds anything like the state.
     mem = init.parts[0].compiled.memory_analysis()
     assert mem.output_size_in_bytes + mem.temp_size_in_bytes < budget
-    assert init.memory_bytes_per_device < total / 4
+    assert init.memory_bytes_per_device < budget
 
     state = init.run(KEY)
     _assert_layout(state, step.input_shardings(state, batches[0])[0])
     per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(state))
     assert per_device < budget < total
-    assert per_device <= total / 4
+    if method is autopar.Zero3Parallel:          # every parameter and moment split 8 ways
+        assert per_device <= total / 4 and init.memory_bytes_per_device < total / 4
     plan = step.get_plan(state, batches[0])
     assert plan.peak_memory_bytes <= budget
     state, loss, _ = step(state, batches[0])
@@ -145,6 +147,20 @@ def test_pipeline_init_creates_each_stage_leaf_on_its_submesh():
     ref = run_steps(jax.jit(train_step), jax.jit(create_state)(KEY), batches)
     got = run_steps(step, state, batches)
     assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert len(step._cache) == 1
+
+
+def test_gradient_accumulation_init():
+    """num_microbatches > 1 runs on the pipeline machinery (one stage on the whole mesh)."""
+    create_state, train_step, batches = gpt_case(TINY_GPT, sgd_momentum_clip(),
+                                                 value_and_grad=autopar.value_and_grad)
+    method = autopar.ShardParallel(num_microbatches=2, sharding_rules=megatron_rules())
+    step = autopar.parallelize(train_step, mesh=mesh_of((2, 4)), method=method)
+    state = step.init(create_state, batches[0], create_args=(KEY,))
+    _assert_layout(state, step.input_shardings(state, batches[0])[0])
+    _assert_bit_identical(state, create_state)
+    ref = run_steps(jax.jit(train_step), jax.jit(create_state)(KEY), batches)
+    assert_equivalent(ref, run_steps(step, state, batches), compare_params=True, rtol=2e-5)
     assert len(step._cache) == 1
 
 
