@@ -74,6 +74,7 @@ class ShardedInit:
                 f"ShardedInit.run: create_args have the structure {tree}, but the init was "
                 f"compiled for {self.args_tree}. Fix: pass arguments like those given to "
                 f"compile_init.")
+        flat = _key_data(flat)
         leaves: list = [None] * self.state_tree.num_leaves
         for part in self.parts:
             outs = part.compiled(*(put(x, s) for x, s in zip(flat, part.arg_shardings)))
@@ -130,6 +131,8 @@ def compile_init(create_state: Callable, step, *example_args, state_argnum: int 
     weak_flat = [x.weak_type for x in jax.tree_util.tree_leaves(weak)]
     flat_sh = state_tree.flatten_up_to(shardings)
     flat_args, args_tree = jax.tree_util.tree_flatten(create_args)
+    impls = tuple(jax.random.key_impl(x) if _is_key(x) else None for x in flat_args)
+    flat_args = _key_data(flat_args)
 
     groups: dict[Any, list[int]] = {}          # mesh -> the state leaves it holds
     for i, s in enumerate(flat_sh):
@@ -137,7 +140,7 @@ def compile_init(create_state: Callable, step, *example_args, state_argnum: int 
     parts = []
     for mesh, idx in groups.items():
         replicated = tuple(NamedSharding(mesh, PartitionSpec()) for _ in flat_args)
-        fn = _part_fn(create_state, args_tree, idx, [weak_flat[i] for i in idx])
+        fn = _part_fn(create_state, args_tree, impls, idx, [weak_flat[i] for i in idx])
         jitted = jax.jit(fn, in_shardings=replicated,
                          out_shardings=tuple(flat_sh[i] for i in idx))
         placed = [put(x, s) for x, s in zip(flat_args, replicated)]
@@ -183,9 +186,22 @@ def init_sharded(create_state: Callable, step, *example_args, state_argnum: int 
                         create_args=create_args).run(*create_args)
 
 
-def _part_fn(create_state, args_tree, idx, weak) -> Callable:
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_data(flat: list) -> list:
+    """Typed PRNG keys as their raw uint32 data: `put` places any array on a mesh (in a
+    multi-process job through numpy, which has no key dtype); `_part_fn` wraps them again."""
+    return [jax.random.key_data(x) if _is_key(x) else x for x in flat]
+
+
+def _part_fn(create_state, args_tree, impls, idx, weak) -> Callable:
     """`create_state` keeping the state leaves `idx` (weakly typed ones made strong)."""
     def fn(*flat_args):
+        flat_args = [x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+                     for x, impl in zip(flat_args, impls)]
         out = jax.tree_util.tree_leaves(create_state(*jax.tree_util.tree_unflatten(
             args_tree, flat_args)))
         return tuple(jax.lax.convert_element_type(out[i], jax.numpy.result_type(out[i]))

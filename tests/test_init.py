@@ -214,3 +214,26 @@ def test_abstract_state_is_strongly_typed():
     state = abstract_state(create_state, (KEY,))
     assert state.step.dtype == jnp.int32 and not state.step.weak_type
     assert jax.eval_shape(create_state, KEY).step.weak_type      # what is made strong
+
+
+def test_create_args_of_every_kind_reach_create_state():
+    """A typed key, raw key data, a Python int and a numpy array, each replicated; the values
+    equal `jax.jit(create)` on one device and the init re-runs with new arguments."""
+    def create(key, raw, n, arr):
+        noise = jax.random.normal(jax.random.wrap_key_data(raw), (64, 32))
+        return {"w": jax.random.normal(key, (64, 32)) + noise * n, "b": jnp.asarray(arr) * n}
+
+    def step(p, x):
+        return jax.tree_util.tree_map(lambda a: a * 0.9, p), jnp.sum(jnp.tanh(x @ p["w"]) + p["b"])
+
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)))
+    x = jnp.ones((8, 64))
+    args = (KEY, jax.random.key_data(jax.random.key(4)), 2, np.arange(32, dtype=np.float32))
+    init = compile_init(create, par, x, create_args=args)
+    for a in (args, (jax.random.key(5), *args[1:])):
+        state, want = init.run(*a), jax.jit(create)(*a)
+        _assert_layout(state, par.input_shardings(state, x)[0])
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(state[k]), np.asarray(want[k]))
+    with pytest.raises(autopar.InvalidArgumentError, match="create_args have the structure"):
+        init.run(KEY)
