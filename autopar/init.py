@@ -45,9 +45,12 @@ class InitPart:
     compiled: Any                              # jax.stages.Compiled
 
     @property
-    def memory_bytes_per_device(self) -> int:
-        """Arguments + outputs + temporaries per device, from XLA's memory analysis."""
+    def memory_bytes_per_device(self) -> int | None:
+        """Arguments + outputs + temporaries per device, from XLA's memory analysis (None
+        where the backend gives none)."""
         m = self.compiled.memory_analysis()
+        if m is None:
+            return None
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                    - m.alias_size_in_bytes)
 
@@ -62,9 +65,11 @@ class ShardedInit:
     parts: tuple[InitPart, ...]
 
     @property
-    def memory_bytes_per_device(self) -> int:
-        """The most any device needs while the state is created (the largest part's)."""
-        return max((p.memory_bytes_per_device for p in self.parts), default=0)
+    def memory_bytes_per_device(self) -> int | None:
+        """The most any device needs while the state is created (the largest part's; None
+        where the backend reports no memory analysis)."""
+        sizes = [p.memory_bytes_per_device for p in self.parts]
+        return None if None in sizes else max(sizes, default=0)
 
     def run(self, *create_args):
         """The state `create_state(*create_args)`, each leaf on its plan sharding."""
@@ -149,8 +154,8 @@ def compile_init(create_state: Callable, step, *example_args, state_argnum: int 
     init = ShardedInit(state_tree=state_tree, shardings=shardings, args_tree=args_tree,
                        parts=tuple(parts))
     total = sum(x.size * x.dtype.itemsize for x in abstract)
-    log.info("autopar: init of a %.1f MiB state in %d executable(s); at most %.1f MiB per "
-             "device", total / 2**20, len(parts), init.memory_bytes_per_device / 2**20)
+    log.info("autopar: init of a %.1f MiB state in %d executable(s); per device at most %s "
+             "bytes", total / 2**20, len(parts), init.memory_bytes_per_device)
     return init
 
 
@@ -263,9 +268,9 @@ def _check_matches(step, args, state_argnum) -> None:
         raise InvalidArgumentError(
             f"init_sharded: create_state returns a state that differs from what `{fun}` "
             f"expects as argument {state_argnum} according to {source}: first differing leaf "
-            f"`{(g or w)[0]}` (flat leaf {i}): create_state gives `{_leaf_text(g, not same)}`, the step "
-            f"expects `{_leaf_text(w, not same)}`. Fix: make create_state return the state the step was "
-            f"planned for, or {fix}.")
+            f"`{(g or w)[0]}` (flat leaf {i}): create_state gives `{_leaf_text(g, not same)}`, "
+            f"the step expects `{_leaf_text(w, not same)}`. Fix: make create_state return the "
+            f"state the step was planned for, or {fix}.")
 
 
 def _leaf_text(leaf, with_path: bool) -> str:
