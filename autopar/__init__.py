@@ -13,6 +13,7 @@ from .cost import CostModel
 from .distributed import DistributedInfo, init_distributed, to_host
 from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
                      ProfileError, UnsupportedError)
+from .init import init_sharded
 from .inspect import dump
 from .grad import grad, value_and_grad
 from .markers import mark_stage_boundary
@@ -31,7 +32,7 @@ __all__ = [
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
     "ClusterSpec", "LogicalMesh", "CostModel", "profile", "DeviceProfile", "ProfileError",
     "calibrate", "Calibration", "init_distributed", "DistributedInfo", "to_host",
-    "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps",
+    "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps", "init_sharded",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError",
 ]

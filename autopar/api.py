@@ -419,6 +419,21 @@ class ParallelizedFunction:
                                        "not PipeshardParallel, num_microbatches is 1).")
         return entry.executor
 
+    def init(self, create_state: Callable, *example_args, state_argnum: int = 0,
+             create_args: Sequence = ()):
+        """Create the state this step takes (argument `state_argnum`) directly in its plan's
+        layout, each device computing only its shards: `autopar.init_sharded(create_state,
+        self, *example_args, ...)` (see there). `example_args` are the step's other
+        arguments, concrete or `jax.ShapeDtypeStruct`; the first call reuses the plan.
+
+        Example:
+            >>> state = train_step.init(create_state, batch, create_args=(jax.random.key(0),))
+            >>> state, loss = train_step(state, batch)
+        """
+        from .init import init_sharded
+        return init_sharded(create_state, self, *example_args, state_argnum=state_argnum,
+                            create_args=create_args)
+
 
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
@@ -447,6 +462,9 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.
+
+    A state too big for one device is created directly in the plan's layout with
+    `step.init(create_state, batch, create_args=(key,))` (see `autopar.init_sharded`).
 
     Example:
         >>> @autopar.parallelize(mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
