@@ -60,7 +60,7 @@ def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, me
     timings = {"trace": graph.trace_time_s, "intra_op": time.perf_counter() - t0}
     return build_plan(graph, assignment, method=method.kind.value, cluster=cluster.name,
                       device_ids=tuple(device_ids), memory_budget_bytes=budget,
-                      timings_s=timings, call_overhead_s=logical.call_overhead_s)
+                      timings_s=timings, call_overhead_s=logical.call_overhead_s, cost=cost)
 
 
 def _check_batch(graph: OpGraph) -> None:

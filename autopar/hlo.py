@@ -46,11 +46,14 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not m or "-done(" in line:
             continue
         shape = m.group("shape")
-        if m.group("kind") != "all-reduce" and shape.startswith("("):
+        start = "-start(" in line[m.start("kind"):m.end()]
+        if m.group("kind") != "all-reduce" and start and shape.startswith("("):
             # an async start's result tuple repeats its operand: count the result half
             arrays = _ARRAY.findall(shape)
             shape = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2:])
         nbytes, count = _bytes(shape)
+        if m.group("kind") == "all-to-all":
+            count = 1    # a tuple all-to-all holds one chunk per peer of one exchange
         name = re.search(r'op_name="([^"]*)"', line)
         out.append(Collective(kind=m.group("kind"), nbytes=nbytes,
                               op_name=name.group(1) if name else "", num_operands=count))

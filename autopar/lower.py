@@ -71,28 +71,67 @@ def _same_layout(a, b) -> bool:
             and a.mesh.devices.shape == b.mesh.devices.shape and a.spec == b.spec)
 
 
-def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None) -> None:
+def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None,
+              reshard: dict[tuple[int, int], tuple] | None = None) -> None:
     """Evaluate `nodes` (in order) reading and writing tensor values in `env`; under a trace,
-    this re-emits their equations, each with its scope and source line."""
-    constrain = constrain or {}
+    this re-emits their equations, each with its scope and source line. `reshard` maps
+    (node id, operand position) to the layouts that operand passes through on its way to the
+    spec the node's strategy wants (`reshard_paths`)."""
+    constrain, reshard = constrain or {}, reshard or {}
     for node in nodes:
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
-            outs = eqn.primitive.bind(*(env[t] for t in node.inputs), **eqn.params)
+            args = [_resharded(env, t, reshard.get((node.id, i)))
+                    for i, t in enumerate(node.inputs)]
+            outs = eqn.primitive.bind(*args, **eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = (outs,)
             for tid, val in zip(node.outputs, outs):
                 sharding = constrain.get(tid)
-                env[tid] = (val if sharding is None else
-                            jax.lax.with_sharding_constraint(val, sharding))
+                for s in sharding if isinstance(sharding, tuple) else (sharding,):
+                    if s is not None:
+                        val = jax.lax.with_sharding_constraint(val, s)
+                env[tid] = val
 
 
-def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None) -> list:
+def _resharded(env: dict, tid: int, path) -> Any:
+    """Tensor `tid` moved through the layouts of `path` ((spec, sharding) pairs), one
+    constraint per step; each intermediate is kept (under the key (tid, spec)) so consumers
+    wanting the same layout share the collective."""
+    value = env[tid]
+    for spec, sharding in path or ():
+        key = (tid, spec)
+        if key not in env:
+            env[key] = jax.lax.with_sharding_constraint(value, sharding)
+        value = env[key]
+    return value
+
+
+def reshard_paths(graph: OpGraph, plan: ParallelPlan, mesh) -> dict[tuple[int, int], tuple]:
+    """(node, operand) -> ((spec, sharding), ...): the layouts each planned resharding
+    (`plan.reshards`) passes through, one collective each (`intra_op.predict.reshard_path`);
+    node -1 is a result position."""
+    from .intra_op.predict import RESULT, reshard_path
+    src = dict(plan.constraints)
+    src.update((t, p.spec) for t, p in zip(graph.inputs, plan.inputs))
+    out = {}
+    for node, operand, dst in plan.reshards:
+        tid = graph.outputs[operand] if node == RESULT else graph.nodes[node].inputs[operand]
+        t = graph.tensors[tid]
+        if tid in src:
+            steps = reshard_path(t.shape, t.itemsize, src[tid], dst, plan.mesh_shape)
+            out[(node, operand)] = tuple((s.dst, named(mesh, s.dst)) for s in steps)
+    return out
+
+
+def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None,
+              reshard: dict[tuple[int, int], tuple] | None = None) -> list:
     """Evaluate the graph's equations in order (under a trace, this re-emits them)."""
-    env: dict[int, Any] = dict(graph.const_values)
+    env: dict[Any, Any] = dict(graph.const_values)
     env.update(zip(graph.inputs, flat_args))
-    run_nodes(graph, graph.nodes, env, constrain)
-    return [env[t] for t in graph.outputs]
+    run_nodes(graph, graph.nodes, env, constrain, reshard)
+    reshard = reshard or {}
+    return [_resharded(env, t, reshard.get((-1, pos))) for pos, t in enumerate(graph.outputs)]
 
 
 def plan_input_shardings(plan: ParallelPlan, devices=None) -> tuple[NamedSharding, ...]:
@@ -131,10 +170,14 @@ def lower(graph: OpGraph, plan: ParallelPlan, mesh: jax.sharding.Mesh) -> Lowere
     in_sh = tuple(named(jmesh, t.spec) for t in plan.inputs)
     out_sh = tuple(named(jmesh, t.spec) for t in plan.outputs)
     constrain = {tid: named(jmesh, spec) for tid, spec in plan.constraints}
+    for c in plan.collectives:   # reduced whole first, then sliced (XLA:GPU fuses the two
+        if c.kind == "reduce-scatter" and c.tensor in constrain:    # into a reduce-scatter)
+            constrain[c.tensor] = (named(jmesh, c.src), constrain[c.tensor])
     donate = tuple(sorted(graph.donated_inputs))
+    reshard = reshard_paths(graph, plan, jmesh)
 
     def run(*flat_args):
-        return tuple(interpret(graph, flat_args, constrain))
+        return tuple(interpret(graph, flat_args, constrain, reshard))
 
     jitted = jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
     return Lowered(jitted=jitted, in_shardings=in_sh, out_shardings=out_sh, mesh=jmesh)

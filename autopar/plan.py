@@ -54,14 +54,23 @@ class OperatorPlan:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectivePlan:
-    """A collective the plan expects XLA to insert (XLA may combine independent ones)."""
+    """A collective the plan expects XLA to insert (XLA may combine independent ones): a
+    strategy's (`tensor` its result) or a resharding step's (`tensor` moves from `src` to `dst`
+    for operand `operand` of node `node`; node -1: for result position `operand`)."""
     node: int
     primitive: str
-    kind: str                 # "all-reduce", ...
+    kind: str                 # "all-reduce", "all-gather", "all-to-all", ...
     detail: str               # e.g. "all-reduce(model) 32.0 KiB"
     name_stack: str
     source: str
     comm_s: float
+    tensor: int = -1
+    operand: int = -1
+    nbytes: float = 0.0       # per device: the result (all-reduce, all-gather), the input
+                              # (reduce-scatter), the bytes held (all-to-all, permute)
+    axes: tuple[str, ...] = ()
+    src: Spec = ()
+    dst: Spec = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +116,9 @@ class ParallelPlan:
     constraints: tuple[tuple[int, Spec], ...]  # (tensor id, spec) of constrained intermediates
     operators: tuple[OperatorPlan, ...]
     collectives: tuple[CollectivePlan, ...] = ()
+    # (node, operand, spec): the lowering reshards operand `operand` of node `node` (node -1:
+    # result position `operand`) into `spec` through constrained intermediate layouts.
+    reshards: tuple[tuple[int, int, Spec], ...] = ()
     fallbacks: tuple[FallbackPlan, ...]
     stages: tuple[StagePlan, ...]
     predicted_compute_s: float
@@ -154,7 +166,10 @@ class ParallelPlan:
         d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
                                                "out_spec": spec(o["out_spec"])})
                                for o in d["operators"])
-        d["collectives"] = tuple(CollectivePlan(**c) for c in d["collectives"])
+        d["collectives"] = tuple(CollectivePlan(**{**c, **{k: spec(c[k]) for k in ("src", "dst")
+                                                         if k in c}, "axes": tuple(c.get("axes", ()))})
+                                 for c in d["collectives"])
+        d["reshards"] = tuple((int(n), int(i), spec(s)) for n, i, s in d.get("reshards", ()))
         d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
         d["stages"] = tuple(StagePlan(**{**s, **{k: tuple(s[k]) for k in (
             "device_ids", "logical_mesh_shape", "axis_names", "layers", "submesh", "scopes")}})

@@ -5,7 +5,8 @@ import math
 
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
-from .plan import (CollectivePlan, FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
+from .intra_op.predict import implied_reshards, predict_collectives
+from .plan import (FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
                    constrained_tensors, graph_fingerprint)
 from .primitives import HEAVY_OPERATORS
 
@@ -34,7 +35,10 @@ def output_paths(graph: OpGraph) -> list[str]:
 
 def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, cluster: str,
                device_ids: tuple[int, ...], memory_budget_bytes: float,
-               timings_s: dict | None = None, call_overhead_s: float = 0.0) -> ParallelPlan:
+               timings_s: dict | None = None, call_overhead_s: float = 0.0,
+               cost=None) -> ParallelPlan:
+    """The plan of `assignment`; `cost` (the `CostModel` it was solved with) prices the
+    predicted resharding collectives."""
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
     operators = []
@@ -48,11 +52,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
             name_stack=node.name_stack, out_shape=out.shape, out_spec=specs[out.id],
             flops=node.flops, compute_s=assignment.node_compute_s[node.id],
             comm_s=assignment.node_comm_s[node.id]))
-    collectives = tuple(
-        CollectivePlan(node=n.id, primitive=n.primitive, kind=assignment.node_comm[n.id].split("(")[0],
-                       detail=assignment.node_comm[n.id], name_stack=n.name_stack, source=n.source,
-                       comm_s=assignment.node_comm_s[n.id])
-        for n in graph.nodes if assignment.node_comm[n.id])
+    collectives = predict_collectives(graph, assignment, cost)
+    reshards = tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, assignment))
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
                                    reason=f.reason) for f in assignment.fallbacks)
     stage = StagePlan(index=0, device_ids=tuple(device_ids),
@@ -70,7 +71,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         outputs=tensor_plans(graph, graph.outputs, assignment.output_specs,
                              output_paths(graph)),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
-        operators=tuple(operators), collectives=collectives, fallbacks=fallbacks, stages=(stage,),
+        operators=tuple(operators), collectives=collectives, reshards=reshards,
+        fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
         predicted_reshard_s=assignment.reshard_s, predicted_overhead_s=call_overhead_s,
         peak_memory_bytes=assignment.peak_memory_bytes,

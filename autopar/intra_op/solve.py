@@ -58,6 +58,8 @@ class ShardingAssignment:
     ilp: IlpStats
     fallbacks: tuple[Fallback, ...]
     constant_tensors: frozenset[int]         # computed from constants: left for XLA to place
+    node_in_specs: tuple[tuple[Spec | None, ...], ...] = ()   # per node id: the operand specs
+                                             # its strategy wants (None: any)
 
 
 def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
@@ -277,4 +279,5 @@ def assignment_of(graph: OpGraph, built, choice, mesh, output_targets: dict[int,
         compute_s=float(np.sum([s.compute_s for s in strat])),
         comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
         peak_memory_bytes=peak_memory(graph, specs, mesh.shape), ilp=stats,
-        fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors)
+        fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors,
+        node_in_specs=tuple(s.in_specs for s in strat))
