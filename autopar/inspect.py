@@ -130,12 +130,25 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
         lines.append(f"  ... {len(plan.operators) - len(ops)} more")
     lines.append("")
     kinds: dict[str, collections.Counter] = {}
+    nbytes: collections.Counter = collections.Counter()
     for c in plan.collectives:      # detail: "all-reduce(data) 4 B ring" (algorithm last)
-        algorithm = c.detail.rsplit(" ", 1)[-1] if c.detail.count(" ") >= 2 else "?"
-        kinds.setdefault(c.kind, collections.Counter())[algorithm] += 1
+        parts = c.detail.split(" ")
+        how = "resharding" if " reshard " in c.detail else parts[3] if len(parts) == 4 \
+            else "strategy"
+        kinds.setdefault(c.kind, collections.Counter())[how] += 1
+        nbytes[c.kind] += c.nbytes
     lines.append("predicted collectives: " + (", ".join(
-        f"{sum(n.values())} x {k} ({', '.join(f'{a} {m}' for a, m in n.most_common())})"
-        for k, n in kinds.items()) or "none") + " (XLA combines independent ones)")
+        f"{sum(n.values())} x {k} ({', '.join(f'{a} {m}' for a, m in n.most_common())}; "
+        f"{_bytes(nbytes[k])})" for k, n in kinds.items()) or "none")
+        + " (XLA combines independent all-reduces and all-gathers)")
+    reshards = [c for c in plan.collectives if " reshard " in c.detail]
+    if reshards:
+        rows = [(c.kind, "*".join(c.axes), _bytes(c.nbytes), f"{format_spec(c.src, names)} -> "
+                 f"{format_spec(c.dst, names)}", c.detail.split(" reshard ", 1)[1],
+                 c.source or "-") for c in reshards]
+        lines.append(f"resharding collectives ({len(reshards)}):")
+        lines += ["  " + r for r in _table(rows, ("kind", "axes", "bytes", "layout", "what",
+                                                   "source"), max_rows)]
     if plan.fallbacks:
         lines.append(f"fallbacks ({len(plan.fallbacks)}):")
         for f in plan.fallbacks:
