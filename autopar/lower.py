@@ -171,7 +171,8 @@ def lower(graph: OpGraph, plan: ParallelPlan, mesh: jax.sharding.Mesh) -> Lowere
     out_sh = tuple(named(jmesh, t.spec) for t in plan.outputs)
     constrain = {tid: named(jmesh, spec) for tid, spec in plan.constraints}
     for c in plan.collectives:   # reduced whole first, then sliced (XLA:GPU fuses the two
-        if c.kind == "reduce-scatter" and c.tensor in constrain:    # into a reduce-scatter)
+        if c.kind == "reduce-scatter" and c.tensor in constrain \
+                and len(c.src) == graph.tensors[c.tensor].rank:     # into a reduce-scatter)
             constrain[c.tensor] = (named(jmesh, c.src), constrain[c.tensor])
     donate = tuple(sorted(graph.donated_inputs))
     reshard = reshard_paths(graph, plan, jmesh)

@@ -14,8 +14,8 @@ import pytest
 
 import autopar
 from autopar.graph import TensorKind
-from autopar.plan import (PLAN_FORMAT_VERSION, FallbackPlan, OperatorPlan, ParallelPlan,
-                          StagePlan, TensorPlan, graph_fingerprint)
+from autopar.plan import (PLAN_FORMAT_VERSION, CollectivePlan, FallbackPlan, OperatorPlan,
+                          ParallelPlan, StagePlan, TensorPlan, graph_fingerprint)
 from autopar.primitives import HEAVY_OPERATORS
 from autopar.spec import is_valid
 from autopar.trace import trace
@@ -226,6 +226,21 @@ def test_json_round_trip_hand_built_plan_with_fallbacks():
     assert loaded == p
     assert loaded.fallbacks[0] == p.fallbacks[0]
     assert loaded.predicted_step_s == pytest.approx(6e-6)
+
+
+def test_json_round_trip_keeps_predicted_reshards():
+    gather = CollectivePlan(node=-1, primitive="result", kind="all-gather", detail="reshard",
+                            name_stack="", source="", comm_s=1e-6, tensor=3, operand=0,
+                            nbytes=64.0, axes=("a",), src=((0,), (1,)), dst=((), (1,)))
+    p = _tiny_plan(collectives=(gather,), reshards=((-1, 0, ((), (1,))), (1, 1, ((0,), ()))))
+    loaded = ParallelPlan.from_json(p.to_json())
+    assert loaded == p
+    assert isinstance(loaded.collectives[0].dst[1], tuple) and loaded.reshards == p.reshards
+    old = json.loads(p.to_json())            # a plan saved before these fields existed
+    del old["reshards"]
+    for key in ("tensor", "operand", "nbytes", "axes", "src", "dst"):
+        del old["collectives"][0][key]
+    assert ParallelPlan.from_json(json.dumps(old)).reshards == ()
 
 
 def test_plan_is_frozen():
