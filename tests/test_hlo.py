@@ -1,0 +1,41 @@
+"""Reading collectives out of compiled HLO text (`autopar.hlo`)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from autopar.hlo import collectives, summary
+from steps import mesh_of
+
+TEXT = """
+  %all-reduce.13 = (f32[256]{0}, f32[256,256]{1,0}, /*index=2*/f32[]) all-reduce(%a, %b, %c), channel_id=1, to_apply=%add, metadata={op_name="jit(run)/transpose(jvp(MLP))/Dense_0/dot_general"}
+  %all-gather.1 = f32[256,256]{0,1} all-gather(%x), channel_id=15, dimensions={1}
+  %ag-start = (bf16[8,4]{1,0}, bf16[32,4]{1,0}) all-gather-start(%y), dimensions={0}
+  %ag-done = bf16[32,4]{1,0} all-gather-done(%ag-start)
+  %a2a = (f32[2,8]{1,0}, f32[2,8]{1,0}) all-to-all(%p, %q), dimensions={0}
+  %cp = s32[16]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}
+  %dot = f32[8,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}
+"""
+
+
+def test_kinds_sizes_and_combined_operands():
+    found = collectives(TEXT)
+    assert [c.kind for c in found] == ["all-reduce", "all-gather", "all-gather", "all-to-all",
+                                       "collective-permute"]
+    ar = found[0]
+    assert ar.nbytes == 256 * 4 + 256 * 256 * 4 + 4 and ar.num_operands == 3
+    assert ar.op_name.endswith("Dense_0/dot_general")
+    assert found[1].nbytes == 256 * 256 * 4
+    assert found[2].nbytes == 32 * 4 * 2           # the async start's result half, bf16
+    assert found[3].nbytes == 2 * 2 * 8 * 4 and found[4].nbytes == 64
+    assert summary(found)["all-gather"] == (2, 256 * 256 * 4 + 256)
+
+
+def test_a_compiled_data_parallel_matmul():
+    mesh = mesh_of((1, 4))
+    x = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("model")))
+    w = jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, P()))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum(x @ w), argnums=0),
+                   out_shardings=NamedSharding(mesh, P()))
+    found = collectives(grad.lower(w, x).compile().as_text())
+    assert summary(found) == {"all-reduce": (1, 16 * 4 * 4)}
