@@ -265,7 +265,10 @@ class Executor:
         n_val = len(fwd.outputs)
         by_param: dict[int, list] = collections.defaultdict(list)
         for st in p.stages:
-            for q, g in zip(st.slice.param_inputs, state.acc[st.index]):
+            acc = state.acc[st.index]
+            if st.reduce is not None:      # partial sums: the step's one gradient reduction
+                acc = self._dispatched(st.reduce(acc))
+            for q, g in zip(st.slice.param_inputs, acc):
                 by_param[q].append((st.index, g))
         for q in range(p.loss.num_diff):
             parts = by_param.get(q)
