@@ -174,12 +174,10 @@ def _batch_path_specs(par, state, batch):
     return out
 
 
-@pytest.mark.parametrize("how", ["batch_axis", "rule"])
-def test_batch_pin_holds_along_the_batch_path(how):
+def test_batch_axis_pin_holds_along_the_batch_path():
     step, state, batch = _tiny_gpt()
-    method = (autopar.ShardParallel(batch_axis="data") if how == "batch_axis" else
-              autopar.ShardParallel(sharding_rules=((r"^batch", ("data",)),)))
-    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(batch_axis="data"))
     specs = _batch_path_specs(par, state, batch)
     assert len(specs) > 20
     data = par.get_plan(state, batch).axis_names.index("data")

@@ -131,8 +131,7 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
-    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, input_paths,
-                                 batch_sources)
+    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources)
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
                       output_targets, budget if points_above is None else float(points_above),
