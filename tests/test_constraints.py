@@ -12,7 +12,7 @@ from flax.training import train_state
 import autopar
 from autopar.hlo import collectives, summary
 from autopar.intra_op.batch_dims import batch_dims
-from bert_models import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step, layer_batch,
+from models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step, layer_batch,
                          layer_step)
 from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
 from models.mlp import MLP, make_mlp_batch, mse_loss
