@@ -13,6 +13,7 @@ from flax.training import train_state
 
 import autopar
 from autopar import _compat
+from autopar.errors import AutoparError
 from autopar.graph import InputRole, OpGraph, Tensor, TensorKind
 from autopar.lower import interpret
 from autopar.trace import carried_outputs, check_argnums, classify_input, node_flops, trace
@@ -374,6 +375,26 @@ def test_carried_outputs_two_state_args_with_same_structure():
     graph = trace(sgd, (params, momentum, jnp.ones((2, 4))), batch_argnums=(2,))
     # leaves: params b, w (0, 1), momentum b, w (2, 3); results: new params (0, 1), momentum (2, 3)
     assert graph.carried_outputs == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_carried_tensors_map_positions_to_tensor_ids_behind_constants():
+    """Closed-over arrays are numbered first: positions and tensor ids differ by their count."""
+    table = np.arange(8, dtype=np.float32)
+    offsets = np.ones((2, 8), np.float32)
+
+    def step(state, x):
+        loss = jnp.sum((x @ state["w"] + offsets) * table)
+        return loss, {"b": state["b"] - 1.0, "w": state["w"] * 0.5}
+
+    graph = trace(step, ({"b": jnp.zeros(3), "w": jnp.ones((4, 8))}, jnp.ones((2, 4))),
+                  batch_argnums=(1,))
+    assert graph.carried_outputs == {1: 0, 2: 1}                      # positions
+    consts = [t.id for t in graph.tensors if t.kind == TensorKind.CONST]
+    assert len(consts) >= 2 and graph.inputs[0] > max(consts[:2])
+    assert graph.carried_tensors() == {1: graph.inputs[0], 2: graph.inputs[1]}
+    assert graph.carried_tensors({2: 1}) == {2: graph.inputs[1]}
+    with pytest.raises(AutoparError, match="carried output 1"):
+        graph.carried_tensors({1: 1})                                  # shapes (3,) vs (4, 8)
 
 
 # --------------------------------------------------------------------- consumers / last_use
