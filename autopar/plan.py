@@ -217,16 +217,16 @@ def _jaxpr_digest(jaxpr, memo: _Seen) -> str:
     inner = jaxpr.jaxpr if closed else jaxpr
     number: dict = {}
     parts = ["closed" if closed else "open"]
-
     avals = memo.avals
 
-    def aval_text(aval) -> str:
-        key = (getattr(aval, "shape", None), getattr(aval, "dtype", None),
-               getattr(aval, "weak_type", None), type(aval))
-        text = avals.get(key)
-        if text is None:
-            text = avals[key] = str(aval) + ("~" if key[2] else "")
-        return text
+    def aval_text(aval) -> str:      # avals compare by value (shape, dtype, weak type, ...)
+        try:
+            return avals[aval]
+        except KeyError:
+            text = avals[aval] = str(aval) + ("~" if getattr(aval, "weak_type", False) else "")
+            return text
+        except TypeError:            # an unhashable abstract value
+            return str(aval)
 
     def define(v) -> str:
         number[v] = len(number)
