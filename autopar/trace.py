@@ -95,6 +95,53 @@ def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int
     return tuple(sorted(set(out)))
 
 
+def check_donated_aliases(fun: Callable, args: Sequence[Any], static_argnums: Sequence[int],
+                          donate_argnums: Sequence[int]) -> None:
+    """A donated array must not be passed anywhere else in the same call (in another argument,
+    or twice in the donated one): the step would read a buffer it has handed over, and XLA:CPU
+    crashes the process. Cheap enough for every call: one dict lookup per array leaf, by
+    object identity; leaf paths are looked up only to report a clash.
+
+    Example:
+        >>> check_donated_aliases(step, (params, params, batch), (), (0,))
+        InvalidArgumentError: donate_argnums=(0,): the array at argument 0 (`p`)['w'] is ...
+
+    Raises:
+      InvalidArgumentError: naming both places and the fix.
+    """
+    if not donate_argnums:
+        return
+    donate_argnums = check_argnums("donate_argnums", donate_argnums, len(args))
+    static_argnums = check_argnums("static_argnums", static_argnums, len(args))
+    seen: dict[int, int] = {}          # id of an array leaf -> argument of its first use
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            continue
+        for x in jax.tree_util.tree_leaves(a):
+            if not isinstance(x, jax.Array):
+                continue
+            j = seen.get(id(x))
+            if j is None:
+                seen[id(x)] = i
+            elif i in donate_argnums or j in donate_argnums:
+                raise _aliased_donation(fun, args, static_argnums, donate_argnums, x)
+
+
+def _aliased_donation(fun, args, static_argnums, donate_argnums, x) -> InvalidArgumentError:
+    names = _arg_names(fun, len(args))
+    where = [(i, f"argument {i} (`{names[i]}`){jax.tree_util.keystr(path)}")
+             for i, a in enumerate(args) if i not in static_argnums
+             for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0] if leaf is x]
+    arg, donated = next((i, w) for i, w in where if i in donate_argnums)
+    other = next(w for _, w in where if w != donated)
+    return InvalidArgumentError(
+        f"donate_argnums={tuple(donate_argnums)}: the array at {donated} is donated, and the "
+        f"same array is also passed as {other} (shape {tuple(x.shape)}, {x.dtype}); the step "
+        f"would read a buffer it has already handed over (on CPU the process crashes). Fix: "
+        f"pass a copy in one of the places (e.g. `jax.tree.map(jnp.copy, tree)`), or do not "
+        f"donate argument {arg}.")
+
+
 class _Builder:
     """Accumulates tensors and nodes while walking (nested) jaxprs."""
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..graph import InputRole, OpGraph, TensorKind
+from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -353,12 +353,13 @@ class _LiveBytes:
 
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
-              output_targets: dict[int, int], budget: float | None,
+              output_targets: dict[OutputPos, TensorId], budget: float | None,
               allowed: Callable[..., bool] | None = None) -> Built:
-    """Build the ILP. `output_targets` maps a flat output position to the input tensor it
-    replaces next step (a loop-carried state): the output is charged for moving into that
-    input's sharding. `allowed(tid, spec)`: the method's pins on every tensor (see
-    `constraints.method_tensor_rule`); options that break them are not offered."""
+    """Build the ILP. `output_targets` maps a flat output position to the tensor id of the
+    input it replaces next step (a loop-carried state; `OpGraph.carried_tensors`): the output
+    is charged for moving into that input's sharding. `allowed(tid, spec, wanted)`: the
+    method's pins on every tensor (see `constraints.method_tensor_rule`); options that break
+    them are not offered."""
     b = _Builder(graph, ctx, input_options)
     b.add_sources()
     cheap = cheap_source_tensors(graph)

@@ -117,6 +117,14 @@ class Executor:
             self._consts[key] = make()
         return self._consts[key]
 
+    def _step_const(self, tid: int, sharding):
+        """The step's constant `tid` (an array the step closes over, e.g. a numpy table the
+        loss reads) on `sharding`, transferred on the first step only."""
+        value = self.p.loss.step.const_values[tid]
+        if not isinstance(value, jax.Array):
+            value = np.asarray(value)
+        return self._const(("step-const", tid, sharding), lambda: self._put(value, sharding))
+
     # -- one step ------------------------------------------------------------------------
     def run(self, flat_args) -> list:
         p = self.p
@@ -131,6 +139,8 @@ class Executor:
             where = env[tid]
             if s in where and (sharding is None or has_sharding(where[s], sharding)):
                 return where[s]
+            if not where:     # a closed-over array (a constant of the step): placed once
+                return self._step_const(tid, sharding or NamedSharding(meshes[s], PartitionSpec()))
             src = where[s] if s in where else next(iter(where.values()))
             val = self._put(src, sharding or _retarget(src, meshes[s]))
             if sharding is None:
