@@ -52,24 +52,20 @@ def _case(name: str):
         model, batch = LayerOnly(128, 4), layer_batch(16, 32, 128)
         return layer_step, ts(model, model.init(jax.random.key(0), batch["x"],
                                                 batch["attention"])), batch
+    def step_of(loss_of):
+        def step(state, batch):
+            loss, grads = jax.value_and_grad(lambda p: loss_of(state.apply_fn, p, batch))(
+                state.params)
+            return state.apply_gradients(grads=grads), loss
+        return step
     if name == "gpt":
         cfg = GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128, num_heads=4)
         batch, net = make_gpt_batch(jax.random.key(1), 16, cfg), GPT(cfg)
-
-        def step(state, batch):
-            def loss_fn(p):
-                return gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"])
-            loss, grads = jax.value_and_grad(loss_fn)(state.params)
-            return state.apply_gradients(grads=grads), loss
+        step = step_of(lambda f, p, b: gpt_loss(f(p, b["tokens"]), b["tokens"]))
         return step, ts(net, net.init(jax.random.key(0), batch["tokens"])), batch
     net = MLP(num_layers=6, hidden=256)
     batch = make_mlp_batch(jax.random.key(1), 32, 256, 256)
-
-    def step(state, batch):
-        def loss_fn(p):
-            return mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    step = step_of(lambda f, p, b: mse_loss(f(p, b["x"]), b["y"]))
     return step, ts(net, net.init(jax.random.key(0), batch["x"])), batch
 
 
