@@ -8,11 +8,14 @@ follow an operand's group and add their outputs to it.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from .._format import format_bytes
+from ..errors import FallbackWarning
 from ..graph import InputRole, OpGraph, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
@@ -26,6 +29,20 @@ class Fallback:
     primitive: str
     source: str
     reason: str
+    replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
+
+
+def warn_fallback(f: Fallback) -> None:
+    """A `FallbackWarning` for a fallback that replicates more than scalars (identical
+    warnings print once per process under Python's default filter)."""
+    if f.replicated_bytes > 0:
+        warnings.warn(
+            f"autopar: node {f.node} '{f.primitive}' at {f.source} is replicated: {f.reason}; "
+            f"every device holds {format_bytes(f.replicated_bytes)} of its operands and "
+            f"results whole. Fix: add a sharding rule for '{f.primitive}' (LEADER_RULES in "
+            f"autopar/intra_op/rules.py or FOLLOW_RULES in follow.py), or restructure the code "
+            f"at that line; see the plan's fallbacks in autopar.dump.",
+            FallbackWarning, stacklevel=2)
 
 
 @dataclass(slots=True)
@@ -170,8 +187,12 @@ class _Builder:
                 else:
                     reason = (f"no sharding rule for primitive '{name}': operands gathered, "
                               f"results replicated")
+                whole = sum(self.g.tensors[t].nbytes for t in (*node.inputs, *node.outputs)
+                            if self.g.tensors[t].size > 1)
                 self.fallbacks.append(Fallback(node=node.id, primitive=name,
-                                               source=node.source, reason=reason))
+                                               source=node.source, reason=reason,
+                                               replicated_bytes=whole))
+                warn_fallback(self.fallbacks[-1])
         self._add_leader(node, strategies)
 
     def _objective(self, node, s: Strategy) -> float:
