@@ -20,7 +20,7 @@ from ..graph import InputRole, OpGraph, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE
+from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,7 +87,31 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
     for node in reversed(graph.nodes):
         feeds_heavy[node.id] = any(graph.nodes[c].primitive in MATMUL_LIKE or feeds_heavy[c]
                                    for t in node.outputs for c in consumers[t])
-    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
+    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id]) | sibling_reductions(graph)
+
+
+def sibling_reductions(graph: OpGraph) -> frozenset[int]:
+    """Reductions XLA combines with an earlier one: same operand shape and axes, and neither
+    depends on the other (BatchNorm's mean and mean of squares; the two sums of its
+    gradient). Their all-reduces become one, so only the first pays the latency."""
+    below = [0] * len(graph.tensors)     # bitset of the reductions a tensor depends on
+    seen: dict[tuple, list[int]] = {}    # (shape, axes) -> bits of the reductions seen
+    count, out = 0, set()
+    for node in graph.nodes:
+        mask = 0
+        for t in node.inputs:
+            mask |= below[t]
+        if node.primitive in REDUCTIONS and node.inputs:
+            key = (graph.tensors[node.inputs[0]].shape, tuple(node.eqn.params.get("axes", ())))
+            earlier = seen.setdefault(key, [])
+            if any(not (mask >> bit) & 1 for bit in earlier):
+                out.add(node.id)
+            earlier.append(count)
+            mask |= 1 << count
+            count += 1
+        for o in node.outputs:
+            below[o] = mask
+    return frozenset(out)
 
 
 def cheap_source_tensors(graph: OpGraph) -> list[bool]:
@@ -98,6 +122,18 @@ def cheap_source_tensors(graph: OpGraph) -> list[bool]:
             for o in node.outputs:
                 cheap[o] = True
     return cheap
+
+
+def expanded_tensors(graph: OpGraph) -> list[bool]:
+    """Results of a `broadcast_in_dim` that adds elements (a per-channel vector broadcast
+    over the batch): their new dims are whole in every layout of their group, so an
+    elementwise node reading one and a full-size tensor follows the full-size tensor."""
+    out = [False] * len(graph.tensors)
+    for node in graph.nodes:
+        if node.primitive == "broadcast_in_dim" and node.inputs:
+            if graph.tensors[node.inputs[0]].size < graph.tensors[node.outputs[0]].size:
+                out[node.outputs[0]] = True
+    return out
 
 
 class _Builder:
@@ -116,6 +152,7 @@ class _Builder:
         self.fallbacks: list[Fallback] = []
         self.owners: list[tuple[str, int]] = []
         self._reshard_cache: dict = {}
+        self.expanded = expanded_tensors(graph)
 
     def new_group(self, k: int, owner: tuple[str, int]) -> int:
         self.owners.append(owner)
@@ -172,7 +209,7 @@ class _Builder:
         follow = FOLLOW_RULES.get(name)
         if follow is not None and node.inputs and node.outputs:
             pos = main_operand(self.ctx, node, lambda t: (
-                len(self.tensor_specs[t]) > 1, not cheap[t]))
+                len(self.tensor_specs[t]) > 1, not cheap[t], not self.expanded[t]))
             if pos is not None:
                 return self._add_follower(node, follow, pos)
         rule = LEADER_RULES.get(name)
