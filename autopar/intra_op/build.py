@@ -91,11 +91,12 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
 
 
 def sibling_reductions(graph: OpGraph) -> frozenset[int]:
-    """Reductions XLA combines with an earlier one: same operand shape and axes, and neither
-    depends on the other (BatchNorm's mean and mean of squares; the two sums of its
-    gradient). Their all-reduces become one, so only the first pays the latency."""
+    """Reductions whose all-reduce XLA combines with an earlier one's: same operand shape and
+    axes, and independent of every reduction already in that combined all-reduce
+    (BatchNorm's mean and mean of squares; the two sums of its gradient). The first of a
+    combined set pays the latency, its siblings only their bandwidth."""
     below = [0] * len(graph.tensors)     # bitset of the reductions a tensor depends on
-    seen: dict[tuple, list[int]] = {}    # (shape, axes) -> bits of the reductions seen
+    sets: dict[tuple, list[int]] = {}    # (shape, axes) -> bitsets of the combined sets
     count, out = 0, set()
     for node in graph.nodes:
         mask = 0
@@ -103,12 +104,17 @@ def sibling_reductions(graph: OpGraph) -> frozenset[int]:
             mask |= below[t]
         if node.primitive in REDUCTIONS and node.inputs:
             key = (graph.tensors[node.inputs[0]].shape, tuple(node.eqn.params.get("axes", ())))
-            earlier = seen.setdefault(key, [])
-            if any(not (mask >> bit) & 1 for bit in earlier):
-                out.add(node.id)
-            earlier.append(count)
-            mask |= 1 << count
+            combined = sets.setdefault(key, [])
+            bit = 1 << count
             count += 1
+            for i, members in enumerate(combined):
+                if not members & mask:
+                    combined[i] = members | bit
+                    out.add(node.id)
+                    break
+            else:
+                combined.append(bit)
+            mask |= bit
         for o in node.outputs:
             below[o] = mask
     return frozenset(out)
