@@ -123,6 +123,17 @@ def test_random_bits_of_a_batch_of_keys_split_with_their_keys():
         assert s.in_specs == (s.out_specs[0][:1],)
 
 
+def test_threefry2x32_is_elementwise():
+    import jax.extend.random as jrandom
+    ctx, g = _ctx(lambda k, x: jrandom.threefry_2x32(k, x), jnp.zeros(2, jnp.uint32),
+                  jnp.zeros((16, 8), jnp.uint32))
+    node = _node(g, "threefry2x32")   # (key word 0, key word 1, counts: two flat halves)
+    assert g.tensors[node.inputs[2]].shape == (64,)
+    s = FOLLOW_RULES["threefry2x32"](ctx, node, 2, ((0, 1),))
+    assert s.in_specs == (None, None, ((0, 1),), ((0, 1),))
+    assert s.out_specs == (((0, 1),),) * 2
+
+
 def _conv_strategies(groups: int, mesh_shape=(2, 4), channels=16):
     conv = nn.Conv(channels, (3, 3), feature_group_count=groups, use_bias=False)
     x = jnp.ones((8, 6, 6, channels))
