@@ -142,7 +142,9 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     if plan.fallbacks:
         lines.append(f"fallbacks ({len(plan.fallbacks)}):")
         for f in plan.fallbacks:
-            lines.append(f"  node {f.node} {f.primitive} at {f.source}: {f.reason}")
+            lines.append(f"  node {f.node} {f.primitive} at {f.source}: {f.reason}"
+                         + (f" ({_bytes(f.replicated_bytes)} whole on every device)"
+                            if f.replicated_bytes else ""))
     else:
         lines.append("fallbacks: none (every operator had a sharding rule)")
     return "\n".join(lines)

@@ -73,6 +73,7 @@ class FallbackPlan:
     primitive: str
     source: str
     reason: str
+    replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -54,7 +54,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
                        comm_s=assignment.node_comm_s[n.id])
         for n in graph.nodes if assignment.node_comm[n.id])
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
-                                   reason=f.reason) for f in assignment.fallbacks)
+                                   reason=f.reason, replicated_bytes=f.replicated_bytes)
+                      for f in assignment.fallbacks)
     stage = StagePlan(index=0, device_ids=tuple(device_ids),
                       logical_mesh_shape=assignment.mesh_shape, axis_names=assignment.axis_names,
                       compute_s=assignment.compute_s, comm_s=assignment.comm_s,

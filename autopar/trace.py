@@ -26,7 +26,7 @@ from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand
 from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
 from .markers import STAGE_BOUNDARY
-from .primitives import ARITHMETIC, REDUCTION_FLOPS
+from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
 
 # Path components that mark optimizer state (optax's state names and common container names).
 _OPT_STATE_PATTERN = re.compile(
@@ -51,6 +51,13 @@ def node_flops(primitive: str, eqn) -> float:
         return float(math.prod(getattr(outs[0], "shape", ())))
     if primitive in REDUCTION_FLOPS:
         return float(math.prod(getattr(ins[0], "shape", ())))
+    if primitive in WINDOW_REDUCTIONS or primitive in WINDOW_SELECTS:
+        # One op per window element of every pooled element: the results of a reduce_window
+        # (one per operand) or a select_and_gather_add, the source of a select_and_scatter*.
+        window = math.prod(eqn.params["window_dimensions"])
+        source = {"select_and_scatter_add": 0, "select_and_scatter": 1}.get(primitive)
+        pooled = outs[0] if source is None else ins[source]
+        return float(math.prod(pooled.shape) * window * len(outs))
     return 0.0
 
 
