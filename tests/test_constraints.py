@@ -200,3 +200,30 @@ def test_batch_axis_errors():
                               method=autopar.ShardParallel(batch_axis="rows"))
     with pytest.raises(autopar.InvalidArgumentError, match="no axis 'rows'"):
         par.get_plan(state, batch)
+
+
+def test_data_parallel_cnn_with_batchnorm_and_pooling_at_batch_8():
+    """A 3-block CNN (conv, BatchNorm, max pool) at batch 8 under DataParallel: the batch
+    stays split end to end; the all-reduces are BatchNorm's statistics and one for the
+    gradients, nothing is gathered."""
+    from layer_models import cnn_case
+    step, state, batches = cnn_case(batch_size=8, image_size=16)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.DataParallel())
+    plan = par.get_plan(state, batches[0])
+    pools = [o for o in plan.operators if o.primitive.startswith(("reduce_window",
+                                                                   "select_and_scatter"))]
+    assert pools and all(o.out_spec[0] == (0, 1) for o in pools)
+    assert not plan.fallbacks
+    found = collectives(par.get_compiled(state, batches[0]).as_text())
+    assert {c.kind for c in found} == {"all-reduce"}
+    # BatchNorm's statistics (3 forward, 3 backward; XLA puts the BatchNorm parameters'
+    # gradients into the last of those) and one all-reduce for every other gradient
+    grads = [c for c in found if "conv_general_dilated" in c.op_name]
+    assert len(grads) == 1 and all("Conv_" not in c.op_name for c in found if c not in grads)
+    assert all("BatchNorm" in c.op_name for c in found if c not in grads)
+    assert len(found) == 7, [c.op_name for c in found]
+    ref = jax.jit(step)(state, batches[0])
+    got = par(state, batches[0])
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(ref[0]), jax.tree_util.tree_leaves(got[0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)

@@ -309,7 +309,12 @@ def test_dropout_masks_sharded_and_bits_identical():
     text = compiled.as_text()
     assert not re.search(r"\b(u32|pred)\[512,512\]", text)
     assert re.search(r"\bu32\[\d+,\d+\]", text)
-    assert temps[False] <= 1.1 * temps[True]
+    # Dropout costs each device no more than its share of the masks the backward needs (two
+    # [512, 512] masks of 32-bit words split 8 ways), not whole masks (on one device it adds
+    # 2 x 1 MiB). A ratio to the plan without dropout is no measure: that plan's own
+    # temporaries move with unrelated choices (0.83x and 1.25x of it were both seen).
+    masks = 2 * 512 * 512 * 4 / 8
+    assert temps[False] - temps[True] <= 1.1 * masks, (temps, masks)
     ref, got = run_steps(jax.jit(step), state, batches), run_steps(par, state, batches)
     # the same random bits: the dropped units agree, so losses and parameters agree tightly
     assert_equivalent(ref, got, compare_params=True, rtol=1e-6)
