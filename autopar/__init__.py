@@ -11,8 +11,8 @@ from .checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpo
 from .cluster import ClusterSpec, LogicalMesh
 from .cost import CostModel
 from .distributed import DistributedInfo, init_distributed, to_host
-from .errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError, PlanMismatchError,
-                     ProfileError, UnsupportedError)
+from .errors import (AutoparError, FallbackWarning, InfeasiblePlanError, InvalidArgumentError,
+                     PlanMismatchError, ProfileError, UnsupportedError)
 from .init import init_sharded
 from .inspect import dump
 from .grad import grad, value_and_grad
@@ -34,5 +34,5 @@ __all__ = [
     "calibrate", "Calibration", "init_distributed", "DistributedInfo", "to_host",
     "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps", "init_sharded",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
-    "UnsupportedError",
+    "UnsupportedError", "FallbackWarning",
 ]

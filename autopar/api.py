@@ -37,7 +37,7 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
-from .trace import abstract_signature, check_argnums, trace
+from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +315,7 @@ class ParallelizedFunction:
         return entry.compiled
 
     def __call__(self, *args):
+        check_donated_aliases(self._fun, args, self._static, self._donate)
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings

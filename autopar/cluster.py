@@ -87,6 +87,8 @@ class LogicalMesh:
     memory_bytes: int
     collective_algorithms: tuple[str, ...] = ()   # what the backend implements; (): every one
     call_overhead_s: float = 0.0                  # fixed cost of one executable call
+    reduce_scatter_is_all_reduce: bool = False    # the backend compiles a reduce-scatter as an
+                                                  # all-reduce and a slice (XLA:CPU)
 
     def __post_init__(self) -> None:
         _check_algorithms("LogicalMesh", self.collective_algorithms)
@@ -153,6 +155,9 @@ class ClusterSpec:
     # per step and once per pipeline task. 0 in the presets (not measured there); measured by
     # `autopar.profile` (`ClusterSpec.from_profile`).
     call_overhead_s: float = 0.0
+    # XLA:CPU has no reduce-scatter: it compiles one as an all-reduce and a slice (JAX_NOTES),
+    # so the "cpu" preset prices it as that.
+    reduce_scatter_is_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
@@ -314,7 +319,8 @@ class ClusterSpec:
             peak_flops_fp32_per_s=self.peak_flops_fp32_per_s,
             hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_bytes_per_s,
             memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms,
-            call_overhead_s=self.call_overhead_s)
+            call_overhead_s=self.call_overhead_s,
+            reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of
@@ -387,7 +393,8 @@ _PRESETS: dict[str, ClusterSpec] = {
         name="cpu", num_hosts=1, devices_per_host=8, device_kind="cpu",
         peak_flops_bf16_per_s=5e10, peak_flops_fp32_per_s=5e10, memory_bytes=2 * _GIB,
         hbm_bandwidth_bytes_per_s=2e10, intra_host_alpha_s=1e-5, intra_host_beta_s_per_byte=1e-10,
-        inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10),
+        inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10,
+        reduce_scatter_is_all_reduce=True),
 }
 # NVIDIA H200 SXM datasheet: H100 compute with 141 GB HBM3e at 4.8 TB/s. Not a named preset;
 # `from_devices` uses it for H200 devices.

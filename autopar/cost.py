@@ -189,7 +189,10 @@ class CostModel:
         return self._cheapest(all_gather_options_s, nbytes, axes)
 
     def reduce_scatter_s(self, nbytes: float, axes: Sequence[int]) -> float:
-        """Reduce-scatter over mesh `axes`; `nbytes` is the per-device size of the input."""
+        """Reduce-scatter over mesh `axes`; `nbytes` is the per-device size of the input. On a
+        backend that compiles it as an all-reduce and a slice, that all-reduce."""
+        if self.mesh.reduce_scatter_is_all_reduce:
+            return self.all_reduce_s(nbytes, axes)
         return self._cheapest(reduce_scatter_options_s, nbytes, axes)
 
     def all_to_all_s(self, nbytes: float, axes: Sequence[int]) -> float:

@@ -36,3 +36,10 @@ class PlanMismatchError(AutoparError):
 
 class ProfileError(AutoparError):
     """A device profile is corrupt, of another version, or for another device or mesh."""
+
+
+class FallbackWarning(UserWarning):
+    """An operator had no sharding rule and was replicated (operands gathered on every
+    device, results whole on every device): the message names the primitive, its source line
+    and the bytes each device then holds. Silence it with `warnings.filterwarnings("ignore",
+    category=autopar.FallbackWarning)` once the cost is understood."""

@@ -14,6 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from .errors import AutoparError
+
+
+# Three kinds of integer index a graph's maps use; the aliases name which one a map holds.
+TensorId = int       # index into `OpGraph.tensors`
+InputPos = int       # flat argument leaf position: index into `OpGraph.inputs`
+OutputPos = int      # flat result leaf position: index into `OpGraph.outputs`
+
 
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
@@ -92,10 +100,29 @@ class OpGraph:
     out_tree: Any = field(repr=False)
     arg_of_input: tuple[int, ...]              # positional argument index of each flat input
     donated_inputs: frozenset[int]             # flat input positions donated by the user
-    carried_outputs: dict[int, int]            # flat output position -> flat input position of
-                                               # the argument leaf it replaces (e.g. new state)
+    carried_outputs: dict[OutputPos, InputPos]  # flat output position -> flat input position
+                                               # of the argument leaf it replaces (new state);
+                                               # positions, not tensor ids: see carried_tensors
     stage_markers: tuple[StageMarker, ...] = ()  # manual layer boundaries, in order
     trace_time_s: float = 0.0
+
+    def carried_tensors(self, carried: dict[OutputPos, InputPos] | None = None,
+                        ) -> dict[OutputPos, TensorId]:
+        """`carried` (default: `carried_outputs`) with each input position replaced by the
+        input's tensor id. Constants are numbered before the inputs, so the two differ as soon
+        as the step closes over an array."""
+        carried = self.carried_outputs if carried is None else carried
+        out = {}
+        for pos, src in carried.items():
+            tid = self.inputs[src]
+            if self.tensors[tid].shape != self.tensors[self.outputs[pos]].shape:
+                raise AutoparError(
+                    f"carried output {pos} (shape {self.tensors[self.outputs[pos]].shape}) is "
+                    f"paired with input {src} of shape {self.tensors[tid].shape}: a carried "
+                    f"output must have its input's shape (an internal autopar error; please "
+                    f"report it).")
+            out[pos] = tid
+        return out
 
     def consumers(self) -> list[list[int]]:
         """For every tensor, the ids of nodes that read it (in order, without repeats)."""

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(?P<shape>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\(")
+_OP = re.compile(r"=\s*(?P<shape>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[([0-9,]*)\]")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -46,8 +46,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not m or "-done(" in line:
             continue
         shape = m.group("shape")
-        start = "-start(" in line[m.start("kind"):m.end()]
-        if m.group("kind") != "all-reduce" and start and shape.startswith("("):
+        if m.group("start") and m.group("kind") != "all-reduce" and shape.startswith("("):
             # an async start's result tuple repeats its operand: count the result half
             arrays = _ARRAY.findall(shape)
             shape = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2:])

@@ -27,12 +27,15 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...],
 def _pipeline_lines(plan: ParallelPlan) -> list[str]:
     """The stages of a pipeline plan, its schedule and the stage search."""
     p = plan.pipeline
+    local, total = sum(p.get("local_gradients", ())), sum(p.get("num_gradients", ()))
+    reduced = (f"; {local} of {total} parameter gradients accumulate as per-device partial "
+               "sums, reduced once per step" if local else "")
     if p.get("gradient_accumulation"):
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
                 f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
                 f"then the update; predicted step {_time(p['predicted_latency_s'])}, peak "
-                f"memory {_bytes(s.peak_memory_bytes)} per device"]
+                f"memory {_bytes(s.peak_memory_bytes)} per device{reduced}"]
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
@@ -53,7 +56,7 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
     lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
                  f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
                  f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "
-                 f"in {p['segments'] - 1} segment(s)")
+                 f"in {p['segments'] - 1} segment(s){reduced}")
     return lines
 
 
@@ -152,7 +155,9 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     if plan.fallbacks:
         lines.append(f"fallbacks ({len(plan.fallbacks)}):")
         for f in plan.fallbacks:
-            lines.append(f"  node {f.node} {f.primitive} at {f.source}: {f.reason}")
+            lines.append(f"  node {f.node} {f.primitive} at {f.source}: {f.reason}"
+                         + (f" ({_bytes(f.replicated_bytes)} whole on every device)"
+                            if f.replicated_bytes else ""))
     else:
         lines.append("fallbacks: none (every operator had a sharding rule)")
     return "\n".join(lines)

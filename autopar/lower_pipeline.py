@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from .inter_op.apply_grad import PIPELINE, Placement, Segment
 from .inter_op.pipeline import LossGraph, StageSlice
+from .inter_op.local_grads import partial_spec, run_nodes_local, stage_local_grads
 from .inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from .inter_op.stages import AXIS_NAMES, ChosenStage
 from .lower import named, run_nodes
@@ -41,6 +42,9 @@ class StageExecutable:
     backward: Callable    # (residuals, cts, acc) -> (acc, act_grads); acc=None the first time
     fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
                           # acc, act_grads)
+    reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
+                                     # keeps partial sums (see inter_op.local_grads)
+    local_grads: int = 0             # how many parameter gradients are accumulated locally
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -60,7 +64,8 @@ def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.shardin
     return jax.sharding.Mesh(devs.reshape(stage.solution.logical_shape), AXIS_NAMES)
 
 
-def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecutable:
+def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
+                      num_microbatches: int) -> StageExecutable:
     sl, sol, graph = stage.slice, stage.solution, stage.graph
     io = stage_io(loss, sl)
     sh = lambda specs: tuple(named(mesh, s) for s in specs)
@@ -74,6 +79,22 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
     n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
     n_out = len(io.float_outputs) + len(io.int_outputs)
     n_grads = len(sl.param_inputs)
+    # With several microbatches, gradients accumulate as per-device partial sums, reduced
+    # once per step by `reduce`.
+    local = stage_local_grads(loss, stage) if num_microbatches > 1 else None
+    reduce = None
+    if local:
+        specs = dict(sol.constraints)
+        run_bwd = lambda env, ns: run_nodes_local(graph, ns, env, specs, local, mesh, named)
+        acc_sh = [named(mesh, partial_spec(s, local.partial[t])) if kept else g
+                  for s, g, t, kept in zip(sol.grad_specs, grads, graph.outputs[n_out:],
+                                           local.grad_outputs)]
+        reduce = jax.jit(lambda acc: [a.sum(0) if kept else a
+                                      for a, kept in zip(acc, local.grad_outputs)],
+                         out_shardings=list(grads))
+        grads = tuple(acc_sh)
+    else:
+        run_bwd = lambda env, ns: run_nodes(graph, ns, env, constrain)
 
     def env_of(inputs, values):
         env = dict(graph.const_values)
@@ -99,12 +120,12 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
 
     def backward(residuals, cts, acc):
         env = env_of((*split.residuals, *graph.inputs[n_in:]), [*residuals, *cts])
-        run_nodes(graph, bwd_nodes, env, constrain)
+        run_bwd(env, bwd_nodes)
         return finish(env, acc)
 
     def fused(params, data, float_acts, int_acts, cts, acc):
         env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
-        run_nodes(graph, graph.nodes, env, constrain)
+        run_bwd(env, graph.nodes)
         out = [env[t] for t in graph.outputs[:n_out]]
         return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
 
@@ -114,7 +135,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh) -> StageExecuta
         data_shardings=sh(sol.data_specs), act_shardings=acts, out_shardings=outs,
         forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
-        fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)))
+        fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
+        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:
@@ -137,7 +159,8 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
                    max_in_flight_calls: int) -> PipelineProgram:
     by_id = {int(d.id): d for d in devices}
     meshes = [stage_mesh(st, by_id) for st in stages]
-    execs = tuple(_stage_executable(loss, st, m) for st, m in zip(stages, meshes))
+    execs = tuple(_stage_executable(loss, st, m, num_microbatches)
+                  for st, m in zip(stages, meshes))
     step = loss.step
     in_sh = tuple(named(meshes[s], spec)
                   for s, spec in zip(placement.input_stage, placement.input_spec))

@@ -62,9 +62,8 @@ class ShardParallel:
         chooses everything else around it. Optimizer-state paths contain their parameter's
         path, so one rule usually pins both. In a pipeline the rules apply inside every
         stage, whose logical mesh axes are ("data", "model"). Use it to try a hand-written
-        plan (e.g. Megatron's column/row split) under the same cost model. A rule that
-        splits the leading dimension of the batch leaves pins the whole batch path, as
-        `batch_axis` does.
+        plan (e.g. Megatron's column/row split) under the same cost model. A rule for a
+        batch leaf pins that leaf only; `batch_axis` pins the whole batch path.
       batch_axis: a mesh axis name (or tuple of names) the batch dimension is split over
         along the whole batch path: the batch leaves and every value computed from them keep
         their batch dimension on these axes (Alpa's `force_batch_dim_to_mesh_dim`); the ILP

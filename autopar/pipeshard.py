@@ -26,6 +26,7 @@ from .errors import InvalidArgumentError
 from .graph import InputRole
 from .intra_op.constraints import method_input_options
 from .inter_op.apply_grad import Placement, place
+from .inter_op.local_grads import stage_local_grads
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from .inter_op.stage_solve import solution_from_record, solution_record
 from .inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
@@ -209,6 +210,10 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "stage_option": type(method.stage_option).__name__,
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
+        # per stage: gradients accumulated as partial sums and reduced once per step
+        "local_gradients": [sum(stage_local_grads(loss, st).grad_outputs) if m > 1 else 0
+                            for st in result.stages],
+        "num_gradients": [len(st.slice.param_inputs) for st in result.stages],
     }
     # The step's compute / communication / resharding / call-overhead split, in the stages'
     # proportions; the apply-gradient executables add one call each.

@@ -18,6 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Collection
 
+import numpy as np
+
+from . import _compat
 from .graph import OpGraph, TensorKind
 from .spec import Spec
 
@@ -79,6 +82,7 @@ class FallbackPlan:
     primitive: str
     source: str
     reason: str
+    replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,9 +170,7 @@ class ParallelPlan:
         d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
                                                "out_spec": spec(o["out_spec"])})
                                for o in d["operators"])
-        d["collectives"] = tuple(CollectivePlan(**{**c, **{k: spec(c[k]) for k in ("src", "dst")
-                                                         if k in c}, "axes": tuple(c.get("axes", ()))})
-                                 for c in d["collectives"])
+        d["collectives"] = tuple(_collective_plan(c) for c in d["collectives"])
         d["reshards"] = tuple((int(n), int(i), spec(s)) for n, i, s in d.get("reshards", ()))
         d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
         d["stages"] = tuple(StagePlan(**{**s, **{k: tuple(s[k]) for k in (
@@ -185,6 +187,13 @@ def spec_from_json(value: Any) -> Spec:
     return tuple(tuple(int(a) for a in dim) for dim in value)
 
 
+def _collective_plan(d: dict) -> CollectivePlan:
+    """A CollectivePlan read back from JSON (plans saved before `src`/`dst`/`axes` existed
+    keep their defaults)."""
+    d = {**d, **{k: spec_from_json(d[k]) for k in ("src", "dst") if k in d}}
+    return CollectivePlan(**{**d, "axes": tuple(d.get("axes", ()))})
+
+
 def _tensor_plan(d: dict) -> TensorPlan:
     return TensorPlan(**{**d, "shape": tuple(d["shape"]), "spec": spec_from_json(d["spec"])})
 
@@ -192,30 +201,96 @@ def _tensor_plan(d: dict) -> TensorPlan:
 _SIMPLE = (int, float, bool, str, type(None), enum.Enum)
 
 
-def _stable(value: Any) -> str:
+@dataclass(slots=True)
+class _Seen:
+    """What one fingerprint has already digested: jaxpr objects (by id, kept alive so the id
+    is not reused) and the text of each abstract value type."""
+    jaxprs: dict = field(default_factory=dict)
+    avals: dict = field(default_factory=dict)
+
+
+def _stable(value: Any, memo: _Seen) -> str:
     """A repr that is the same in every process for plain parameter values (axes, dimension
-    numbers, dtypes); other values (sub-jaxprs, callables) count by type only."""
+    numbers, dtypes) and for sub-jaxprs (scan/cond/while bodies, the loss of a kept gradient,
+    see `_jaxpr_digest`); other values (callables, shardings) count by type only."""
     if isinstance(value, _SIMPLE):
         return repr(value)
     if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_stable(v) for v in value) + ")"
+        return "(" + ",".join(_stable(v, memo) for v in value) + ")"
+    if isinstance(value, (_compat.ClosedJaxpr, _compat.Jaxpr)):
+        return _jaxpr_digest(value, memo)
     if hasattr(value, "_fields"):   # NamedTuple-like dimension numbers
-        return type(value).__name__ + _stable(tuple(value))
+        return type(value).__name__ + _stable(tuple(value), memo)
     if hasattr(value, "itemsize") and hasattr(value, "name"):   # numpy dtypes
         return str(value)
     return type(value).__name__
 
 
+def _jaxpr_digest(jaxpr, memo: _Seen) -> str:
+    """A digest of a (closed) jaxpr: its constants' and inputs' types, every equation's
+    primitive, plain parameters (sub-jaxprs recursively) and output types, literal values,
+    and which values each equation reads (variables numbered by definition order, so no
+    object identity enters). A body shared by many equations is read once per fingerprint."""
+    hit = memo.jaxprs.get(id(jaxpr))
+    if hit is not None:
+        return hit[1]
+    closed = isinstance(jaxpr, _compat.ClosedJaxpr)
+    inner = jaxpr.jaxpr if closed else jaxpr
+    number: dict = {}
+    parts = ["closed" if closed else "open"]
+    avals = memo.avals
+
+    def aval_text(aval) -> str:      # avals compare by value (shape, dtype, weak type, ...)
+        try:
+            return avals[aval]
+        except KeyError:
+            text = avals[aval] = str(aval) + ("~" if getattr(aval, "weak_type", False) else "")
+            return text
+        except TypeError:            # an unhashable abstract value
+            return str(aval)
+
+    def define(v) -> str:
+        number[v] = len(number)
+        return aval_text(v.aval)
+
+    def read(atom) -> str:
+        if isinstance(atom, _compat.Literal):
+            val = atom.val
+            val = repr(val) if isinstance(val, (bool, int, float, complex)) else \
+                np.asarray(val).tobytes().hex()
+            return f"{val}:{aval_text(atom.aval)}"
+        return str(number[atom])
+
+    parts.append("const " + ",".join(define(v) for v in inner.constvars))
+    parts.append("in " + ",".join(define(v) for v in inner.invars))
+    for eqn in inner.eqns:
+        params = ",".join(f"{k}={_stable(v, memo)}" for k, v in sorted(eqn.params.items()))
+        ins = ",".join(read(a) for a in eqn.invars)
+        outs = ",".join(define(v) for v in eqn.outvars)
+        parts.append(f"{eqn.primitive.name}[{params}]({ins})->{outs}")
+    parts.append("out " + ",".join(read(a) for a in inner.outvars))
+    digest = hashlib.sha256(";".join(parts).encode()).hexdigest()[:32]
+    memo.jaxprs[id(jaxpr)] = (jaxpr, digest)
+    return digest
+
+
 def graph_fingerprint(graph: OpGraph) -> str:
-    """Identifies a traced step: primitives, their plain parameters, shapes and dtypes of
-    every node and input."""
+    """Identifies a traced step: primitives, their parameters (sub-jaxprs such as loop bodies
+    and a kept gradient's loss included), shapes and dtypes of every node and input. The same
+    in every process and run.
+
+    Example:
+        >>> graph_fingerprint(trace(lambda x: jnp.tanh(x), (jnp.ones((4, 4)),)))
+        '...'        # 16 hex digits
+    """
     h = hashlib.sha256()
+    memo = _Seen()
     for tid in graph.inputs:
         t = graph.tensors[tid]
         h.update(f"{t.shape}{t.dtype};".encode())
     for node in graph.nodes:
         outs = ",".join(f"{graph.tensors[o].shape}{graph.tensors[o].dtype}" for o in node.outputs)
-        params = ",".join(f"{k}={_stable(v)}" for k, v in sorted(node.eqn.params.items()))
+        params = ",".join(f"{k}={_stable(v, memo)}" for k, v in sorted(node.eqn.params.items()))
         h.update(f"{node.primitive}[{params}]({','.join(map(str, node.inputs))})->{outs};"
                  .encode())
     return h.hexdigest()[:16]

@@ -55,7 +55,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     collectives = predict_collectives(graph, assignment, cost)
     reshards = tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, assignment))
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
-                                   reason=f.reason) for f in assignment.fallbacks)
+                                   reason=f.reason, replicated_bytes=f.replicated_bytes)
+                      for f in assignment.fallbacks)
     stage = StagePlan(index=0, device_ids=tuple(device_ids),
                       logical_mesh_shape=assignment.mesh_shape, axis_names=assignment.axis_names,
                       compute_s=assignment.compute_s, comm_s=assignment.comm_s,

@@ -16,6 +16,7 @@ ELEMENTWISE = ARITHMETIC | frozenset({
     "real", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "sharding_constraint", "optimization_barrier", "stop_gradient",
     "lgamma", "digamma", "igamma", "logaddexp", "reshard", "device_put", "mesh_cast",
+    "threefry2x32",
 })
 # Reductions over `axes`: a split reduced dimension leaves partial results (an all-reduce).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
@@ -26,9 +27,23 @@ AXIS_OPS = frozenset({"argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin
 # Reductions and scans that cost one FLOP per input element.
 REDUCTION_FLOPS = (REDUCTIONS | AXIS_OPS) - {"reduce_xor", "sort", "top_k"}
 
+# Sliding-window reductions (pooling): a dimension under a real window is gathered.
+WINDOW_REDUCTIONS = frozenset({"reduce_window_max", "reduce_window_min", "reduce_window_sum",
+                               "reduce_window"})
+# Gradients of max/min pooling: operand, source and result share the non-window dimensions.
+WINDOW_SELECTS = frozenset({"select_and_scatter_add", "select_and_gather_add",
+                            "select_and_scatter"})
+# PRNG key operations: keys are tiny and follow their operand on the leading (key) dims.
+KEY_OPS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+                     "random_split", "random_clone"})
+# Random-bit generators: the bits take any layout (partitionable threefry), the key replicated.
+RANDOM_BITS = frozenset({"random_bits"})
+
 MATMUL_LIKE = frozenset({"dot_general", "conv_general_dilated"})   # compute-heavy
-HEAVY_OPERATORS = MATMUL_LIKE | {"gather", "scatter-add", "scatter"}   # listed in the dump
+# Listed in the dump with their strategies.
+HEAVY_OPERATORS = (MATMUL_LIKE | {"gather", "scatter-add", "scatter"} | WINDOW_REDUCTIONS
+                   | WINDOW_SELECTS | RANDOM_BITS)
 CONTROL_FLOW = frozenset({"scan", "while", "cond"})
 # Results that are not constants even when every operand is.
-NOT_FOLDABLE = CONTROL_FLOW | {"random_bits", "random_seed", "random_wrap",
+NOT_FOLDABLE = CONTROL_FLOW | {"random_bits", "random_seed", "random_wrap", "threefry2x32",
                                "rng_bit_generator", "rng_uniform"}

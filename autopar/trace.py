@@ -26,7 +26,7 @@ from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand
 from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
 from .markers import STAGE_BOUNDARY
-from .primitives import ARITHMETIC, REDUCTION_FLOPS
+from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
 
 # Path components that mark optimizer state (optax's state names and common container names).
 _OPT_STATE_PATTERN = re.compile(
@@ -51,6 +51,13 @@ def node_flops(primitive: str, eqn) -> float:
         return float(math.prod(getattr(outs[0], "shape", ())))
     if primitive in REDUCTION_FLOPS:
         return float(math.prod(getattr(ins[0], "shape", ())))
+    if primitive in WINDOW_REDUCTIONS or primitive in WINDOW_SELECTS:
+        # One op per window element of every pooled element: the results of a reduce_window
+        # (one per operand) or a select_and_gather_add, the source of a select_and_scatter*.
+        window = math.prod(eqn.params["window_dimensions"])
+        source = {"select_and_scatter_add": 0, "select_and_scatter": 1}.get(primitive)
+        pooled = outs[0] if source is None else ins[source]
+        return float(math.prod(pooled.shape) * window * len(outs))
     return 0.0
 
 
@@ -93,6 +100,53 @@ def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int
                 f"a call with {num_args} argument(s). Fix: pass indices in [0, {num_args}).")
         out.append(a % num_args)
     return tuple(sorted(set(out)))
+
+
+def check_donated_aliases(fun: Callable, args: Sequence[Any], static_argnums: Sequence[int],
+                          donate_argnums: Sequence[int]) -> None:
+    """A donated array must not be passed anywhere else in the same call (in another argument,
+    or twice in the donated one): the step would read a buffer it has handed over, and XLA:CPU
+    crashes the process. Cheap enough for every call: one dict lookup per array leaf, by
+    object identity; leaf paths are looked up only to report a clash.
+
+    Example:
+        >>> check_donated_aliases(step, (params, params, batch), (), (0,))
+        InvalidArgumentError: donate_argnums=(0,): the array at argument 0 (`p`)['w'] is ...
+
+    Raises:
+      InvalidArgumentError: naming both places and the fix.
+    """
+    if not donate_argnums:
+        return
+    donate_argnums = check_argnums("donate_argnums", donate_argnums, len(args))
+    static_argnums = check_argnums("static_argnums", static_argnums, len(args))
+    seen: dict[int, int] = {}          # id of an array leaf -> argument of its first use
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            continue
+        for x in jax.tree_util.tree_leaves(a):
+            if not isinstance(x, jax.Array):
+                continue
+            j = seen.get(id(x))
+            if j is None:
+                seen[id(x)] = i
+            elif i in donate_argnums or j in donate_argnums:
+                raise _aliased_donation(fun, args, static_argnums, donate_argnums, x)
+
+
+def _aliased_donation(fun, args, static_argnums, donate_argnums, x) -> InvalidArgumentError:
+    names = _arg_names(fun, len(args))
+    where = [(i, f"argument {i} (`{names[i]}`){jax.tree_util.keystr(path)}")
+             for i, a in enumerate(args) if i not in static_argnums
+             for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0] if leaf is x]
+    arg, donated = next((i, w) for i, w in where if i in donate_argnums)
+    other = next(w for _, w in where if w != donated)
+    return InvalidArgumentError(
+        f"donate_argnums={tuple(donate_argnums)}: the array at {donated} is donated, and the "
+        f"same array is also passed as {other} (shape {tuple(x.shape)}, {x.dtype}); the step "
+        f"would read a buffer it has already handed over (on CPU the process crashes). Fix: "
+        f"pass a copy in one of the places (e.g. `jax.tree.map(jnp.copy, tree)`), or do not "
+        f"donate argument {arg}.")
 
 
 class _Builder:

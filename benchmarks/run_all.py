@@ -24,7 +24,9 @@ time for 8 and 64 GPUs, and the measured pipeline step against its ideal schedul
 options (`--plan-layers`, `--stages`, ... see `--help`) are accepted here too. `--only
 pipeline` rewrites just that section of the output file, keeping the rest. The `## Multi-host
 and plan cache` section comes from `benchmarks/multihost.py` (a cached plan lookup against a
-fresh search; the step time of 2 processes x 4 devices next to 1 process x 8), run last; the
+fresh search; the step time of 2 processes x 4 devices next to 1 process x 8), then the `##
+Method promises` section from `benchmarks/methods.py` (each method's compiled collectives next
+to its plan's), run last; the
 `## GPU` section (`benchmarks/gpu.py`, on a GPU machine) is kept as it is.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
@@ -39,6 +41,7 @@ import statistics
 import sys
 import time
 
+import methods as methods_bench           # benchmarks/methods.py (this script's folder)
 import multihost as multihost_bench       # benchmarks/multihost.py (this script's folder)
 import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
 import pipeline_report
@@ -491,6 +494,9 @@ def main(argv=None) -> int:
         _progress("multi-host and plan cache section ...")
         others["multihost"] = multihost_bench.section(multihost_bench.run(),
                                                       args.cmdline)
+        _save(text, args.out, others)
+        _progress("method promises section ...")
+        others["methods"] = methods_bench.section(methods_bench.run(), args.cmdline)
         _save(text, args.out, others)
     _progress(f"wrote {args.out}")
     print(text)

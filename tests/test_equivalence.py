@@ -11,6 +11,9 @@ import numpy as np
 import optax
 import pytest
 
+import flax.linen as nn
+from flax.training import train_state
+
 import autopar
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
@@ -118,3 +121,73 @@ def test_megatron_sharding_rules_pin_params_and_match_jit(model):
     else:
         assert _plan_spec(plan, "state.params['params']['Dense_0']['kernel']") == "[-, model]"
         assert _plan_spec(plan, "state.params['params']['Dense_1']['kernel']") == "[model, -]"
+
+
+# --------------------------------------------------- a step that closes over a numpy array
+LM_VOCAB, LM_LEN, LM_HIDDEN = 64, 16, 32
+
+
+def _sinusoid_table(length, hidden):
+    """lm1b's fixed position table: a numpy array the model closes over (a jaxpr constant)."""
+    pos = np.arange(length)[:, None]
+    i = np.arange(hidden)[None, :]
+    angle = pos / 10000 ** ((2 * (i // 2)) / hidden)
+    return np.where(i % 2 == 0, np.sin(angle), np.cos(angle)).astype(np.float32)
+
+
+class _Lm1bBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        y = nn.SelfAttention(num_heads=4, qkv_features=LM_HIDDEN, use_bias=False,
+                             deterministic=True)(nn.LayerNorm()(x), mask=mask)
+        x = x + y
+        return x + nn.Dense(LM_HIDDEN)(nn.relu(nn.Dense(4 * LM_HIDDEN)(nn.LayerNorm()(x))))
+
+
+class _Lm1bTransformer(nn.Module):
+    """A small lm1b-style decoder: shared embedding, sinusoidal positions (numpy), 2 blocks."""
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(LM_VOCAB, LM_HIDDEN)
+        x = embed(tokens) + _sinusoid_table(LM_LEN, LM_HIDDEN)[None]
+        for _ in range(2):
+            x = _Lm1bBlock()(x)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def _lm1b_step(state, tokens):
+    def loss_fn(p):
+        logits = state.apply_fn(p, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
+                                                               tokens[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss, grads
+
+
+@pytest.mark.parametrize("method,mesh_shape", [("shard", (2, 4)), ("shard", (1, 8)),
+                                               ("zero3", (2, 4))])
+def test_closed_over_numpy_table_keeps_carried_outputs_on_their_inputs(method, mesh_shape):
+    """Constants are numbered before the inputs: carried outputs must still be tied to their
+    own input (issue 13, item 1: this crashed in reshard_s, or silently mis-sharded). ZeRO-3
+    shards the state, so a mis-paired output would show a spec other than its input's."""
+    key = jax.random.key(0)
+    batches = [jax.random.randint(jax.random.fold_in(key, i), (8, LM_LEN), 0, LM_VOCAB)
+               for i in range(3)]
+    model = _Lm1bTransformer()
+    state = train_state.TrainState.create(apply_fn=model.apply,
+                                          params=model.init(key, batches[0]),
+                                          tx=sgd_momentum_clip())
+    par = autopar.parallelize(_lm1b_step, mesh=mesh_of(mesh_shape), batch_argnums=(1,),
+                              method=METHODS[method]())
+    assert_equivalent(run_steps(jax.jit(_lm1b_step), state, batches),
+                      run_steps(par, state, batches), compare_params=True)
+    plan = par.get_plan(state, batches[0])
+    in_spec = {t.path: t.spec for t in plan.inputs}
+    carried = [(re.fullmatch(r"result\[\d+\] \(next (.*)\)", t.path), t) for t in plan.outputs]
+    carried = [(m.group(1), t) for m, t in carried if m]
+    assert len(carried) == len(jax.tree_util.tree_leaves(state))
+    for path, out in carried:
+        assert out.spec == in_spec[path], f"{path}: {out.spec} != {in_spec[path]}"
+    if method == "zero3":
+        assert sum(1 for _, out in carried if any(out.spec)) > len(carried) // 2

@@ -252,3 +252,40 @@ def test_unfused_last_stage_gives_the_same_step(mlp):
     ex, out = run_program(mlp, mlp["program"], fused=frozenset())
     close(out, mlp["direct"])
     assert ex.stats.max_live_microbatches == [2, 1]
+
+
+# -- a loss that closes over concrete arrays -------------------------------------------------
+
+def const_loss(p, x, y):
+    """Reads two arrays the step closes over: a numpy range and a list made an array."""
+    h = autopar.mark_stage_boundary(jnp.tanh(x @ p["l0"]))
+    h = autopar.mark_stage_boundary(jnp.tanh(h @ p["l1"]))
+    out = h @ p["l2"] + np.arange(H, dtype=np.float32) * jnp.array([0.5, -0.25] * (H // 2))
+    return jnp.mean((out - y) ** 2)
+
+
+def const_step(params, batch):
+    loss, grads = autopar.value_and_grad(const_loss)(params, batch["x"], batch["y"])
+    new = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    return new, loss, grads, jnp.array([1.0, 2.0])     # a result that is a constant too
+
+
+@pytest.mark.parametrize("method", [
+    autopar.ShardParallel(num_microbatches=2),
+    autopar.PipeshardParallel(num_microbatches=1, layer_option=autopar.ManualLayerOption(),
+                              stage_option=autopar.UniformStageOption(num_stages=3)),
+    autopar.PipeshardParallel(num_microbatches=2, layer_option=autopar.ManualLayerOption(),
+                              stage_option=autopar.UniformStageOption(num_stages=3)),
+], ids=["accumulate-2", "pipeline-1", "pipeline-2"])
+def test_loss_closing_over_concrete_arrays_matches_jit(method):
+    """Closed-over arrays are constants of the step and operands of the gradient marker; the
+    executor places them itself (issue 13, item 1: this raised StopIteration)."""
+    par = autopar.parallelize(const_step, mesh=mesh_of((2, 3)), method=method)
+    params = _params()
+    want = jax.jit(const_step)(params, BATCH)
+    got = par(params, BATCH)
+    close(got, want)
+    transfers = par.get_executor(params, BATCH).stats.num_transfers
+    close(par(got[0], BATCH), jax.jit(const_step)(want[0], BATCH))      # a second step
+    # the constants were placed by the first step and are reused
+    assert par.get_executor(params, BATCH).stats.num_transfers < transfers

@@ -146,7 +146,9 @@ def test_dump_lists_fallbacks_with_reasons(fallback_plan):
     assert "control flow treated conservatively" in loop
     assert f"{THIS_FILE}:" in loop and "(with_fallbacks)" in loop
     for f in fallback_plan.fallbacks:
-        assert f"  node {f.node} {f.primitive} at {f.source}: {f.reason}" in section
+        assert f.replicated_bytes > 0
+        assert (f"  node {f.node} {f.primitive} at {f.source}: {f.reason} "
+                f"({_bytes(f.replicated_bytes)} whole on every device)") in section
     # the operators written here point at this file
     for o in fallback_plan.operators:
         assert THIS_FILE in o.source

@@ -196,3 +196,29 @@ def test_sampled_random_plans_are_feasible_seeded_and_never_beat_the_ilp():
     pipe = autopar.parallelize(step, mesh=mesh, method=autopar.ShardParallel(num_microbatches=2))
     with pytest.raises(autopar.InvalidArgumentError, match="single-mesh"):
         pipe.sample_plan(state, batches[0], seed=0)
+
+
+def test_carried_outputs_keep_their_inputs_sharding_behind_a_constant():
+    """A closed-over array is numbered before the inputs; with equal shapes everywhere a
+    mis-paired output would silently take its neighbour's sharding (issue 13, item 1)."""
+    table = np.linspace(0.0, 1.0, 256, dtype=np.float32).reshape(16, 16)
+
+    def step(state, x):
+        loss = jax.numpy.mean((x @ state["a"] @ state["b"] @ table) ** 2)
+        return {"a": state["a"] * 0.5, "b": state["b"] + 1.0}, loss
+
+    state = {"a": jax.numpy.ones((16, 16)), "b": jax.numpy.full((16, 16), 2.0)}
+    x = jax.numpy.ones((8, 16))
+    rules = ((r"state\['a'\]", ("data", None)), (r"state\['b'\]", (None, "model")))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,),
+                              method=autopar.ShardParallel(sharding_rules=rules))
+    plan = par.get_plan(state, x)
+    assert [t.spec for t in plan.outputs[:2]] == [t.spec for t in plan.inputs[:2]]
+    assert plan.inputs[0].spec != plan.inputs[1].spec
+    got, loss = par(state, x)
+    want, want_loss = jax.jit(step)(state, x)
+    assert np.allclose(loss, want_loss, rtol=1e-6)
+    for k in ("a", "b"):
+        assert np.array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    assert got["a"].sharding.spec == jax.sharding.PartitionSpec("data", None)
+    assert got["b"].sharding.spec == jax.sharding.PartitionSpec(None, "model")

@@ -16,6 +16,7 @@ import autopar
 from autopar.graph import TensorKind
 from autopar.plan import (PLAN_FORMAT_VERSION, CollectivePlan, FallbackPlan, OperatorPlan,
                           ParallelPlan, StagePlan, TensorPlan, graph_fingerprint)
+from autopar.plan_cache import PlanCache
 from autopar.primitives import HEAVY_OPERATORS
 from autopar.spec import is_valid
 from autopar.trace import trace
@@ -376,3 +377,115 @@ def test_fingerprint_sees_equation_parameters():
     b = graph_fingerprint(trace(lambda v: v.sum(1), (x,), batch_argnums=()))
     again = graph_fingerprint(trace(lambda v: v.sum(0), (x,), batch_argnums=()))
     assert a != b and a == again
+
+
+# ------------------------------------------------------- fingerprints see into sub-jaxprs
+# Two losses over the same parameter shapes: one shared layer applied 4 or 12 times.
+SHARED = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+XY = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32), "y": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+
+
+def _shared_layer_step(num_layers, scan=False):
+    def loss(p, batch):
+        h = batch["x"]
+        if scan:
+            h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ p["w"]), None), h, None,
+                                length=num_layers)
+        else:
+            for _ in range(num_layers):
+                h = jnp.tanh(h @ p["w"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    def step(p, batch):
+        value, grads = autopar.value_and_grad(loss)(p, batch)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+    return step
+
+
+def _pipeline_fp(step, args=(SHARED, XY)):
+    return graph_fingerprint(trace(step, args, batch_argnums=(1,), keep_grad=True))
+
+
+def test_fingerprint_of_a_kept_gradient_covers_the_loss():
+    """Traced for a pipeline the step is `value_and_grad` plus the update, whatever the loss:
+    the loss jaxpr in the marker's params must count (issue 13, item 9)."""
+    four, twelve = _shared_layer_step(4), _shared_layer_step(12)
+    assert _pipeline_fp(four) != _pipeline_fp(twelve)
+    assert _pipeline_fp(four) == _pipeline_fp(_shared_layer_step(4))      # traced again
+    mse = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)           # noqa: E731
+    mae = lambda p, b: jnp.mean(jnp.abs(b["x"] @ p["w"] - b["y"]))         # noqa: E731
+    step_of = lambda loss: lambda p, b: autopar.value_and_grad(loss)(p, b)  # noqa: E731
+    assert _pipeline_fp(step_of(mse)) != _pipeline_fp(step_of(mae))
+
+
+@pytest.mark.parametrize("pair", ["scan", "cond", "while"])
+def test_fingerprint_covers_control_flow_bodies(pair):
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    bodies = {
+        "scan": lambda f: lambda v: jax.lax.scan(lambda c, _: (f(c), None), v, None,
+                                                 length=3)[0],
+        "cond": lambda f: lambda v: jax.lax.cond(v.sum() > 0, f, jnp.sin, v),
+        "while": lambda f: lambda v: jax.lax.while_loop(lambda c: c.sum() < 10, f, v),
+    }[pair]
+    fp = lambda f: graph_fingerprint(trace(bodies(f), (x,)))             # noqa: E731
+    assert fp(jnp.tanh) != fp(jnp.exp)
+    assert fp(jnp.tanh) == fp(jnp.tanh)
+    assert fp(lambda v: v * 2.0) != fp(lambda v: v * 3.0)       # literals inside the body
+
+
+def _fingerprints_in_child() -> list[str]:
+    return [_pipeline_fp(_shared_layer_step(4)), _pipeline_fp(_shared_layer_step(4, scan=True))]
+
+
+def test_fingerprint_of_sub_jaxprs_is_the_same_in_another_process():
+    """No object ids or hashes: a spawned interpreter computes the same fingerprints."""
+    import multiprocessing
+    here = _fingerprints_in_child()
+    assert here[0] != here[1]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_fingerprints_in_child) == here
+
+
+ACCUMULATE = autopar.ShardParallel(num_microbatches=2)
+
+
+def _shared_layer_args():
+    key = jax.random.key(0)
+    params = {"w": jax.random.normal(key, (8, 8)) * 0.3}
+    batch = {"x": jax.random.normal(jax.random.fold_in(key, 1), (8, 8)),
+             "y": jax.random.normal(jax.random.fold_in(key, 2), (8, 8))}
+    return params, batch
+
+
+def test_two_losses_over_the_same_params_get_their_own_cache_entries(tmp_path, mesh):
+    params, batch = _shared_layer_args()
+    plans = []
+    for num_layers in (4, 12):
+        step = _shared_layer_step(num_layers)
+        par = autopar.parallelize(step, mesh=mesh, batch_argnums=(1,), method=ACCUMULATE,
+                                  plan_cache=tmp_path)
+        plans.append(par.get_plan(params, batch))
+        new, loss = par(params, batch)
+        want_new, want_loss = jax.jit(step)(params, batch)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        np.testing.assert_allclose(new["w"], want_new["w"], rtol=1e-5, atol=1e-6)
+    assert [p.origin for p in plans] == ["search", "search"]
+    assert plans[0].graph_fingerprint != plans[1].graph_fingerprint
+    assert len(PlanCache(tmp_path).entries()) == 2
+
+
+@pytest.mark.parametrize("method", [ACCUMULATE, autopar.PipeshardParallel(
+    num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=2),
+    stage_option=autopar.UniformStageOption(num_stages=2))], ids=["accumulate", "pipeline"])
+def test_saved_pipeline_plan_for_another_loss_raises(mesh, method):
+    params, batch = _shared_layer_args()
+    four = autopar.parallelize(_shared_layer_step(4), mesh=mesh, batch_argnums=(1,),
+                               method=method)
+    saved = ParallelPlan.from_json(four.get_plan(params, batch).to_json())
+    same = autopar.parallelize(_shared_layer_step(4), mesh=mesh, batch_argnums=(1,),
+                               method=method, plan=saved)
+    assert same.get_plan(params, batch).origin == "saved plan"
+    other = autopar.parallelize(_shared_layer_step(12), mesh=mesh, batch_argnums=(1,),
+                                method=method, plan=saved)
+    with pytest.raises(autopar.PlanMismatchError, match="fingerprint"):
+        other(params, batch)

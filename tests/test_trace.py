@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import pathlib
 
 import jax
@@ -13,9 +14,11 @@ from flax.training import train_state
 
 import autopar
 from autopar import _compat
+from autopar.errors import AutoparError, InvalidArgumentError
 from autopar.graph import InputRole, OpGraph, Tensor, TensorKind
 from autopar.lower import interpret
-from autopar.trace import carried_outputs, check_argnums, classify_input, node_flops, trace
+from autopar.trace import (carried_outputs, check_argnums, check_donated_aliases, classify_input,
+                           node_flops, trace)
 from steps import mlp_train_state, mlp_train_step
 
 THIS_FILE = pathlib.Path(__file__).name
@@ -376,6 +379,26 @@ def test_carried_outputs_two_state_args_with_same_structure():
     assert graph.carried_outputs == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
+def test_carried_tensors_map_positions_to_tensor_ids_behind_constants():
+    """Closed-over arrays are numbered first: positions and tensor ids differ by their count."""
+    table = np.arange(8, dtype=np.float32)
+    offsets = np.ones((2, 8), np.float32)
+
+    def step(state, x):
+        loss = jnp.sum((x @ state["w"] + offsets) * table)
+        return loss, {"b": state["b"] - 1.0, "w": state["w"] * 0.5}
+
+    graph = trace(step, ({"b": jnp.zeros(3), "w": jnp.ones((4, 8))}, jnp.ones((2, 4))),
+                  batch_argnums=(1,))
+    assert graph.carried_outputs == {1: 0, 2: 1}                      # positions
+    consts = [t.id for t in graph.tensors if t.kind == TensorKind.CONST]
+    assert len(consts) >= 2 and graph.inputs[0] > max(consts[:2])
+    assert graph.carried_tensors() == {1: graph.inputs[0], 2: graph.inputs[1]}
+    assert graph.carried_tensors({2: 1}) == {2: graph.inputs[1]}
+    with pytest.raises(AutoparError, match="carried output 1"):
+        graph.carried_tensors({1: 1})                                  # shapes (3,) vs (4, 8)
+
+
 # --------------------------------------------------------------------- consumers / last_use
 def test_consumers_and_last_use_on_tiny_graph():
     def f(a, b):
@@ -527,3 +550,81 @@ def test_prng_key_input_dtype():
     key = graph.tensors[graph.inputs[0]]
     assert key.dtype == "key" and key.nbytes == 8
     assert key.role == InputRole.OTHER
+
+
+# --------------------------------------------------------------- a donated array passed twice
+def _two_param_step(p, q, batch):
+    return jax.tree.map(lambda a: a * 0.9, p), jnp.mean((batch @ p["w"] @ q["w"]) ** 2)
+
+
+def test_donated_array_passed_again_is_named_with_both_places():
+    p, batch = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}, jnp.ones((2, 4))
+    with pytest.raises(InvalidArgumentError) as err:
+        check_donated_aliases(_two_param_step, (p, p, batch), (), (0,))
+    text = str(err.value)
+    assert "argument 0 (`p`)['b']" in text and "argument 1 (`q`)['b']" in text
+    assert "donate_argnums=(0,)" in text and "copy" in text and "do not donate argument 0" in text
+    # the donated argument may be the later one; negative indices count from the end
+    with pytest.raises(InvalidArgumentError, match=r"argument 1 \(`q`\)\['b'\] is donated"):
+        check_donated_aliases(_two_param_step, (p, p, batch), (), (-2,))
+
+
+def test_donated_array_twice_in_one_argument_is_rejected():
+    w = jnp.ones((4, 4))
+    with pytest.raises(InvalidArgumentError, match=r"argument 0 \(`p`\)\['a'\] is donated.*"
+                                                   r"argument 0 \(`p`\)\['b'\]"):
+        check_donated_aliases(_two_param_step, ({"a": w, "b": w}, {"w": w}, w), (), (0,))
+
+
+def test_aliases_that_donate_nothing_pass():
+    w = jnp.ones((4, 4))
+    check_donated_aliases(_two_param_step, ({"w": w}, {"w": w}, w), (), ())    # no donation
+    check_donated_aliases(_two_param_step, ({"w": w}, {"w": w}, w.copy()), (), (2,))
+    check_donated_aliases(_two_param_step, ({"w": w}, {"w": w.copy()}, w.copy()), (), (0,))
+    host = np.ones((4, 4), np.float32)       # a host array is copied onto the devices anyway
+    check_donated_aliases(_two_param_step, ({"w": host}, {"w": host}, w), (), (0,))
+    # a static argument is not passed to the step
+    check_donated_aliases(lambda p, s: p, (w, w), (1,), (0,))
+
+
+_DONATED_TWICE = """
+import sys
+import jax, jax.numpy as jnp, autopar
+mesh = jax.make_mesh((2, 4), ("data", "model"))
+
+def step(p, q, batch):
+    loss = jnp.mean((jnp.tanh(batch @ p["w1"]) @ p["w2"] @ q["w1"]) ** 2)
+    return jax.tree.map(lambda a: a * 0.9, p), loss
+
+k = jax.random.key(0)
+p = {"w1": jax.random.normal(k, (256, 256)), "w2": jax.random.normal(k, (256, 256))}
+batch = jax.random.normal(k, (64, 256))
+rules = ((r"w1", (None, "model")), (r"w2", ("model", None)))
+par = autopar.parallelize(step, mesh=mesh, batch_argnums=(2,), donate_argnums=(0,),
+                          method=autopar.ShardParallel(sharding_rules=rules))
+p = jax.tree.map(jax.device_put, p, par.input_shardings(p, p, batch)[0])   # committed
+q = jax.tree.map(jnp.copy, p)
+args = {"across": (p, p, batch), "within": ({"w1": p["w1"], "w2": p["w1"]}, q, batch)}
+try:
+    par(*args[sys.argv[1]])
+    print("NO ERROR")
+except autopar.InvalidArgumentError as e:
+    print("ERROR", e)
+"""
+
+
+@pytest.mark.parametrize("case", ["across", "within"])
+def test_parallelized_step_rejects_a_donated_array_passed_twice_before_running(case):
+    """Without the check XLA:CPU kills the process (issue 13, item 10), so run it in a child."""
+    import subprocess
+    import sys
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "AUTOPAR_PLAN_CACHE": "off",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _DONATED_TWICE, case], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-2000:]}"
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith(("ERROR", "NO ERROR"))]
+    assert line.startswith("ERROR donate_argnums=(0,): the array at argument 0 (`p`)['w1']")
+    other = "argument 1 (`q`)['w1']" if case == "across" else "argument 0 (`p`)['w2']"
+    assert f"also passed as {other}" in line

@@ -24,6 +24,7 @@ from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, buil
                               least_memory, solve_built)
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
+from ..intra_op.batch_dims import batch_dims
 from ..plan import constrained_tensors, spec_from_json
 from ..spec import Spec, num_shards
 from ..trace import trace
@@ -95,6 +96,23 @@ def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
             ins(fwd.inputs[p] for p in sl.data_inputs),
             ins(io.float_acts), ins(io.int_acts), ins(io.float_outputs))
     return trace(stage_train_fn(loss, sl, io), args, batch_argnums=(1,))
+
+
+def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph) -> dict[int, int]:
+    """The batch dimension of each input of the stage's training graph (`trace_stage`): its
+    data inputs' leading one, and for activations and output cotangents the one they have
+    in the loss's forward graph (see `intra_op.batch_dims`)."""
+    fwd = loss.forward
+    dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in loss.batch_inputs
+                            if fwd.tensors[fwd.inputs[p]].rank})
+    io = stage_io(loss, sl)
+    n = len(sl.param_inputs)
+    out = {t: 0 for t in graph.inputs[n:n + len(sl.data_inputs)] if graph.tensors[t].rank}
+    rest = graph.inputs[n + len(sl.data_inputs):]
+    for tid, f in zip(rest, (*io.float_acts, *io.int_acts, *io.float_outputs)):
+        if dims[f] is not None:
+            out[tid] = dims[f]
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,10 +250,12 @@ class StageProblem:
 def stage_problem(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
                   logical_shape: tuple[int, ...], axis_names: tuple[str, ...],
                   method: ShardParallel, input_paths: tuple[str, ...] = (), *,
-                  points_above: float | None = None) -> StageProblem:
+                  points_above: float | None = None,
+                  batch_sources: dict[int, int] | None = None) -> StageProblem:
     """Build the stage's ILP on `logical_shape`; `input_paths` (see `stage_input_paths`) name
     its first inputs for `method.sharding_rules`; `points_above=0` keeps every memory point
-    (for `least_bytes` and budgets below the method's)."""
+    (for `least_bytes` and budgets below the method's); `batch_sources` (see
+    `stage_batch_sources`) seeds the batch path a method pins."""
     logical = cluster.logical_mesh(tuple(logical_shape), tuple(axis_names))
     # A pipeline's stage is sharded like a ShardParallel step with the pipeline's solver
     # settings; gradient accumulation's one stage keeps its method's rules (data, ZeRO).
@@ -243,7 +263,7 @@ def stage_problem(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
         **{f.name: getattr(method, f.name) for f in dataclasses.fields(ShardParallel)})
     paths = tuple(input_paths) + ("",) * (len(graph.inputs) - len(input_paths))
     ilp = build_intra_op(graph, CostModel(mesh=logical), inner, {}, paths,
-                         points_above=points_above)
+                         points_above=points_above, batch_sources=batch_sources)
     return StageProblem(graph=graph, slice=sl, ilp=ilp, logical=logical)
 
 

@@ -25,7 +25,8 @@ from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
 from .pipeline import LossGraph, StageSlice, slice_range
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
-from .stage_solve import StageSolution, stage_input_paths, stage_problem, trace_stage
+from .stage_solve import (StageSolution, stage_batch_sources, stage_input_paths, stage_problem,
+                          trace_stage)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -92,8 +93,9 @@ class _Solver:
         key = (fp, submesh, shape, paths)
         if key not in self.problems:
             sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
-            self.problems[key] = stage_problem(graph, sl, sub, shape, AXIS_NAMES, self.method,
-                                               paths, points_above=0.0)
+            self.problems[key] = stage_problem(
+                graph, sl, sub, shape, AXIS_NAMES, self.method, paths, points_above=0.0,
+                batch_sources=stage_batch_sources(self.loss, sl, graph))
         return self.problems[key], key
 
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],

@@ -8,16 +8,19 @@ follow an operand's group and add their outputs to it.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from ..graph import InputRole, OpGraph, TensorKind
+from .._format import format_bytes
+from ..errors import FallbackWarning
+from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE
+from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +29,20 @@ class Fallback:
     primitive: str
     source: str
     reason: str
+    replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
+
+
+def warn_fallback(f: Fallback) -> None:
+    """A `FallbackWarning` for a fallback that replicates more than scalars (identical
+    warnings print once per process under Python's default filter)."""
+    if f.replicated_bytes > 0:
+        warnings.warn(
+            f"autopar: node {f.node} '{f.primitive}' at {f.source} is replicated: {f.reason}; "
+            f"every device holds {format_bytes(f.replicated_bytes)} of its operands and "
+            f"results whole. Fix: add a sharding rule for '{f.primitive}' (LEADER_RULES in "
+            f"autopar/intra_op/rules.py or FOLLOW_RULES in follow.py), or restructure the code "
+            f"at that line; see the plan's fallbacks in autopar.dump.",
+            FallbackWarning, stacklevel=2)
 
 
 @dataclass(slots=True)
@@ -71,7 +88,37 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
     for node in reversed(graph.nodes):
         feeds_heavy[node.id] = any(graph.nodes[c].primitive in MATMUL_LIKE or feeds_heavy[c]
                                    for t in node.outputs for c in consumers[t])
-    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
+    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id]) | sibling_reductions(graph)
+
+
+def sibling_reductions(graph: OpGraph) -> frozenset[int]:
+    """Reductions whose all-reduce XLA combines with an earlier one's: same operand shape and
+    axes, and independent of every reduction already in that combined all-reduce
+    (BatchNorm's mean and mean of squares; the two sums of its gradient). The first of a
+    combined set pays the latency, its siblings only their bandwidth."""
+    below = [0] * len(graph.tensors)     # bitset of the reductions a tensor depends on
+    sets: dict[tuple, list[int]] = {}    # (shape, axes) -> bitsets of the combined sets
+    count, out = 0, set()
+    for node in graph.nodes:
+        mask = 0
+        for t in node.inputs:
+            mask |= below[t]
+        if node.primitive in REDUCTIONS and node.inputs:
+            key = (graph.tensors[node.inputs[0]].shape, tuple(node.eqn.params.get("axes", ())))
+            combined = sets.setdefault(key, [])
+            bit = 1 << count
+            count += 1
+            for i, members in enumerate(combined):
+                if not members & mask:
+                    combined[i] = members | bit
+                    out.add(node.id)
+                    break
+            else:
+                combined.append(bit)
+            mask |= bit
+        for o in node.outputs:
+            below[o] = mask
+    return frozenset(out)
 
 
 def cheap_source_tensors(graph: OpGraph) -> list[bool]:
@@ -82,6 +129,18 @@ def cheap_source_tensors(graph: OpGraph) -> list[bool]:
             for o in node.outputs:
                 cheap[o] = True
     return cheap
+
+
+def expanded_tensors(graph: OpGraph) -> list[bool]:
+    """Results of a `broadcast_in_dim` that adds elements (a per-channel vector broadcast
+    over the batch): their new dims are whole in every layout of their group, so an
+    elementwise node reading one and a full-size tensor follows the full-size tensor."""
+    out = [False] * len(graph.tensors)
+    for node in graph.nodes:
+        if node.primitive == "broadcast_in_dim" and node.inputs:
+            if graph.tensors[node.inputs[0]].size < graph.tensors[node.outputs[0]].size:
+                out[node.outputs[0]] = True
+    return out
 
 
 class _Builder:
@@ -100,6 +159,7 @@ class _Builder:
         self.fallbacks: list[Fallback] = []
         self.owners: list[tuple[str, int]] = []
         self._reshard_cache: dict = {}
+        self.expanded = expanded_tensors(graph)
 
     def new_group(self, k: int, owner: tuple[str, int]) -> int:
         self.owners.append(owner)
@@ -158,7 +218,7 @@ class _Builder:
             biggest = max(self.g.tensors[t].size for t in node.inputs)
             pos = main_operand(self.ctx, node, lambda t: (
                 self._pinned_split(t) and self.g.tensors[t].size == biggest,
-                len(self.tensor_specs[t]) > 1, not cheap[t]))
+                len(self.tensor_specs[t]) > 1, not cheap[t], not self.expanded[t]))
             if pos is not None:
                 return self._add_follower(node, follow, pos)
         rule = LEADER_RULES.get(name)
@@ -173,8 +233,12 @@ class _Builder:
                 else:
                     reason = (f"no sharding rule for primitive '{name}': operands gathered, "
                               f"results replicated")
+                whole = sum(self.g.tensors[t].nbytes for t in (*node.inputs, *node.outputs)
+                            if self.g.tensors[t].size > 1)
                 self.fallbacks.append(Fallback(node=node.id, primitive=name,
-                                               source=node.source, reason=reason))
+                                               source=node.source, reason=reason,
+                                               replicated_bytes=whole))
+                warn_fallback(self.fallbacks[-1])
         self._add_leader(node, strategies)
 
     def _pinned_split(self, tid: int) -> bool:
@@ -353,12 +417,13 @@ class _LiveBytes:
 
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
-              output_targets: dict[int, int], budget: float | None,
+              output_targets: dict[OutputPos, TensorId], budget: float | None,
               allowed: Callable[..., bool] | None = None) -> Built:
-    """Build the ILP. `output_targets` maps a flat output position to the input tensor it
-    replaces next step (a loop-carried state): the output is charged for moving into that
-    input's sharding. `allowed(tid, spec)`: the method's pins on every tensor (see
-    `constraints.method_tensor_rule`); options that break them are not offered."""
+    """Build the ILP. `output_targets` maps a flat output position to the tensor id of the
+    input it replaces next step (a loop-carried state; `OpGraph.carried_tensors`): the output
+    is charged for moving into that input's sharding. `allowed(tid, spec, wanted)`: the
+    method's pins on every tensor (see `constraints.method_tensor_rule`); options that break
+    them are not offered."""
     b = _Builder(graph, ctx, input_options)
     b.add_sources()
     cheap = cheap_source_tensors(graph)

@@ -88,13 +88,12 @@ def rule_spec(rules, path: str, shape: Sequence[int], mesh_shape: Sequence[int],
     return None
 
 
-def batch_axes(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
-               axis_names: Sequence[str] = (), paths: Sequence[str] | None = None,
-               ) -> tuple[int, ...] | None:
+def batch_axes(method: ShardParallel, mesh_shape: Sequence[int],
+               axis_names: Sequence[str] = ()) -> tuple[int, ...] | None:
     """The mesh axes the batch dimension is pinned to along the whole batch path, or None
     (the ILP chooses): `method.batch_axis`; else every axis of size > 1 for DataParallel and
-    ZeRO; else the axes a `sharding_rules` entry splits the leading dimension of the batch
-    leaves over (when the entries that match batch leaves agree).
+    ZeRO. (A `sharding_rules` entry for a batch leaf pins that leaf only: a mixture of experts
+    moves its tokens' split from the batch to the experts.)
 
     Raises:
       InvalidArgumentError: `batch_axis` names an axis the mesh lacks.
@@ -111,23 +110,11 @@ def batch_axes(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
         return tuple(axis_names.index(a) for a in names)
     if method.kind in (MethodKind.DATA, MethodKind.ZERO2, MethodKind.ZERO3):
         return tuple(a for a, n in enumerate(mesh_shape) if n > 1)
-    if not method.sharding_rules:
-        return None
-    path_of = dict(zip(graph.inputs, paths)) if paths is not None else {}
-    pinned = set()
-    for tid in graph.inputs:
-        t = graph.tensors[tid]
-        path = path_of.get(tid) or t.path
-        if t.role == InputRole.BATCH and t.rank and path:
-            spec = rule_spec(method.sharding_rules, path, t.shape, mesh_shape, axis_names)
-            if spec is not None and spec[0]:
-                pinned.add(spec[0])
-    return pinned.pop() if len(pinned) == 1 else None
+    return None
 
 
 def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
-                       axis_names: Sequence[str] = (), paths: Sequence[str] | None = None,
-                       sources: dict[int, int] | None = None,
+                       axis_names: Sequence[str] = (), sources: dict[int, int] | None = None,
                        ) -> Callable[..., bool] | None:
     """`allowed(tid, spec, wanted=False)`: whether tensor `tid` may take sharding `spec` under
     `method`, or with `wanted`, be read in `spec` by an operator (None: every sharding may).
@@ -136,7 +123,7 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
     `sources` seeds it, default the batch inputs' leading dimensions) divides by A's size
     keeps A on d: exactly A and nothing else under DataParallel and ZeRO, A first under
     ShardParallel (other axes are the ILP's). DataParallel replicates every other tensor."""
-    axes = batch_axes(graph, method, mesh_shape, axis_names, paths)
+    axes = batch_axes(method, mesh_shape, axis_names)
     if axes is None:
         return None
     dims = batch_dims(graph, sources)
@@ -184,7 +171,7 @@ def _kind_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[in
     if kind == MethodKind.SHARD:
         return free
     label = type(method).__name__
-    axes = batch_axes(graph, method, mesh_shape, axis_names)
+    axes = batch_axes(method, mesh_shape, axis_names)
 
     def options(tid: int) -> list[Spec]:
         t = graph.tensors[tid]

@@ -7,11 +7,13 @@ input spec drops those axes and the reshard cost is charged to the node.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from ..graph import Node
 from ..spec import Spec, num_shards, replicated, without_axes
 from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
+from .layer_rules import LAYER_FOLLOW_RULES
 from .rules import RuleContext, Strategy
 
 
@@ -22,8 +24,11 @@ def _drop_dims(spec: Spec, dims) -> Spec:
 
 
 def _strategy(ctx: RuleContext, node: Node, in_specs, out_specs, name: str,
-              comm_s: float = 0.0, comm: str = "") -> Strategy:
-    shards = num_shards(out_specs[0], ctx.mesh_shape) if out_specs else 1
+              comm_s: float = 0.0, comm: str = "", shards: int | None = None) -> Strategy:
+    """A follower's strategy; its compute is split `shards` ways (default: as its first
+    result is)."""
+    if shards is None:
+        shards = num_shards(out_specs[0], ctx.mesh_shape) if out_specs else 1
     compute = ctx.compute(node, shards) if node.outputs else 0.0
     return Strategy(name=name, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
                     compute_s=compute, comm_s=comm_s, comm=comm)
@@ -75,7 +80,11 @@ def broadcast_in_dim(ctx, node, pos, spec):
         else:
             want[i] = ()
     ins = [tuple(want)] + [None] * (len(node.inputs) - 1)
-    return _strategy(ctx, node, ins, [tuple(assign)], "follow")
+    # A broadcast that adds elements is fused by XLA into its consumers, which take their
+    # own shard of it (a replicated broadcast feeding a batch-split product is never
+    # materialized whole): charge it as split over every device.
+    shards = math.prod(ctx.mesh_shape) if operand.size < out.size else None
+    return _strategy(ctx, node, ins, [tuple(assign)], "follow", shards=shards)
 
 
 def transpose(ctx, node, pos, spec):
@@ -112,21 +121,25 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]):
 def reshape(ctx, node, pos, spec):
     src = ctx.t(node.inputs[0]).shape
     dst = ctx.t(node.outputs[0]).shape
+    perm = node.eqn.params.get("dimensions")
+    split = spec
+    if perm is not None:   # the operand is transposed by `dimensions` first
+        src, split = tuple(src[d] for d in perm), tuple(spec[d] for d in perm)
     assign: list[tuple[int, ...]] = [()] * len(dst)
     drop: list[int] = []
     for gi, gj in _reshape_groups(src, dst):
         major_in = next((d for d in gi if src[d] != 1), None)
         major_out = next((d for d in gj if dst[d] != 1), None)
         for d in gi:
-            if not spec[d]:
+            if not split[d]:
                 continue
             n = 1
-            for a in spec[d]:
+            for a in split[d]:
                 n *= ctx.mesh_shape[a]
             if d == major_in and major_out is not None and dst[major_out] % n == 0:
-                assign[major_out] = spec[d]
+                assign[major_out] = split[d]
             else:
-                drop.extend(spec[d])
+                drop.extend(split[d])
     want = without_axes(spec, drop)
     ins = [want] + [None] * (len(node.inputs) - 1)
     return _strategy(ctx, node, ins, [tuple(assign)], "follow")
@@ -140,7 +153,9 @@ def reduce(ctx, node, pos, spec):
     nbytes = out.nbytes / num_shards(out_spec, ctx.mesh_shape)
     comm_s = ctx.all_reduce(node, nbytes, red)
     comm = ctx.all_reduce_label(nbytes, red)
-    return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm)
+    # The work is split as the operand is: a reduced split dim leaves partial results.
+    return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm,
+                     shards=num_shards(spec, ctx.mesh_shape))
 
 
 def gather_on_axis(ctx, node, pos, spec):
@@ -205,6 +220,7 @@ FOLLOW_RULES.update({
     "rev": slicing, "dynamic_update_slice": dynamic_update_slice,
     "concatenate": concatenate, "split": split, "bitcast_convert_type": bitcast_convert_type,
 })
+FOLLOW_RULES.update(LAYER_FOLLOW_RULES)   # pooling, max-pool gradients, PRNG keys
 
 
 def main_operand(ctx: RuleContext, node: Node, preference) -> int | None:

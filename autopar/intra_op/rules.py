@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from .._format import format_bytes
 from ..cost import CostModel
 from ..graph import Node, OpGraph, Tensor
-from ..spec import Spec, num_shards, replicated
+from ..spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,18 +182,53 @@ def dot_general_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
 
 
 def conv_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    """Loops of a convolution: the batch (n); without groups the output features (o) and the
+    contracted input features (c, an all-reduce). With `feature_group_count` G > 1 (grouped,
+    depthwise) the feature groups (g) move the lhs input features, the rhs output features and
+    the output features together; with `batch_group_count` G > 1 (the weight gradient of a
+    grouped conv) the groups move the lhs batch with the output features, and the lhs features
+    are contracted (c). A group loop splits only over a number of devices that divides G, so
+    that every device holds whole groups: depthwise channels split need no collective."""
     p = node.eqn.params
     dn = p["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    loops = [("n", {0: lhs_spec[0], -1: out_spec[0]})]
+    fgc, bgc = p.get("feature_group_count", 1), p.get("batch_group_count", 1)
     reduce = set()
-    if p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1:
-        loops.append(("o", {1: rhs_spec[0], -1: out_spec[1]}))
-        reduce.add(len(loops))
-        loops.append(("c", {0: lhs_spec[1], 1: rhs_spec[1]}))
-    elif p.get("batch_group_count", 1) != 1:
-        loops = []
-    return _loop_strategies(ctx, node, loops, reduce)
+    if fgc == 1 and bgc == 1:
+        loops = [("n", {0: lhs_spec[0], -1: out_spec[0]}),
+                 ("o", {1: rhs_spec[0], -1: out_spec[1]}),
+                 ("c", {0: lhs_spec[1], 1: rhs_spec[1]})]
+        reduce.add(2)
+        return _loop_strategies(ctx, node, loops, reduce)
+    if bgc == 1:
+        groups, group_dim = fgc, lhs_spec[1]
+        loops = [("n", {0: lhs_spec[0], -1: out_spec[0]}),
+                 ("g", {0: lhs_spec[1], 1: rhs_spec[0], -1: out_spec[1]})]
+    else:
+        groups, group_dim = bgc, lhs_spec[0]
+        loops = [("g", {0: lhs_spec[0], 1: rhs_spec[0], -1: out_spec[1]}),
+                 ("c", {0: lhs_spec[1], 1: rhs_spec[1]})]
+        reduce.add(1)
+    return [s for s in _loop_strategies(ctx, node, loops, reduce)
+            if groups % dim_shards(s.in_specs[0], group_dim, ctx.mesh_shape) == 0]
+
+
+def random_bits_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
+    """A generator: the bits take every layout of their shape, so the ILP places them where
+    their consumers (a dropout mask's `select_n`) want them. The key (a scalar, or a batch of
+    keys on the leading dims) is replicated or split like those dims. With JAX's partitionable
+    threefry (`jax_threefry_partitionable`, the default) each device computes only its shard of
+    the bits, and they equal the unsharded ones."""
+    key, out = ctx.t(node.inputs[0]), ctx.t(node.outputs[0])
+    strategies = []
+    for spec in enumerate_specs(out.shape, ctx.mesh_shape):
+        split = [f"d{d}@{ctx.axis_label(axes)}" for d, axes in enumerate(spec) if axes]
+        strategies.append(Strategy(
+            name=" ".join(split) or "replicated",
+            in_specs=(spec[:key.rank] if key.rank else None,) + (None,) * (len(node.inputs) - 1),
+            out_specs=(spec,), compute_s=ctx.compute(node, num_shards(spec, ctx.mesh_shape)),
+            comm_s=0.0))
+    return strategies
 
 
 def gather_rule(ctx: RuleContext, node: Node) -> list[Strategy]:
@@ -264,4 +299,5 @@ LEADER_RULES: dict[str, Callable[[RuleContext, Node], list[Strategy]]] = {
     "gather": gather_rule,
     "scatter-add": scatter_rule,
     "scatter": scatter_rule,
+    "random_bits": random_bits_rule,
 }

@@ -11,7 +11,7 @@ import numpy as np
 from ..cluster import LogicalMesh
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
-from ..graph import OpGraph, TensorKind
+from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
 from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
@@ -111,7 +111,7 @@ class IntraOpProblem:
     mesh: LogicalMesh
     method: ShardParallel
     built: Built
-    output_targets: dict[int, int]
+    output_targets: dict[OutputPos, TensorId]   # carried output -> tensor id of its input
     build_time_s: float
 
     @property
@@ -121,20 +121,22 @@ class IntraOpProblem:
 
 
 def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
-                   output_targets: dict[int, int], input_paths: tuple[str, ...] | None = None,
+                   carried_outputs: dict[OutputPos, InputPos],
+                   input_paths: tuple[str, ...] | None = None,
                    *, points_above: float | None = None,
                    batch_sources: dict[int, int] | None = None) -> IntraOpProblem:
-    """Build the ILP (strategies, costs, memory points). Memory points are kept where the
-    live bytes could exceed `points_above` (default: the method's budget); pass 0 to solve it
-    later at budgets below that, or for its least memory (`least_memory`). `batch_sources`
-    maps tensor ids to their batch dimension (default: the batch inputs' leading one), where
-    the method pins the batch path."""
+    """Build the ILP (strategies, costs, memory points). `carried_outputs` pairs result
+    positions with the input positions they replace next step (`OpGraph.carried_outputs`).
+    Memory points are kept where the live bytes could exceed `points_above` (default: the
+    method's budget); pass 0 to solve it later at budgets below that, or for its least memory
+    (`least_memory`). `batch_sources` maps tensor ids to their batch dimension (default: the
+    batch inputs' leading one), where the method pins the batch path."""
     mesh = cost.mesh
     budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
-    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, input_paths,
-                                 batch_sources)
+    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources)
+    output_targets = graph.carried_tensors(carried_outputs)
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
                       output_targets, budget if points_above is None else float(points_above),
@@ -224,7 +226,7 @@ def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float]
 
 
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
-                   output_targets: dict[int, int],
+                   carried_outputs: dict[OutputPos, InputPos],
                    input_paths: tuple[str, ...] | None = None,
                    perturb: tuple[int, float] | None = None) -> ShardingAssignment:
     """Build and solve the ILP. `input_paths` names the graph's inputs for
@@ -232,7 +234,7 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     graph). `perturb=(seed, fraction)` then replaces the choice of each ILP group, with
     probability `fraction`, by one of its strategies drawn at random (a random feasible plan,
     to check the cost model against; see `autopar.sample_plan`)."""
-    return solve_built(build_intra_op(graph, cost, method, output_targets, input_paths),
+    return solve_built(build_intra_op(graph, cost, method, carried_outputs, input_paths),
                        perturb=perturb)
 
 
@@ -260,7 +262,8 @@ def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: floa
         needed_bytes=0, budget_bytes=int(budget))
 
 
-def assignment_of(graph: OpGraph, built, choice, mesh, output_targets: dict[int, int],
+def assignment_of(graph: OpGraph, built, choice, mesh,
+                  output_targets: dict[OutputPos, TensorId],
                   stats: IlpStats) -> ShardingAssignment:
     """The assignment that picks strategy `choice[g]` in every ILP group `g`."""
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))

@@ -117,6 +117,14 @@ class Executor:
             self._consts[key] = make()
         return self._consts[key]
 
+    def _step_const(self, tid: int, sharding):
+        """The step's constant `tid` (an array the step closes over, e.g. a numpy table the
+        loss reads) on `sharding`, transferred on the first step only."""
+        value = self.p.loss.step.const_values[tid]
+        if not isinstance(value, jax.Array):
+            value = np.asarray(value)
+        return self._const(("step-const", tid, sharding), lambda: self._put(value, sharding))
+
     # -- one step ------------------------------------------------------------------------
     def run(self, flat_args) -> list:
         p = self.p
@@ -131,6 +139,8 @@ class Executor:
             where = env[tid]
             if s in where and (sharding is None or has_sharding(where[s], sharding)):
                 return where[s]
+            if not where:     # a closed-over array (a constant of the step): placed once
+                return self._step_const(tid, sharding or NamedSharding(meshes[s], PartitionSpec()))
             src = where[s] if s in where else next(iter(where.values()))
             val = self._put(src, sharding or _retarget(src, meshes[s]))
             if sharding is None:
@@ -265,7 +275,10 @@ class Executor:
         n_val = len(fwd.outputs)
         by_param: dict[int, list] = collections.defaultdict(list)
         for st in p.stages:
-            for q, g in zip(st.slice.param_inputs, state.acc[st.index]):
+            acc = state.acc[st.index]
+            if st.reduce is not None:      # partial sums: the step's one gradient reduction
+                acc = self._dispatched(st.reduce(acc))
+            for q, g in zip(st.slice.param_inputs, acc):
                 by_param[q].append((st.index, g))
         for q in range(p.loss.num_diff):
             parts = by_param.get(q)

@@ -1,6 +1,13 @@
 """A small BERT written the way the Flax docs write models (linen, post-LayerNorm encoder layers,
 a masked-LM head tied to the token embedding, a loss padded with per-token weights), with a
-TrainState step. For the method tests (`test_constraints.py`)."""
+TrainState step: the BERT layer and BERT MLM cases of the method tests
+(`tests/test_constraints.py`) and of the "method promises" benchmark (`benchmarks/methods.py`).
+
+Example:
+    >>> model = BertMLM(vocab=128, seq=16, hidden=64, heads=4, layers=2)
+    >>> batch = bert_batch(16, 16, 128)
+    >>> state, loss = bert_step(bert_state(model, batch), batch)
+"""
 from __future__ import annotations
 
 import jax
