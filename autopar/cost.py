@@ -199,6 +199,14 @@ class CostModel:
         """All-to-all over mesh `axes`; `nbytes` is the per-device bytes held."""
         return self._cheapest(all_to_all_options_s, nbytes, axes)
 
+    def collective_permute_s(self, nbytes: float, axes: Sequence[int]) -> float:
+        """Collective-permute within groups over mesh `axes`: every device sends the `nbytes`
+        it holds to one other device, one step: alpha + nbytes * beta (0 for one device)."""
+        n, alpha_s, beta_s_per_byte = self._group(axes)
+        if not nbytes >= 0:
+            raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes!r}.")
+        return 0.0 if n == 1 else alpha_s + float(nbytes) * beta_s_per_byte
+
     def compute_s(self, flops: float, nbytes: float, dtype_name: str) -> float:
         """Roofline time on one device: max(flops / peak(dtype), nbytes / HBM bandwidth)."""
         if not (flops >= 0 and nbytes >= 0):

@@ -284,3 +284,11 @@ def test_backend_algorithms_restrict_the_choice():
     assert nccl.all_reduce_algorithm(1e9, [1]) is CollectiveAlgorithm.RING
     with pytest.raises(InvalidArgumentError, match="collective_algorithms"):
         make_mesh(collective_algorithms=("nvls",))
+
+
+def test_collective_permute_is_one_step_of_the_whole_shard():
+    cm = model(shape=(2, 4))
+    alpha, beta = cm.mesh.alpha_s[1], cm.mesh.beta_s_per_byte[1]
+    assert cm.collective_permute_s(1e6, [1]) == pytest.approx(alpha + 1e6 * beta)
+    assert cm.collective_permute_s(1e6, [1]) < cm.all_gather_s(4e6, [1])
+    assert model(shape=(1, 8)).collective_permute_s(1e6, [0]) == 0.0

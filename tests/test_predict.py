@@ -28,9 +28,9 @@ from autopar.intra_op.solve import IlpStats, ShardingAssignment
 from autopar.plan import CollectivePlan
 from autopar.spec import enumerate_specs, is_valid, to_names
 from autopar.trace import trace
-from models.bert import BertMLM, bert_batch, bert_state, bert_step
 from models import (GPTConfig, MoE, MoEConfig, WideResNet, WideResNetConfig,
                     classification_loss, make_image_batch, make_moe_batch, moe_loss)
+from models.bert import BertMLM, bert_batch, bert_state, bert_step
 from steps import make_case, mesh_of
 
 REMAT = "Involuntary full rematerialization"

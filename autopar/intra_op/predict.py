@@ -11,7 +11,7 @@ Two sources of collectives:
 
 A resharding goes through `reshard_path`: elementary steps, each of which XLA's SPMD
 partitioner turns into at most one collective (checked on jax 0.10.2, XLA:CPU):
-  - `permute`:  same number of shards per dimension, other axes: one collective-permute;
+  - `collective-permute`: the same number of shards per dimension on other axes;
   - `all-to-all`: the minor axis of one dimension moves to the minor end of another;
   - `all-gather`: the axes of one dimension past its common prefix with the target are
     gathered (one all-gather over their product);
@@ -20,7 +20,7 @@ The lowering constrains every intermediate layout of a path (`lower.py`), so XLA
 a layout in one step that would need more than one collective: that is what makes it replicate
 the whole tensor ("Involuntary full rematerialization", see `CostModel.reshard_s`).
 
-Pure Python: no JAX import.
+Works on the graph and the assignment alone: no devices, no compile.
 
 Example:
     >>> [s.kind for s in reshard_path((8, 8), 4, ((0, 1), ()), ((), (0,)), (2, 2))]
@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .._format import format_bytes
 from ..graph import OpGraph, TensorKind
-from ..hlo import Collective
+from ..hlo import KINDS as COLLECTIVE_KINDS, Collective
 from ..plan import CollectivePlan
 from ..spec import Spec, num_shards
 from .solve import ShardingAssignment
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                    "collective-permute")
 COMBINED_KINDS = ("all-reduce", "all-gather")   # XLA's combiners merge independent ones
 RESULT = -1                                      # `Reshard.node` of a step's result
 
@@ -320,9 +318,7 @@ def _step_s(cost, step: ReshardStep) -> float:
         return cost.all_gather_s(step.nbytes, step.axes)
     if step.kind == "all-to-all":
         return cost.all_to_all_s(step.nbytes, step.axes)
-    # a permute sends each device's shard once: one step of the ring
-    n, alpha_s, beta_s = cost._group(step.axes)
-    return 0.0 if n == 1 else alpha_s + step.nbytes * beta_s
+    return cost.collective_permute_s(step.nbytes, step.axes)
 
 
 def predict_collectives(graph: OpGraph, assignment: ShardingAssignment, cost=None,
