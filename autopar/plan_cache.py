@@ -43,7 +43,7 @@ from .plan import ParallelPlan
 log = logging.getLogger(__name__)
 
 FORMAT = "autopar-plan-cache"
-VERSION = 1
+VERSION = 2          # 2: plans carry `reshards`, which the lowering follows
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _PREFIX, _SUFFIX, _BAD_SUFFIX, _TMP_SUFFIX = "plan-", ".json", ".json.bad", ".tmp"
 
