@@ -2,7 +2,10 @@
 
 The graph's equations are re-emitted in order inside `jax.jit`; every intermediate the plan
 constrains gets `jax.lax.with_sharding_constraint`, arguments and results get
-`in_shardings` / `out_shardings`. XLA's partitioner then inserts the collectives.
+`in_shardings` / `out_shardings`. XLA's partitioner then inserts the collectives. An operand
+that a node's strategy wants in another layout (`plan.reshards`) is moved there explicitly,
+one constraint per step of `intra_op.predict.reshard_path` (one collective each), so XLA never
+replicates a tensor to change its layout and compiles the collectives the plan predicts.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from . import _compat
 from .errors import PlanMismatchError
 from .graph import OpGraph
+from .intra_op.predict import RESULT, reshard_path
 from .plan import ParallelPlan
 from .spec import Spec, to_names
 
@@ -111,7 +115,6 @@ def reshard_paths(graph: OpGraph, plan: ParallelPlan, mesh) -> dict[tuple[int, i
     """(node, operand) -> ((spec, sharding), ...): the layouts each planned resharding
     (`plan.reshards`) passes through, one collective each (`intra_op.predict.reshard_path`);
     node -1 is a result position."""
-    from .intra_op.predict import RESULT, reshard_path
     src = dict(plan.constraints)
     src.update((t, p.spec) for t, p in zip(graph.inputs, plan.inputs))
     out = {}
@@ -131,7 +134,8 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
     env.update(zip(graph.inputs, flat_args))
     run_nodes(graph, graph.nodes, env, constrain, reshard)
     reshard = reshard or {}
-    return [_resharded(env, t, reshard.get((-1, pos))) for pos, t in enumerate(graph.outputs)]
+    return [_resharded(env, t, reshard.get((RESULT, pos)))
+            for pos, t in enumerate(graph.outputs)]
 
 
 def plan_input_shardings(plan: ParallelPlan, devices=None) -> tuple[NamedSharding, ...]:
