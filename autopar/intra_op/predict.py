@@ -118,6 +118,7 @@ def reshard_path(shape: Sequence[int], itemsize: int, src: Spec, dst: Spec,
         excess = [d for d in range(len(cur)) if keep[d] < len(cur[d])]
         if not excess:
             break
+
         def mover(a: int, d: int) -> int | None:
             """The dimension axis `a` (now in dimension `d`) can move to by an all-to-all
             once it is the minor axis of `d`."""
