@@ -210,12 +210,15 @@ def test_training_reduces_loss(tiny):
 def test_moe_layer_is_expert_parallel_under_cheap_links():
     """One MoE layer, its tokens' batch pinned to the mesh axis, links of near-zero latency:
     the ILP keeps the experts split over the axis (expert parallel) and moves tokens to them by
-    all-to-all; the only all-reduce carries the router's gradient (and the loss)."""
+    all-to-all; the only all-reduce carries the router's gradient (and the loss); the compiled
+    collectives are the ones the plan predicts. (Alpa's MoE layer compiles to 4 all-to-alls;
+    this top-2 layer's plan has 3, and gathers the combine weights' input in the backward.)"""
     import autopar
     from flax import linen as nn
     from flax.training import train_state
 
     from autopar.hlo import collectives, summary
+    from autopar.intra_op.predict import compare
     from models.moe import MoeMlp
     from steps import mesh_of
 
@@ -249,11 +252,12 @@ def test_moe_layer_is_expert_parallel_under_cheap_links():
     for t in plan.inputs:
         if "fc_kernel" in t.path or "proj_kernel" in t.path:
             assert t.spec[0] == (model,), (t.path, t.spec)     # experts split
-    found = summary(collectives(par.get_compiled(state, batch).as_text()))
+    compiled = collectives(par.get_compiled(state, batch).as_text())
+    found = summary(compiled)
     assert found["all-to-all"][0] >= 3, found
     assert found["all-reduce"][0] == 1, found
-    router_bytes = 64 * 4 * 4
-    assert found.get("all-gather", (0, 0))[1] <= router_bytes, found   # no activation gathered
+    check = compare(plan.collectives, compiled, reduce_scatter_as_all_reduce=True)
+    assert check.ok, check.problems
     ref, got = jax.jit(step)(state, batch), par(state, batch)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(ref[0].params),
