@@ -148,7 +148,8 @@ def section(res: dict, cmdline: str) -> str:
            f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", "",
            "2 x 4 mesh of simulated CPU devices, Adam. *gathered* = bytes all-gathered per step "
            "/ parameter bytes; *update FLOPs* = the optimizer's elementwise FLOPs per device; "
-           "XLA:CPU shows a reduce-scatter as an all-reduce.", "",
+           "XLA:CPU shows a reduce-scatter as an all-reduce. Predicted counts are before XLA combines "
+           "independent all-reduces (and all-gathers) into one instruction; the bytes agree.", "",
            md_row(["model", "method", "compiled collectives", "predicted by the plan",
                    "gathered", "update FLOPs / device", "step FLOPs / device"]),
            md_row(["---"] * 2 + ["---"] * 2 + ["---:"] * 3)]
