@@ -122,3 +122,12 @@ def test_pipeline_stages_accumulate_locally():
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(ref[2]), jax.tree_util.tree_leaves(got[2])):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
+
+
+def test_an_unlabelled_partner_operand_is_split_with_the_batch():
+    """x.T @ c, c a batch-sized value computed from constants (no batch dimension of its own):
+    both contracted operands must be split alike inside the shard_map."""
+    x = jnp.ones((8, 3))
+    g, local = _local(lambda w, x: (x.T @ jnp.ones((8, 4)),), jnp.ones((3, 4)), x)
+    (node,) = local.reducers
+    assert local.split_dims[node] == (1, 0)          # x.T carries the batch on dim 1

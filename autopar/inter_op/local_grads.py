@@ -65,30 +65,47 @@ def _is_zeros(graph: OpGraph, tid: int) -> bool:
     return node.primitive == "broadcast_in_dim" and _is_zeros(graph, node.inputs[0])
 
 
-def _reduced_axes(graph: OpGraph, node, dims, spec_of) -> tuple[int, ...] | None:
-    """The mesh axes over which `node` sums the batch away, if it makes a weight gradient:
-    a batch-split operand whose batch dimension it contracts or sums, and a result with no
-    batch dimension."""
+def _split_dims(graph: OpGraph, node, dims) -> tuple[int | None, ...] | None:
+    """If `node` sums the batch away (a matmul contracting it, a sum over it, the kernel
+    gradient of a convolution, a scatter of per-example updates into zeros) and its result
+    has no batch dimension: per operand, the dimension to split with the batch (so that each
+    device's local operation is its share of the sum), else None."""
     if any(dims[o] is not None for o in node.outputs) or len(node.outputs) != 1:
         return None
     p, name = node.eqn.params, node.primitive
-    labelled = [(i, t) for i, t in enumerate(node.inputs) if dims[t] is not None]
-    if not labelled:
-        return None
+    ins = node.inputs
     if name == "dot_general":
-        (lc, rc), _ = p["dimension_numbers"]
-        contracted = all(dims[t] in (lc, rc)[i] for i, t in labelled)
-    elif name == "reduce_sum":
-        contracted = dims[node.inputs[0]] in p["axes"]
-    elif name == "conv_general_dilated":
-        contracted = p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1
-    elif name == "scatter-add":
-        contracted = dims[node.inputs[0]] is None and _is_zeros(graph, node.inputs[0])
-    else:
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        # the batch dimension of a labelled operand and its partner in the other operand
+        for i, (mine, theirs) in enumerate(((lc, rc), (rc, lc))):
+            d = dims[ins[i]]
+            if d is not None and d in mine:
+                split = [None, None]
+                split[i], split[1 - i] = d, theirs[list(mine).index(d)]
+                other = dims[ins[1 - i]]
+                return tuple(split) if other in (None, split[1 - i]) else None
         return None
-    if not contracted:
+    if name == "reduce_sum":
+        d = dims[ins[0]]
+        return (d,) if d is not None and d in p["axes"] else None
+    labelled = tuple(dims[t] for t in ins)
+    if name == "conv_general_dilated" and p.get("feature_group_count", 1) == 1 \
+            and p.get("batch_group_count", 1) == 1 and all(d is not None for d in labelled):
+        return labelled
+    if name == "scatter-add" and labelled[0] is None and _is_zeros(graph, ins[0]) \
+            and all(d is not None for d in labelled[1:3]):
+        return labelled
+    return None
+
+
+def _reduced_axes(graph: OpGraph, node, dims, spec_of) -> tuple[int, ...] | None:
+    """The mesh axes the batch dimension of `node`'s batch-split operands is split over, if
+    `node` sums the batch away (see `_split_dims`)."""
+    split = _split_dims(graph, node, dims)
+    if split is None:
         return None
-    axes = {spec_of(t)[dims[t]] if spec_of(t) is not None else () for _, t in labelled}
+    axes = {spec_of(t)[dims[t]] if spec_of(t) is not None else ()
+            for t in node.inputs if dims[t] is not None}
     if len(axes) != 1 or not next(iter(axes)):
         return None
     return next(iter(axes))
@@ -159,7 +176,7 @@ def find_local_grads(graph: OpGraph, spec_of: Callable[[int], Spec | None], dims
         if pos and any(t in kept for t in pos) and not all(t in kept for t in pos):
             return LocalGrads(reducers={}, split_dims={}, partial={},
                               grad_outputs=(False,) * len(grad_outputs))
-    split = {n: tuple(dims[t] for t in graph.nodes[n].inputs) for n in reducers}
+    split = {n: _split_dims(graph, graph.nodes[n], dims) for n in reducers}
     return LocalGrads(reducers=reducers, split_dims=split, partial=kept,
                       grad_outputs=tuple(t in kept for t in grad_outputs))
 
