@@ -11,6 +11,7 @@ Literal = jcore.Literal
 DropVar = jcore.DropVar
 Jaxpr = jcore.Jaxpr
 ClosedJaxpr = jcore.ClosedJaxpr
+Tracer = jax.core.Tracer          # a value under a JAX transformation (jit, grad, vmap)
 
 # Call-like primitives whose body is inlined by the trace pass, and the param holding the body.
 INLINE_BODY_PARAM = {

@@ -26,7 +26,8 @@ import numpy as np
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .distributed import check_agreement
-from .errors import InvalidArgumentError, PlanMismatchError
+from . import _compat
+from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower, put
@@ -315,11 +316,19 @@ class ParallelizedFunction:
         return entry.compiled
 
     def __call__(self, *args):
+        leaves = self._leaves(args)
+        if any(isinstance(x, _compat.Tracer) for x in leaves):
+            raise UnsupportedError(
+                f"autopar.parallelize: {getattr(self._fun, '__name__', 'the step')} was called "
+                "inside a JAX transformation (jax.jit, jax.grad, jax.vmap, ...) with traced "
+                "arguments; a parallelized step runs its own compiled executables on the mesh "
+                "and cannot be traced into another program. Fix: call it at the top level (it "
+                "is compiled already), or transform the plain function and parallelize that.")
         check_donated_aliases(self._fun, args, self._static, self._donate)
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
-        flat = [put(x, s) for x, s in zip(self._leaves(args), shardings)]
+        flat = [put(x, s) for x, s in zip(leaves, shardings)]
         out = entry.executor.run(flat) if pipeline else self._compiled(args, entry)(*flat)
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 

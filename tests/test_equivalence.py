@@ -191,3 +191,16 @@ def test_closed_over_numpy_table_keeps_carried_outputs_on_their_inputs(method, m
         assert out.spec == in_spec[path], f"{path}: {out.spec} != {in_spec[path]}"
     if method == "zero3":
         assert sum(1 for _, out in carried if any(out.spec)) > len(carried) // 2
+
+
+def test_a_parallelized_step_inside_a_jax_transformation_says_so():
+    """Calling a parallelized step on tracers (inside jax.jit / grad / vmap) is refused with a
+    clear UnsupportedError, not a raw AttributeError from the placement of a tracer."""
+    import jax.numpy as jnp
+    f = autopar.parallelize(lambda w, x: jnp.tanh(x @ w).sum(), batch_argnums=(1,))
+    w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
+    for wrap in (jax.jit, jax.grad, lambda g: jax.vmap(g, in_axes=(None, 0))):
+        args = (w, x[None].repeat(2, 0)) if wrap not in (jax.jit, jax.grad) else (w, x)
+        with pytest.raises(autopar.UnsupportedError, match="inside a JAX transformation"):
+            wrap(f)(*args)
+    assert float(f(w, x)) == pytest.approx(float(jnp.tanh(x @ w).sum()), rel=1e-6)
