@@ -206,3 +206,30 @@ def test_whole_graph_as_one_stage(loss):
     assert sl.act_inputs == ()
     assert set(sl.outputs) == set(fwd.outputs)
     assert all(fwd.tensors[t].kind == TensorKind.INTERMEDIATE for t in sl.outputs)
+
+
+def test_a_loss_input_made_with_broadcast_constants_is_split_into_microbatches():
+    """`jnp.where(batch > 0, 1.0, 0.0)` computed in the step and passed to the loss: the
+    broadcast 1 and 0 come from constants alone, so the mask still counts as batch data and
+    gradient accumulation splits it (it was refused as 'not computed from batch_argnums')."""
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    import autopar
+    from steps import mesh_of
+
+    def step(w, batch, vg=autopar.value_and_grad):
+        mask = jnp.where(batch["x"][:, 0] > 0, 1.0, 0.0)
+
+        def loss_fn(w, x, m):
+            return jnp.mean(jnp.tanh(x @ w).sum(-1) * m)
+        loss, g = vg(loss_fn)(w, batch["x"], mask)
+        return w - 0.1 * g, loss
+    w = jnp.ones((4, 4)) * 0.3
+    batch = {"x": jax.random.normal(jax.random.key(0), (16, 4))}
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=2))
+    got = par(w, batch)
+    ref = jax.jit(lambda w, b: step(w, b, jax.value_and_grad))(w, batch)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-7)

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..grad import VALUE_AND_GRAD
 from ..graph import InputRole, OpGraph, TensorKind
+from ..intra_op.build import cheap_source_tensors
 from ..options import AutoLayerOption, ManualLayerOption
 from ..trace import trace
 from .layers import cluster_layers, cut_bytes_from_liveness
@@ -43,10 +44,12 @@ class LossGraph:
 
 
 def _batch_derived(step: OpGraph) -> set[int]:
-    """Step tensors computed from batch inputs (and from nothing but batch inputs/constants)."""
+    """Step tensors computed from batch inputs (and from nothing but batch inputs and values
+    computed from constants alone, such as the broadcast 1 and 0 of `jnp.where(m, 1, 0)`)."""
     derived = {t for t in step.inputs if step.tensors[t].role == InputRole.BATCH}
+    constant = cheap_source_tensors(step)
     for node in step.nodes:
-        ins = [t for t in node.inputs if step.tensors[t].kind != TensorKind.CONST]
+        ins = [t for t in node.inputs if not constant[t]]
         if ins and all(t in derived for t in ins):
             derived.update(node.outputs)
     return derived
