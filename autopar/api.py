@@ -38,7 +38,8 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
-from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
+from .trace import (abstract_signature, bind_arguments, check_argnums, check_donated_aliases,
+                    trace)
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,8 @@ class ParallelizedFunction:
             entry.compiled = entry.lowered.jitted.lower(*abstract).compile()
         return entry.compiled
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        args = bind_arguments(self._fun, args, kwargs)
         leaves = self._leaves(args)
         if any(isinstance(x, _compat.Tracer) for x in leaves):
             raise UnsupportedError(
@@ -353,9 +355,9 @@ class ParallelizedFunction:
             out.append(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves]))
         return tuple(out)
 
-    def get_plan(self, *args) -> ParallelPlan:
+    def get_plan(self, *args, **kwargs) -> ParallelPlan:
         """The plan used for these arguments (planned now if not yet)."""
-        return self._entry(args).plan
+        return self._entry(bind_arguments(self._fun, args, kwargs)).plan
 
     def get_graph(self, *args) -> OpGraph:
         return self._entry(args).graph

@@ -102,6 +102,43 @@ def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int
     return tuple(sorted(set(out)))
 
 
+def bind_arguments(fun: Callable, args: tuple, kwargs: dict) -> tuple:
+    """`args` with `kwargs` bound to their positions through `fun`'s signature, as `jax.jit`
+    binds them (defaults are not filled in: an argument not passed is not passed).
+
+    Raises:
+      InvalidArgumentError: a keyword the signature does not take by position (keyword-only
+        parameters, **kwargs), or arguments that do not fit the signature.
+    """
+    if not kwargs:
+        return args
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    bound = list(args)
+    for name, value in kwargs.items():
+        if name not in names or (names.index(name) < len(args)):
+            raise InvalidArgumentError(
+                f"{getattr(fun, '__name__', 'the step')}() got keyword argument {name!r}, which "
+                f"{'is also passed by position' if name in names else 'is not one of its positional parameters ' + str(names)}. "
+                "Fix: pass it by position, or make it a positional parameter (keyword-only "
+                "parameters and **kwargs are not supported by parallelize).")
+        i = names.index(name)
+        bound += [_MISSING] * (i + 1 - len(bound))
+        bound[i] = value
+    if any(v is _MISSING for v in bound):
+        missing = [names[i] for i, v in enumerate(bound) if v is _MISSING]
+        raise InvalidArgumentError(
+            f"{getattr(fun, '__name__', 'the step')}(): the parameters {missing} before the ones "
+            "passed by keyword were not passed. Fix: pass them (by position or keyword).")
+    return tuple(bound)
+
+
+_MISSING = object()
+
+
 def check_donated_aliases(fun: Callable, args: Sequence[Any], static_argnums: Sequence[int],
                           donate_argnums: Sequence[int]) -> None:
     """A donated array must not be passed anywhere else in the same call (in another argument,

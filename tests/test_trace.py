@@ -628,3 +628,30 @@ def test_parallelized_step_rejects_a_donated_array_passed_twice_before_running(c
     assert line.startswith("ERROR donate_argnums=(0,): the array at argument 0 (`p`)['w1']")
     other = "argument 1 (`q`)['w1']" if case == "across" else "argument 0 (`p`)['w2']"
     assert f"also passed as {other}" in line
+
+
+def test_keyword_arguments_bind_to_positions_like_jax_jit():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    import autopar
+    from autopar.trace import bind_arguments
+
+    def step(w, batch, scale):
+        return w - scale * jnp.tanh(batch @ w).mean(0)
+
+    w, x = jnp.ones((4, 4)) * 0.1, jnp.arange(32.0).reshape(8, 4) / 32
+    assert bind_arguments(step, (w,), {"batch": x, "scale": 0.5})[1] is x
+    par = autopar.parallelize(step, batch_argnums=(1,))
+    want = jax.jit(step)(w, x, 0.5)
+    for got in (par(w, batch=x, scale=0.5), par(w, x, scale=0.5), par(batch=x, w=w, scale=0.5)):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert par.get_plan(w, batch=x, scale=0.5) is par.get_plan(w, x, 0.5)
+    with pytest.raises(autopar.InvalidArgumentError, match="also passed by position"):
+        par(w, x, batch=x)
+    with pytest.raises(autopar.InvalidArgumentError, match="not one of its positional"):
+        par(w, x, 0.5, lr=1.0)
+    with pytest.raises(autopar.InvalidArgumentError, match=r"\['batch'\]"):
+        par(w, scale=0.5)
