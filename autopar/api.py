@@ -297,7 +297,8 @@ class ParallelizedFunction:
                 + time.perf_counter() - t0})
         program = lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
                                  list(mesh.devices.flat), method.schedule,
-                                 method.num_microbatches, method.max_in_flight_calls)
+                                 method.num_microbatches, method.max_in_flight_calls,
+                                 parts.local_grads)
         log.info("autopar: %s planned as %s; XLA compiles each stage on the first call",
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else

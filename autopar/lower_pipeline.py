@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from .inter_op.apply_grad import PIPELINE, Placement, Segment
 from .inter_op.pipeline import LossGraph, StageSlice
-from .inter_op.local_grads import partial_spec, run_nodes_local, stage_local_grads
+from .inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
 from .inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from .inter_op.stages import AXIS_NAMES, ChosenStage
 from .lower import named, run_nodes
@@ -65,7 +65,7 @@ def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.shardin
 
 
 def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
-                      num_microbatches: int) -> StageExecutable:
+                      local: LocalGrads | None) -> StageExecutable:
     sl, sol, graph = stage.slice, stage.solution, stage.graph
     io = stage_io(loss, sl)
     sh = lambda specs: tuple(named(mesh, s) for s in specs)
@@ -81,7 +81,6 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
     n_grads = len(sl.param_inputs)
     # With several microbatches, gradients accumulate as per-device partial sums, reduced
     # once per step by `reduce`.
-    local = stage_local_grads(loss, stage) if num_microbatches > 1 else None
     reduce = None
     if local:
         specs = dict(sol.constraints)
@@ -156,11 +155,14 @@ def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding])
 
 def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
                    devices: list, schedule: Schedule, num_microbatches: int,
-                   max_in_flight_calls: int) -> PipelineProgram:
+                   max_in_flight_calls: int,
+                   local_grads: tuple[LocalGrads | None, ...]) -> PipelineProgram:
+    """The stages' and segments' executables; `local_grads` (per stage, as `plan_pipeline`
+    found them) says which gradients accumulate as partial sums."""
     by_id = {int(d.id): d for d in devices}
     meshes = [stage_mesh(st, by_id) for st in stages]
-    execs = tuple(_stage_executable(loss, st, m, num_microbatches)
-                  for st, m in zip(stages, meshes))
+    execs = tuple(_stage_executable(loss, st, m, lg)
+                  for st, m, lg in zip(stages, meshes, local_grads))
     step = loss.step
     in_sh = tuple(named(meshes[s], spec)
                   for s, spec in zip(placement.input_stage, placement.input_spec))

@@ -26,7 +26,7 @@ from .errors import InvalidArgumentError
 from .graph import InputRole
 from .intra_op.constraints import method_input_options
 from .inter_op.apply_grad import Placement, place
-from .inter_op.local_grads import stage_local_grads
+from .inter_op.local_grads import LocalGrads, stage_local_grads
 from .inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from .inter_op.stage_solve import solution_from_record, solution_record
 from .inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
@@ -47,6 +47,7 @@ class PipelineParts:
     loss: LossGraph
     inter_op: InterOpResult
     placement: Placement
+    local_grads: tuple[LocalGrads | None, ...]   # per stage (None: one microbatch)
 
 
 def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches: int) -> tuple:
@@ -134,10 +135,12 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                            stage_method, _readable(stage_solutions))
     placement = place(loss, result.stages, _state_pins(loss, result, stage_method or method))
     t_stages = time.perf_counter() - t1
+    local = tuple(stage_local_grads(loss, st) if m > 1 else None for st in result.stages)
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
                        {"trace": t_trace, "inter_op": t_stages},
-                       (stage_method or method).kind)
-    return plan, PipelineParts(loss=loss, inter_op=result, placement=placement), step
+                       (stage_method or method).kind, local)
+    return plan, PipelineParts(loss=loss, inter_op=result, placement=placement,
+                               local_grads=local), step
 
 
 def _state_pins(loss: LossGraph, result: InterOpResult, method: ShardParallel):
@@ -178,7 +181,8 @@ def _readable(records: tuple[dict, ...]) -> tuple:
 
 
 def _build_plan(loss, result: InterOpResult, placement: Placement, method, cluster,
-                device_ids, mesh_shape, timings, kind: MethodKind) -> ParallelPlan:
+                device_ids, mesh_shape, timings, kind: MethodKind,
+                local: tuple[LocalGrads | None, ...]) -> ParallelPlan:
     step = loss.step
     m = method.num_microbatches
     stages = []
@@ -211,8 +215,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
         # per stage: gradients accumulated as partial sums and reduced once per step
-        "local_gradients": [sum(stage_local_grads(loss, st).grad_outputs) if m > 1 else 0
-                            for st in result.stages],
+        "local_gradients": [sum(lg.grad_outputs) if lg else 0 for lg in local],
         "num_gradients": [len(st.slice.param_inputs) for st in result.stages],
     }
     # The step's compute / communication / resharding / call-overhead split, in the stages'

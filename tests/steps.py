@@ -72,6 +72,16 @@ def mlp_train_state(in_dim: int, hidden: int, tx, num_layers: int = 2):
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
+def mlp_adam_state(hidden: int, num_layers: int, batch_size: int):
+    """(TrainState with Adam, batch) of a linen MLP whose params are the whole init tree."""
+    net = MLP(num_layers=num_layers, hidden=hidden)
+    batch = make_mlp_batch(jax.random.key(1), batch_size, hidden, hidden)
+    state = train_state.TrainState.create(
+        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["x"]),
+        tx=optax.adam(1e-3))
+    return state, batch
+
+
 def mlp_train_step(state, batch):
     def loss_fn(params):
         return mse_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])

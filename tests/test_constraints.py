@@ -16,15 +16,11 @@ from models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step, 
                          layer_step)
 from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
 from models.mlp import MLP, make_mlp_batch, mse_loss
-from steps import mesh_of
+from steps import mesh_of, mlp_adam_state
 
 
 def _mlp(batch_size=32, hidden=256, num_layers=6):
-    net = MLP(num_layers=num_layers, hidden=hidden)
-    batch = make_mlp_batch(jax.random.key(1), batch_size, hidden, hidden)
-    state = train_state.TrainState.create(
-        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["x"]),
-        tx=optax.adam(1e-3))
+    state, batch = mlp_adam_state(hidden, num_layers, batch_size)
 
     def step(state, batch):
         def loss_fn(p):

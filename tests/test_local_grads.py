@@ -3,17 +3,15 @@ parameter gradient is reduced over the data axes once per step, not once per mic
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar.hlo import collectives, summary
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.inter_op.local_grads import find_local_grads, partial_spec
 from autopar.trace import trace
-from models.mlp import MLP, make_mlp_batch, mse_loss
-from steps import mesh_of
+from models.mlp import mse_loss
+from steps import mesh_of, mlp_adam_state
 
 
 def _local(fun, *args):
@@ -38,12 +36,7 @@ def test_linear_chains_keep_partials_and_nonlinear_ones_reduce():
 
 
 def _mlp_state(hidden=64, layers=3, batch_size=32):
-    net = MLP(num_layers=layers, hidden=hidden)
-    batch = make_mlp_batch(jax.random.key(1), batch_size, hidden, hidden)
-    state = train_state.TrainState.create(
-        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["x"]),
-        tx=optax.adam(1e-3))
-    return state, batch
+    return mlp_adam_state(hidden, layers, batch_size)
 
 
 def _step(vg):
