@@ -21,6 +21,29 @@ INLINE_BODY_PARAM = {
     prims.remat_p.name: "jaxpr",
 }
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
+REMAT = prims.remat_p.name
+
+
+def remat_barrier_operands(eqn, differentiated: bool | None = None) -> tuple[bool, ...]:
+    """Which operands of a `remat` equation `jax.checkpoint`'s lowering puts behind an
+    optimization barrier: those marked `prevent_cse` (a bool, or one per operand in newer
+    JAX) of a differentiated remat (the recomputation inside the backward pass; pass
+    `differentiated=True` for the ones its gradient will have)."""
+    n = len(eqn.invars)
+    if differentiated is None:
+        differentiated = eqn.params.get("differentiated", False)
+    if not differentiated:
+        return (False,) * n
+    prevent = eqn.params.get("prevent_cse", True)
+    return tuple(prevent) if isinstance(prevent, (tuple, list)) else (bool(prevent),) * n
+
+
+def barrier_eqn(aval, source_info):
+    """A one-operand `optimization_barrier` equation (for a node of a remat's barrier group),
+    attributed to `source_info`."""
+    eqn = jax.make_jaxpr(jax.lax.optimization_barrier)(
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype)).eqns[0]
+    return eqn.replace(source_info=source_info)
 
 
 def source_summary(source_info, depth: int = 12) -> str | None:

@@ -312,10 +312,24 @@ class ParallelizedFunction:
 
     def _compiled(self, args, entry: _Entry):
         if entry.compiled is None:
-            abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
-                        for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
-            entry.compiled = entry.lowered.jitted.lower(*abstract).compile()
+            entry.compiled = self._lowered(args, entry).compile()
         return entry.compiled
+
+    def _lowered(self, args, entry: _Entry):
+        abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
+                    for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
+        return entry.lowered.jitted.lower(*abstract)
+
+    def lower(self, *args, **kwargs):
+        """The step lowered for these arguments, as `jax.jit(f).lower(...)` gives it
+        (`.as_text()`: the StableHLO with the plan's shardings; `.compile()`). Single-mesh
+        plans only: a pipeline runs one executable per stage (see `get_compiled`)."""
+        args = bind_arguments(self._fun, args, kwargs)
+        entry = self._entry(args)
+        if entry.executor is not None:
+            raise InvalidArgumentError("lower: a pipeline plan runs one executable per stage; "
+                                       "use get_compiled(...) for its PipelineProgram.")
+        return self._lowered(args, entry)
 
     def __call__(self, *args, **kwargs):
         args = bind_arguments(self._fun, args, kwargs)

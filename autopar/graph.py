@@ -1,8 +1,10 @@
 """The operator graph: the value the trace pass produces and every later pass reads.
 
 Nodes are jaxpr equations with call-like primitives (`jit`, `custom_jvp_call`,
-`custom_vjp_call`, `remat`) inlined; tensors are the values between them. The graph keeps the
-original equation of every node so that the lowering can re-emit it.
+`custom_vjp_call`, `remat`) inlined; a differentiated `remat` keeps its optimization barrier
+(one `optimization_barrier` node per operand, the nodes sharing a `barrier` group, lowered as
+one barrier as `jax.checkpoint` lowers it). Tensors are the values between them. The graph
+keeps the original equation of every node so that the lowering can re-emit it.
 """
 from __future__ import annotations
 
@@ -78,6 +80,16 @@ class StageMarker:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RematRegion:
+    """The nodes of one `jax.checkpoint` in a graph that is differentiated later (a pipeline's
+    loss): re-emitted under `jax.checkpoint` with the user's policy, so the gradient taken
+    of them recomputes as the user asked."""
+    id: int
+    policy: Any
+    prevent_cse: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Node:
     id: int
     primitive: str
@@ -87,6 +99,8 @@ class Node:
     source: str                        # "file:line:col (function)"
     name_stack: str                    # e.g. "transpose(jvp(GPT))/block_0/attn"
     eqn: Any = field(repr=False)       # the jaxpr equation, for params and re-emission
+    barrier: int | None = None         # the `remat` whose barrier this node is a part of
+    remat: RematRegion | None = None   # the undifferentiated `remat` this node was inlined from
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

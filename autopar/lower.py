@@ -82,14 +82,62 @@ def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None
     (node id, operand position) to the layouts that operand passes through on its way to the
     spec the node's strategy wants (`reshard_paths`)."""
     constrain, reshard = constrain or {}, reshard or {}
+    nodes = list(nodes)
+    start = 0
+    while start < len(nodes):      # runs of nodes, each inside one remat region or outside
+        region = nodes[start].remat
+        stop = start + 1
+        while stop < len(nodes) and (nodes[stop].remat is region if region is None else
+                                     nodes[stop].remat is not None
+                                     and nodes[stop].remat.id == region.id):
+            stop += 1
+        run = nodes[start:stop]
+        if region is None:
+            _run(graph, run, env, constrain, reshard)
+        else:
+            _run_remat(graph, run, env, constrain, reshard, region)
+        start = stop
+
+
+def _run_remat(graph, nodes, env, constrain, reshard, region) -> None:
+    """`nodes` (one `RematRegion`) under `jax.checkpoint` with the user's policy: the gradient
+    taken of this trace recomputes them as the user's `jax.checkpoint` did."""
+    produced = [t for n in nodes for t in n.outputs]
+    inside = set(produced)
+    reads = list(dict.fromkeys(t for n in nodes for t in n.inputs if t not in inside))
+
+    def body(*values):
+        local = dict(zip(reads, values))
+        _run(graph, nodes, local, constrain, reshard)
+        return [local[t] for t in produced]
+
+    outs = jax.checkpoint(body, policy=region.policy, prevent_cse=region.prevent_cse)(
+        *(env[t] for t in reads))
+    env.update(zip(produced, outs))
+
+
+def _run(graph, nodes, env, constrain, reshard) -> None:
+    barriers: dict[int, list] = {}       # a remat's barrier group -> its nodes run here
+    for node in nodes:
+        if node.barrier is not None:
+            barriers.setdefault(node.barrier, []).append(node)
+    barred: dict[int, Any] = {}          # node id -> its value behind the group's barrier
     for node in nodes:
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
-            args = [_resharded(env, t, reshard.get((node.id, i)))
-                    for i, t in enumerate(node.inputs)]
-            outs = eqn.primitive.bind(*args, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = (outs,)
+            if node.barrier is not None:     # one barrier for the group, as jax.checkpoint
+                if node.id not in barred:
+                    group = barriers[node.barrier]
+                    values = jax.lax.optimization_barrier(tuple(
+                        _resharded(env, n.inputs[0], reshard.get((n.id, 0))) for n in group))
+                    barred.update(zip((n.id for n in group), values))
+                outs = (barred.pop(node.id),)
+            else:
+                args = [_resharded(env, t, reshard.get((node.id, i)))
+                        for i, t in enumerate(node.inputs)]
+                outs = eqn.primitive.bind(*args, **eqn.params)
+                if not eqn.primitive.multiple_results:
+                    outs = (outs,)
             for tid, val in zip(node.outputs, outs):
                 sharding = constrain.get(tid)
                 for s in sharding if isinstance(sharding, tuple) else (sharding,):

@@ -16,7 +16,7 @@ ELEMENTWISE = ARITHMETIC | frozenset({
     "real", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "sharding_constraint", "optimization_barrier", "stop_gradient",
     "lgamma", "digamma", "igamma", "logaddexp", "reshard", "device_put", "mesh_cast",
-    "threefry2x32",
+    "threefry2x32", "name",      # `name`: jax.ad_checkpoint.checkpoint_name, an identity
 })
 # Reductions over `axes`: a split reduced dimension leaves partial results (an all-reduce).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",

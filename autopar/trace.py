@@ -24,7 +24,7 @@ import numpy as np
 from . import _compat
 from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand
-from .graph import InputRole, Node, OpGraph, StageMarker, Tensor, TensorKind
+from .graph import InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor, TensorKind
 from .markers import STAGE_BOUNDARY
 from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
 
@@ -195,6 +195,7 @@ class _Builder:
         self.nodes: list[Node] = []
         self.const_values: dict[int, Any] = {}
         self.markers: list[StageMarker] = []
+        self.region: RematRegion | None = None   # the undifferentiated remat being walked
 
     def new_tensor(self, aval, kind: TensorKind, **kw) -> int:
         tid = len(self.tensors)
@@ -232,6 +233,13 @@ class _Builder:
             else:
                 body = None
             if body is not None:
+                region = self.region
+                if name == _compat.REMAT:
+                    in_ids = self.remat_barrier(eqn, in_ids, outer_source)
+                    if not eqn.params.get("differentiated", False) and region is None:
+                        self.region = RematRegion(
+                            id=len(self.nodes), policy=eqn.params.get("policy"),
+                            prevent_cse=any(_compat.remat_barrier_operands(eqn, True)))
                 inner = getattr(body, "jaxpr", body)
                 consts = getattr(body, "consts", ())
                 inner_env = {}
@@ -240,22 +248,46 @@ class _Builder:
                 inner_env.update(zip(inner.invars, in_ids))
                 self.walk(inner, inner_env, _compat.source_summary(eqn.source_info)
                           or outer_source)
+                self.region = region
                 for outer, inner_out in zip(eqn.outvars, inner.outvars):
                     if not isinstance(outer, _compat.DropVar):
                         env[outer] = self.read(inner_env, inner_out)
                 continue
-            node_id = len(self.nodes)
-            out_ids = []
-            for v in eqn.outvars:
-                tid = self.new_tensor(v.aval, TensorKind.INTERMEDIATE, producer=node_id)
-                out_ids.append(tid)
+            for v, tid in zip(eqn.outvars, self.add_node(eqn, in_ids, outer_source)):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = tid
-            self.nodes.append(Node(
-                id=node_id, primitive=name, inputs=tuple(in_ids), outputs=tuple(out_ids),
-                flops=node_flops(name, eqn),
-                source=_compat.source_summary(eqn.source_info) or outer_source or "<unknown>",
-                name_stack=_compat.name_stack(eqn.source_info), eqn=eqn))
+
+    def add_node(self, eqn, in_ids, outer_source, *, barrier: int | None = None) -> list[int]:
+        """Add a node for `eqn` reading `in_ids`; returns its result tensors, in order."""
+        name = eqn.primitive.name
+        node_id = len(self.nodes)
+        out_ids = []
+        for v in eqn.outvars:
+            out_ids.append(self.new_tensor(v.aval, TensorKind.INTERMEDIATE, producer=node_id))
+        self.nodes.append(Node(
+            id=node_id, primitive=name, inputs=tuple(in_ids), outputs=tuple(out_ids),
+            flops=node_flops(name, eqn),
+            source=_compat.source_summary(eqn.source_info) or outer_source or "<unknown>",
+            name_stack=_compat.name_stack(eqn.source_info), eqn=eqn, barrier=barrier,
+            remat=self.region))
+        return out_ids
+
+    def remat_barrier(self, eqn, in_ids: list[int], outer_source) -> list[int]:
+        """The operands of a differentiated `remat` (the recomputation in the backward pass)
+        pass through an optimization barrier, as `jax.checkpoint` lowers them, so that XLA
+        does not merge the recomputation with the forward pass (common-subexpression
+        elimination would undo the rematerialization). One node per operand, one group."""
+        keep = _compat.remat_barrier_operands(eqn)
+        if not any(keep):
+            return in_ids
+        group = len(self.nodes)
+        out = list(in_ids)
+        for i, tid in enumerate(in_ids):
+            if keep[i]:
+                out[i] = self.add_node(_compat.barrier_eqn(eqn.invars[i].aval,
+                                                           eqn.source_info), [tid],
+                                       outer_source, barrier=group)[0]
+        return out
 
 
 def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),

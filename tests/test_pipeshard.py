@@ -4,6 +4,7 @@ ShardParallel equivalence tests, including `clip_by_global_norm`)."""
 import dataclasses
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -309,3 +310,28 @@ def test_accumulation_method_mesh_shapes():
                                cluster).stage_option.submesh_shapes == ((1, 8),)
     with pytest.raises(autopar.InvalidArgumentError, match="1-D or 2-D mesh"):
         accumulation_method(autopar.ShardParallel(num_microbatches=2), (2, 2, 2), cluster)
+
+
+def test_remat_blocks_in_a_pipeline_match_single_device():
+    """A loss of `jax.checkpoint`ed blocks (dots saveable) pipelined over 2 stages with 2
+    microbatches: the stages differentiate the blocks under the user's checkpoint (see
+    test_stages) and the numbers equal jax.jit's."""
+    from steps import BATCH, PARAMS
+    from test_stages import _remat_step
+    step = _remat_step(jax.checkpoint_policies.dots_saveable)
+    batches = [jax.tree_util.tree_map(lambda x, i=i: x * (1 + 0.1 * i), BATCH) for i in range(3)]
+
+    def run(fn):
+        params, out = PARAMS, []
+        for b in batches:
+            params, loss = fn(params, b)
+            out.append((loss, params))
+        return out
+
+    method = autopar.PipeshardParallel(num_microbatches=2, layer_option=autopar.ManualLayerOption(),
+                                       stage_option=autopar.UniformStageOption(num_stages=2))
+    got = run(autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method))
+    for (la, pa), (lb, pb) in zip(run(jax.jit(step)), got):
+        np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
+        for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)

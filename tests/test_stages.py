@@ -419,3 +419,33 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
     assert prob.solve(budget).latency_s <= fit.latency_s + tol     # the ILP peak alone: looser
     with pytest.raises(autopar.InfeasiblePlanError):
         prob.solve(1.0, opt_ratio=opt, in_flight=q)
+
+
+def _remat_step(policy):
+    def loss_fn(p, x, y):
+        h = x
+        for i in range(4):
+            h = jax.checkpoint(lambda w, a: jnp.tanh(jnp.tanh(a @ w) @ w.T), policy=policy)(
+                p[f"l{i}"], h)
+            if i < 3:
+                h = autopar.mark_stage_boundary(h)
+        return jnp.mean((h - y) ** 2)
+
+    def remat_step(params, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+    return remat_step
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
+def test_stage_graph_keeps_the_users_remat(policy):
+    """The loss's forward graph remembers each `jax.checkpoint` region; a stage's training
+    graph differentiates it under `jax.checkpoint` with the user's policy, so each remat'd
+    block of the stage has its optimization barrier (one group) as under jax.jit."""
+    graph = trace(_remat_step(policy), (PARAMS, BATCH), batch_argnums=(1,), keep_grad=True)
+    loss = split_step(graph, graph, 1)
+    assert len({n.remat.id for n in loss.forward.nodes if n.remat is not None}) == 4
+    b = layer_boundaries(loss.forward, autopar.ManualLayerOption())
+    for first, last, blocks in [(0, 2, 2), (2, 4, 2), (0, 4, 4)]:
+        g = trace_stage(loss, slice_range(loss, b[first], b[last], 0))
+        assert len({n.barrier for n in g.nodes if n.barrier is not None}) == blocks

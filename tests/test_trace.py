@@ -655,3 +655,100 @@ def test_keyword_arguments_bind_to_positions_like_jax_jit():
         par(w, x, 0.5, lr=1.0)
     with pytest.raises(autopar.InvalidArgumentError, match=r"\['batch'\]"):
         par(w, scale=0.5)
+
+
+# ---- remat: kept as its optimization barrier -------------------------------------------------
+
+def _barriers(lowered_text: str) -> int:
+    return lowered_text.count("stablehlo.optimization_barrier")
+
+
+def _remat_steps():
+    """(name, step, args): jax.checkpoint with policies (names, offload), flax linen nn.remat
+    and nnx.remat, each an SGD step on a 3-block MLP."""
+    from flax import linen as nn
+    from flax import nnx
+    from jax.ad_checkpoint import checkpoint_name
+    cp = jax.checkpoint_policies
+    rng = np.random.RandomState(0)
+    ws = [jnp.asarray(rng.randn(32, 32) * 0.2, jnp.float32) for _ in range(3)]
+    x = jnp.asarray(rng.randn(16, 32), jnp.float32)
+
+    def block(w, h):
+        return jnp.tanh(checkpoint_name(h @ w, "pre")) @ w.T
+
+    def sgd(loss):
+        def step(params, x):
+            val, g = jax.value_and_grad(loss)(params, x)
+            return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), val
+        return step
+
+    def with_policy(policy):
+        def loss(ws, x):
+            for w in ws:
+                x = jax.checkpoint(block, policy=policy)(w, x)
+            return jnp.mean(x ** 2)
+        return sgd(loss)
+
+    offload = cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["pre"],
+        offload_src="device", offload_dst="pinned_host")
+    cases = [("default", with_policy(None), (ws, x)),
+             ("dots_saveable", with_policy(cp.dots_saveable), (ws, x)),
+             ("save_only_these_names", with_policy(cp.save_only_these_names("pre")), (ws, x)),
+             ("offload", with_policy(offload), (ws, x))]
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return h + nn.Dense(32)(jax.nn.gelu(nn.Dense(64)(nn.LayerNorm()(h))))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            for _ in range(3):
+                h = nn.remat(Block)()(h)
+            return h
+
+    net = Net()
+    params = net.init(jax.random.key(0), x)
+    cases.append(("nn.remat", sgd(lambda p, x: jnp.mean(net.apply(p, x) ** 2)), (params, x)))
+
+    class NBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, h):
+            return h + self.down(jax.nn.gelu(self.up(h)))
+
+    blocks = [NBlock(nnx.Rngs(i)) for i in range(3)]
+    graphdef, state = nnx.split(blocks)
+
+    def nnx_loss(state, x):
+        for b in nnx.merge(graphdef, state):
+            x = nnx.remat(lambda m, h: m(h))(b, x)
+        return jnp.mean(x ** 2)
+
+    cases.append(("nnx.remat", sgd(nnx_loss), (state, x)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(6), ids=["default", "dots_saveable",
+                         "save_only_these_names", "offload", "nn.remat", "nnx.remat"])
+def test_remat_keeps_its_optimization_barriers(case, recwarn):
+    """A remat'd model under autopar lowers with as many optimization barriers as under
+    jax.jit (one per differentiated remat: XLA cannot merge the recomputation into the
+    forward pass), plans no replicated fallback for them, and gives jax.jit's numbers."""
+    name, step, args = _remat_steps()[case]
+    ref = jax.jit(step)
+    want = _barriers(ref.lower(*args).as_text())
+    assert want >= 3, name                  # one per block: the test means something
+    graph = trace(step, args)
+    assert len({n.barrier for n in graph.nodes if n.barrier is not None}) == want
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    par = autopar.parallelize(step, mesh=mesh, plan_cache=False)
+    out = par(*args)
+    assert _barriers(par.lower(*args).as_text()) == want
+    assert not [w for w in recwarn if "replicated" in str(w.message)]
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
