@@ -18,7 +18,7 @@ from .inspect import dump
 from .grad import grad, value_and_grad
 from .markers import mark_stage_boundary
 from .measure import profile
-from .options import (AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
+from .options import (Annotations, AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
                       ManualLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
                       Schedule, ShardParallel, SolverBackend, UniformStageOption, Zero2Parallel,
                       Zero3Parallel)
@@ -34,5 +34,5 @@ __all__ = [
     "calibrate", "Calibration", "init_distributed", "DistributedInfo", "to_host",
     "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps", "init_sharded",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
-    "UnsupportedError", "FallbackWarning",
+    "UnsupportedError", "FallbackWarning", "Annotations",
 ]

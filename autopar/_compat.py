@@ -23,6 +23,43 @@ INLINE_BODY_PARAM = {
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 REMAT = prims.remat_p.name
 
+# Primitives that only say where a value lives (the param naming it): lowering re-emits them
+# as the identity, the plan's constraints placing every value.
+_PLACEMENT_PARAM = {SHARDING_CONSTRAINT: "sharding", "reshard": "dst_sharding",
+                    "mesh_cast": "dst_sharding"}
+# Params through which an operator states its result's sharding (explicit-sharding JAX).
+_OUT_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def annotation_of(eqn):
+    """The sharding the user's code annotates this equation's result with (a
+    `NamedSharding` or `PartitionSpec`), or None: `with_sharding_constraint`, `reshard`,
+    `mesh_cast`, or an operator's `out_sharding=`, in the forward pass only (the backward's
+    are JAX's transposes of them, not the user's)."""
+    if "transpose(" in name_stack(eqn.source_info):
+        return None
+    key = _PLACEMENT_PARAM.get(eqn.primitive.name)
+    if key is not None:
+        return eqn.params.get(key)
+    for key in _OUT_SHARDING_PARAMS:
+        value = eqn.params.get(key)
+        if value is not None and hasattr(value, "spec"):
+            return value
+    return None
+
+
+def lowering_params(eqn) -> dict | None:
+    """The params to re-emit `eqn` with under autopar's own (Auto-axis) shardings: None for a
+    placement-only primitive (re-emitted as the identity), else the params with every
+    result-sharding annotation cleared (it names the user's mesh and axis types; the plan's
+    constraint places the result)."""
+    if eqn.primitive.name in _PLACEMENT_PARAM:
+        return None
+    params = eqn.params
+    if any(params.get(k) is not None for k in _OUT_SHARDING_PARAMS):
+        params = {k: (None if k in _OUT_SHARDING_PARAMS else v) for k, v in params.items()}
+    return params
+
 
 def remat_barrier_operands(eqn, differentiated: bool | None = None) -> tuple[bool, ...]:
     """Which operands of a `remat` equation `jax.checkpoint`'s lowering puts behind an
@@ -63,6 +100,12 @@ def source_summary(source_info, depth: int = 12) -> str | None:
 
 def name_stack(source_info) -> str:
     return str(getattr(source_info, "name_stack", "") or "")
+
+
+def is_explicit(mesh) -> bool:
+    """Whether any axis of `mesh` is typed Explicit (`jax.make_mesh`'s default)."""
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:

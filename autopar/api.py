@@ -28,6 +28,7 @@ from .cost import CostModel
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower, put
@@ -240,13 +241,15 @@ class ParallelizedFunction:
     def _entry(self, args) -> _Entry:
         key = self._key(args)
         entry = self._cache.get(key)
-        if entry is not None:
-            return entry
+        if entry is None:
+            entry = self._cache[key] = under_mesh_if_needed(
+                self._mesh, lambda: self._new_entry(args))
+        return entry
+
+    def _new_entry(self, args) -> _Entry:
         mesh = self.mesh
         if _pipelined(self._method):
-            entry = self._pipeline_entry(args, mesh)
-            self._cache[key] = entry
-            return entry
+            return self._pipeline_entry(args, mesh)
         graph = trace(self._fun, args, static_argnums=self._static,
                       batch_argnums=self._batch, donate_argnums=self._donate)
         _check_batch(graph)
@@ -259,7 +262,6 @@ class ParallelizedFunction:
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
-        self._cache[key] = entry
         return entry
 
     def _pipeline_entry(self, args, mesh) -> _Entry:
@@ -318,7 +320,8 @@ class ParallelizedFunction:
     def _lowered(self, args, entry: _Entry):
         abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
                     for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
-        return entry.lowered.jitted.lower(*abstract)
+        with no_context_mesh():
+            return entry.lowered.jitted.lower(*abstract)
 
     def lower(self, *args, **kwargs):
         """The step lowered for these arguments, as `jax.jit(f).lower(...)` gives it
@@ -345,9 +348,11 @@ class ParallelizedFunction:
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
-        flat = [put(x, s) for x, s in zip(leaves, shardings)]
-        out = entry.executor.run(flat) if pipeline else self._compiled(args, entry)(*flat)
-        return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
+        compiled = None if pipeline else self._compiled(args, entry)
+        with no_context_mesh():
+            flat = [put(relabel(x, s), s) for x, s in zip(leaves, shardings)]
+            out = entry.executor.run(flat) if pipeline else compiled(*flat)
+        return jax.tree_util.tree_unflatten(entry.graph.out_tree, on_user_mesh(out, self._mesh))
 
     def input_shardings(self, *args) -> tuple:
         """Where the plan for these arguments places each positional argument: one pytree of
@@ -430,8 +435,9 @@ class ParallelizedFunction:
         if _pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
-        graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._donate)
+        graph = under_mesh_if_needed(self._mesh, lambda: trace(
+            self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
+            donate_argnums=self._donate))
         _check_batch(graph)
         mesh = self.mesh
         return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,

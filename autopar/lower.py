@@ -135,9 +135,13 @@ def _run(graph, nodes, env, constrain, reshard) -> None:
             else:
                 args = [_resharded(env, t, reshard.get((node.id, i)))
                         for i, t in enumerate(node.inputs)]
-                outs = eqn.primitive.bind(*args, **eqn.params)
-                if not eqn.primitive.multiple_results:
-                    outs = (outs,)
+                params = _compat.lowering_params(eqn)
+                if params is None:           # an annotation: the plan placed the value
+                    outs = args[:len(node.outputs)]
+                else:
+                    outs = eqn.primitive.bind(*args, **params)
+                    if not eqn.primitive.multiple_results:
+                        outs = (outs,)
             for tid, val in zip(node.outputs, outs):
                 sharding = constrain.get(tid)
                 for s in sharding if isinstance(sharding, tuple) else (sharding,):

@@ -14,6 +14,7 @@ import numpy as np
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
+from .intra_op.annotations import Annotations
 from .intra_op.ilp import SolverBackend
 from .runtime.schedule import Schedule
 
@@ -69,6 +70,13 @@ class ShardParallel:
         their batch dimension on these axes (Alpa's `force_batch_dim_to_mesh_dim`); the ILP
         chooses what the other axes split. DataParallel and ZeRO split the batch over every
         axis unless it names fewer.
+      annotations: what the plan does with the sharding annotations in the step's code
+        (`with_sharding_constraint`, `jax.sharding.reshard`, `out_sharding=` of einsums and
+        matmuls, Flax `nn.with_logical_constraint`): "pin" (default) gives each annotated
+        value exactly its annotated sharding, "hint" prefers it (any other sharding pays the
+        move into it), "ignore" plans as if there were none. Replicated annotations and the
+        backward pass's transposed ones are not taken as the user's. In a pipeline an
+        annotation applies in a stage whose logical mesh has its axis names and sizes.
 
     Example:
         >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
@@ -86,8 +94,16 @@ class ShardParallel:
     num_microbatches: int = 1
     sharding_rules: tuple[tuple[str, tuple], ...] = ()
     batch_axis: str | tuple[str, ...] | None = None
+    annotations: Annotations = Annotations.PIN
 
     def __post_init__(self):
+        try:
+            object.__setattr__(self, "annotations", Annotations(self.annotations))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.annotations={self.annotations!r} must be one of "
+                f"{[a.value for a in Annotations]} ('pin': the code's sharding annotations "
+                "are kept exactly, 'hint': preferred, 'ignore': planned without).") from None
         v = self.num_microbatches
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidArgumentError(f"{type(self).__name__}.num_microbatches={v!r} must be "

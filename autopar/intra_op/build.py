@@ -418,12 +418,14 @@ class _LiveBytes:
 
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
               output_targets: dict[OutputPos, TensorId], budget: float | None,
-              allowed: Callable[..., bool] | None = None) -> Built:
+              allowed: Callable[..., bool] | None = None,
+              hints: dict[TensorId, Spec] | None = None) -> Built:
     """Build the ILP. `output_targets` maps a flat output position to the tensor id of the
     input it replaces next step (a loop-carried state; `OpGraph.carried_tensors`): the output
     is charged for moving into that input's sharding. `allowed(tid, spec, wanted)`: the
     method's pins on every tensor (see `constraints.method_tensor_rule`); options that break
-    them are not offered."""
+    them are not offered. `hints`: shardings the user prefers (`annotations="hint"`): every
+    other option of the value pays moving it there."""
     b = _Builder(graph, ctx, input_options)
     b.add_sources()
     cheap = cheap_source_tensors(graph)
@@ -433,6 +435,9 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
         out_tid = graph.outputs[pos]
         g_in = b.tensor_group[in_tid]
         b.connect(out_tid, g_in, list(b.tensor_specs[in_tid]))
+    for tid, spec in (hints or {}).items():
+        g = b.tensor_group[tid]
+        b.diag[g] += np.array([b.reshard(tid, s, spec) for s in b.tensor_specs[tid]])
     unmet = b.restrict(allowed) if allowed is not None else []
     node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
     edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]

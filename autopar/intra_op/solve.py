@@ -14,6 +14,7 @@ from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
+from .annotations import Annotations, annotation_specs, both, pin_rule
 from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
 from .constraints import method_input_options, method_tensor_rule
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
@@ -136,11 +137,15 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
     allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources)
+    marked = {} if method.annotations == Annotations.IGNORE else annotation_specs(
+        graph, mesh.axis_names, mesh.shape, strict=input_paths is None)
+    if method.annotations == Annotations.PIN:
+        allowed = both(allowed, pin_rule(marked))
     output_targets = graph.carried_tensors(carried_outputs)
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
                       output_targets, budget if points_above is None else float(points_above),
-                      allowed)
+                      allowed, hints=marked if method.annotations == Annotations.HINT else None)
     if built.unmet_pins:
         _warn_unmet(graph, method, built.unmet_pins)
     built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)

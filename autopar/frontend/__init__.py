@@ -1,0 +1,1 @@
+"""The user's side of the step: their meshes (explicit axes) and, later, their objects."""
