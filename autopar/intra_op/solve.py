@@ -147,13 +147,15 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                       output_targets, budget if points_above is None else float(points_above),
                       allowed, hints=marked if method.annotations == Annotations.HINT else None)
     if built.unmet_pins:
-        _warn_unmet(graph, method, built.unmet_pins)
+        _warn_unmet(graph, method, built.unmet_pins,
+                    annotated=bool(marked) and method.annotations == Annotations.PIN)
     built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)
     return IntraOpProblem(graph=graph, mesh=mesh, method=method, built=built,
                           output_targets=output_targets, build_time_s=time.perf_counter() - t0)
 
 
-def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...]) -> None:
+def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
+                annotated: bool = False) -> None:
     """Say which values the method could not keep on its sharding (no strategy of the
     operator making them can), with where they are made."""
     where = []
@@ -163,8 +165,10 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...]) -
         where.append(f"{t.path or 'value'} {t.shape} from {made.primitive} at {made.source}"
                      if made is not None else f"{t.path or 'value'} {t.shape}")
     log.warning("autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
-                "operator making them keeps the batch split as the method says): %s%s",
-                type(method).__name__, len(unmet), "; ".join(where),
+                "operator making them keeps the batch split as the method says%s): %s%s",
+                type(method).__name__, len(unmet),
+                ", together with the code's sharding annotations (plan them as hints with "
+                "annotations='hint')" if annotated else "", "; ".join(where),
                 " ..." if len(unmet) > 4 else "")
 
 
