@@ -28,6 +28,7 @@ from .cost import CostModel
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from .frontend.nnx import BoundCall, NnxState, PureStep, as_state
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower, put
@@ -38,8 +39,8 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
-from .trace import (abstract_signature, bind_arguments, check_argnums, check_donated_aliases,
-                    trace)
+from .trace import (_arg_names, abstract_signature, bind_arguments, check_argnums,
+                    check_donated_aliases, trace)
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class ParallelizedFunction:
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
                  plan, cluster, plan_cache=True):
         functools.update_wrapper(self, fun)
-        self._fun = fun
+        self._user_fun, self._fun = fun, PureStep(fun)    # NNX arguments: see frontend.nnx
         self._mesh = mesh
         self._method = method or ShardParallel()
         self._static = tuple(static_argnums)
@@ -234,7 +235,7 @@ class ParallelizedFunction:
                         mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
                         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
                         extra=f"batch={self._batch};static={self._static};"
-                              f"donate={self._donate}")
+                              f"donate={self._donated(args)}")
         return find_plan(key, search, self._plans)
 
     def _entry(self, args) -> _Entry:
@@ -248,7 +249,7 @@ class ParallelizedFunction:
             self._cache[key] = entry
             return entry
         graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._donate)
+                      batch_argnums=self._batch, donate_argnums=self._donated(args))
         _check_batch(graph)
         if self._saved_plan is not None:
             plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
@@ -266,7 +267,7 @@ class ParallelizedFunction:
         cluster = self.cluster
         method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
-                  donate_argnums=self._donate)
+                  donate_argnums=self._donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
         fingerprint = graph_fingerprint(step)
 
@@ -306,6 +307,18 @@ class ParallelizedFunction:
         check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
 
+    def _bound(self, args, kwargs=None) -> BoundCall:
+        """The call's arguments bound to positions; NNX objects become state pytrees inside
+        the returned context (`frontend.nnx`)."""
+        args = bind_arguments(self._fun, args, kwargs or {})
+        return BoundCall(args, static_argnums=self._static, batch_argnums=self._batch,
+                         names=_arg_names(self._fun, len(args)))
+
+    def _donated(self, args) -> tuple[int, ...]:
+        """donate_argnums and the NNX states (replaced in place, as nnx.jit replaces them)."""
+        return tuple(sorted(set(check_argnums("donate_argnums", self._donate, len(args))) | {
+            i for i, a in enumerate(args) if isinstance(a, NnxState)}))
+
     def _leaves(self, args) -> list:
         return jax.tree_util.tree_leaves(tuple(a for i, a in enumerate(args)
                                                if i not in self._static))
@@ -318,7 +331,10 @@ class ParallelizedFunction:
         return entry.compiled
 
     def __call__(self, *args, **kwargs):
-        args = bind_arguments(self._fun, args, kwargs)
+        with self._bound(args, kwargs) as call:
+            return call.finish(self._fun, self._call(call.args))
+
+    def _call(self, args):
         leaves = self._leaves(args)
         if any(isinstance(x, _compat.Tracer) for x in leaves):
             raise UnsupportedError(
@@ -327,7 +343,7 @@ class ParallelizedFunction:
                 "arguments; a parallelized step runs its own compiled executables on the mesh "
                 "and cannot be traced into another program. Fix: call it at the top level (it "
                 "is compiled already), or transform the plain function and parallelize that.")
-        check_donated_aliases(self._fun, args, self._static, self._donate)
+        check_donated_aliases(self._fun, args, self._static, self._donated(args))
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
@@ -344,7 +360,7 @@ class ParallelizedFunction:
             >>> state_shardings = step.input_shardings(state, batch)[0]
             >>> state = autopar.restore_checkpoint(path, state_shardings)
         """
-        entry = self._entry(args)
+        entry, args = self._entry_of(args)
         flat = iter(entry.executor.p.in_shardings if entry.executor is not None
                     else entry.lowered.in_shardings)
         out = []
@@ -353,20 +369,25 @@ class ParallelizedFunction:
                 out.append(None)
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(a)
-            out.append(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves]))
+            out.append(as_state(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves])))
         return tuple(out)
 
     def get_plan(self, *args, **kwargs) -> ParallelPlan:
         """The plan used for these arguments (planned now if not yet)."""
-        return self._entry(bind_arguments(self._fun, args, kwargs)).plan
+        return self._entry_of(args, kwargs)[0].plan
 
     def get_graph(self, *args) -> OpGraph:
-        return self._entry(args).graph
+        return self._entry_of(args)[0].graph
+
+    def _entry_of(self, args, kwargs=None) -> tuple[_Entry, tuple]:
+        """(the entry, the arguments as planned: NNX objects as their state pytrees)."""
+        with self._bound(args, kwargs) as call:
+            return self._entry(call.args), call.args
 
     def get_compiled(self, *args):
         """The compiled XLA executable these arguments run (`.as_text()` gives the HLO); for
         a pipeline plan, the `PipelineProgram` (per-stage executables)."""
-        entry = self._entry(args)
+        entry, args = self._entry_of(args)
         if entry.executor is not None:
             return entry.executor.p
         return self._compiled(args, entry)
@@ -388,7 +409,7 @@ class ParallelizedFunction:
         return self._fresh(mesh=mesh, cluster=None)
 
     def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
-        return ParallelizedFunction(self._fun, mesh=mesh, method=self._method,
+        return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,
                                     plan_cache=self._plan_cache)
@@ -416,8 +437,9 @@ class ParallelizedFunction:
         if _pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
-        graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._donate)
+        with self._bound(args) as call:
+            graph = trace(self._fun, call.args, static_argnums=self._static,
+                          batch_argnums=self._batch, donate_argnums=self._donated(call.args))
         _check_batch(graph)
         mesh = self.mesh
         return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
@@ -426,7 +448,7 @@ class ParallelizedFunction:
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""
-        entry = self._entry(args)
+        entry = self._entry_of(args)[0]
         if entry.executor is None:
             raise InvalidArgumentError("get_executor: this plan is not a pipeline (method is "
                                        "not PipeshardParallel, num_microbatches is 1).")

@@ -1,0 +1,2 @@
+"""Frontend passes: what a user's step and arguments become before tracing (NNX graph objects
+as pure state pytrees, `jax.jit`-style argument options)."""
