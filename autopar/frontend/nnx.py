@@ -31,7 +31,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from .. import _compat
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..trace import _arg_names
 
 _TAG = "autopar.parallelize"      # the nnx update-context tag of a parallelized call
 
@@ -174,9 +176,25 @@ class PureStep:
                 "NNX graph object (Module, Variable, Rngs, ...). A parallelized step updates "
                 "its NNX arguments in place and returns arrays only. Fix: return arrays (e.g. "
                 "the loss), or `nnx.state(obj)` for a state to hand back.")
+        names = _arg_names(self.fun, len(args))
+        _check_static_arrays(objects, self.fun, [names[i] for i, _ in parts])
         gd_out, states = _split_parts(tuple(objects), graphdef)
         self.out_graphdefs[graphdef] = gd_out
         return (out, *states)
+
+
+def _check_static_arrays(objects, fun, names: Sequence[str]) -> None:
+    """A traced array kept outside an `nnx.Variable` (a plain attribute, a list element) is
+    static to NNX: it cannot be written back (nnx.jit leaks the tracer into the object)."""
+    for path, value in _nnx().graph.iter_graph(objects):
+        if isinstance(value, _compat.Tracer):
+            raise UnsupportedError(
+                f"autopar.parallelize: {getattr(fun, '__name__', 'the step')} stores a computed "
+                f"array ({value.aval.str_short()}) at `{names[path[0]]}{path_text(path[1:])}`, "
+                "outside any nnx.Variable; NNX treats such attributes as static structure, so "
+                "the new value cannot be written back after the call. Fix: keep arrays in "
+                "Variables, e.g. `self.foo = nnx.Variable(value)` (or nnx.BatchStat / nnx.Param)"
+                " and update them with `self.foo[...] = value`.")
 
 
 def _arg_label(names: Sequence[str], i: int) -> str:
