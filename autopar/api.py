@@ -28,10 +28,11 @@ from .cost import CostModel
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from .frontend.jit_options import PinnedShardings, argnums_for_names
 from .frontend.nnx import BoundCall, NnxState, PureStep, as_state
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
-from .lower import Lowered, lower, put
+from .lower import Lowered, lower, named, put
 from .lower_pipeline import lower_pipeline
 from .options import PipeshardParallel, ShardParallel
 from .pipeshard import accumulation_method, plan_pipeline
@@ -46,14 +47,15 @@ log = logging.getLogger(__name__)
 
 
 def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
-                device_ids, perturb=None) -> ParallelPlan:
+                device_ids, perturb=None, output_pins=None) -> ParallelPlan:
     t0 = time.perf_counter()
     log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
              len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
              dict(zip(axis_names, mesh_shape)))
     logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
     cost = CostModel(mesh=logical)
-    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb)
+    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb,
+                                output_pins=output_pins)
     ilp = assignment.ilp
     log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
              "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
@@ -174,13 +176,14 @@ class _Entry:
     lowered: Lowered | None
     compiled: Any = None      # the XLA executable, compiled once (by a call or get_compiled)
     executor: Executor | None = None   # pipeline plans: runs the stages' executables
+    out_pins: dict = dataclasses.field(default_factory=dict)  # pipelines: out_shardings
 
 
 class ParallelizedFunction:
     """What `parallelize` returns: call it like the original function."""
 
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
-                 plan, cluster, plan_cache=True):
+                 plan, cluster, plan_cache=True, pins: PinnedShardings | None = None):
         functools.update_wrapper(self, fun)
         self._user_fun, self._fun = fun, PureStep(fun)    # NNX arguments: see frontend.nnx
         self._mesh = mesh
@@ -191,6 +194,7 @@ class ParallelizedFunction:
         self._saved_plan = plan
         self._cluster = cluster
         self._plan_cache = plan_cache
+        self._pins = pins or PinnedShardings()
         self._plans = _plan_cache(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
@@ -227,15 +231,15 @@ class ParallelizedFunction:
                              f"{'~' if weak else ''}")
         return ";".join(parts)
 
-    def _find(self, args, fingerprint: str, mesh, search) -> ParallelPlan:
+    def _find(self, args, fingerprint: str, mesh, search, method) -> ParallelPlan:
         """The plan: from the plan cache, from process 0 in a multi-process job, else
         `search()`."""
         key = cache_key(graph_fingerprint=fingerprint, args_signature=self._signature(args),
-                        cluster=self.cluster, method=self._method,
+                        cluster=self.cluster, method=method,
                         mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
                         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
                         extra=f"batch={self._batch};static={self._static};"
-                              f"donate={self._donated(args)}")
+                              f"donate={self._donated(args)};out={self._pins.out_shardings}")
         return find_plan(key, search, self._plans)
 
     def _entry(self, args) -> _Entry:
@@ -243,9 +247,9 @@ class ParallelizedFunction:
         entry = self._cache.get(key)
         if entry is not None:
             return entry
-        mesh = self.mesh
-        if _pipelined(self._method):
-            entry = self._pipeline_entry(args, mesh)
+        mesh, method = self.mesh, self._method_for(args)
+        if _pipelined(method):
+            entry = self._pipeline_entry(args, mesh, method)
             self._cache[key] = entry
             return entry
         graph = trace(self._fun, args, static_argnums=self._static,
@@ -255,17 +259,32 @@ class ParallelizedFunction:
             plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
-                graph, self.cluster, mesh.devices.shape, mesh.axis_names, self._method,
-                tuple(int(d.id) for d in mesh.devices.flat)))
+                graph, self.cluster, mesh.devices.shape, mesh.axis_names, method,
+                tuple(int(d.id) for d in mesh.devices.flat),
+                output_pins=self._out_pins(graph, args)), method)
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
         self._cache[key] = entry
         return entry
 
-    def _pipeline_entry(self, args, mesh) -> _Entry:
+    def _method_for(self, args) -> ShardParallel:
+        """The method, with `in_shardings` pinned as exact-path `sharding_rules`."""
+        rules = self._pins.input_rules(args, check_argnums("static_argnums", self._static,
+                                                           len(args)),
+                                       _arg_names(self._fun, len(args)), self.mesh)
+        return dataclasses.replace(self._method, sharding_rules=rules + tuple(
+            self._method.sharding_rules)) if rules else self._method
+
+    def _out_pins(self, graph: OpGraph, args) -> dict:
+        """Result position -> pinned Spec (`out_shardings`)."""
+        return self._pins.output_specs(
+            graph.out_tree, [graph.tensors[t].shape for t in graph.outputs],
+            sum(isinstance(a, NnxState) for a in args), self.mesh)
+
+    def _pipeline_entry(self, args, mesh, method) -> _Entry:
         cluster = self.cluster
-        method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
+        method, stage_method = _pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
                   donate_argnums=self._donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
@@ -284,7 +303,7 @@ class ParallelizedFunction:
                 nonlocal searched
                 searched = run(method)
                 return searched[0]
-            replay = self._find(args, fingerprint, mesh, search)
+            replay = self._find(args, fingerprint, mesh, search, method)
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages and their solutions
@@ -305,7 +324,10 @@ class ParallelizedFunction:
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
         check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
-        return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
+        pins = {pos: named(_compat.auto_mesh(mesh), spec)
+                for pos, spec in self._out_pins(graph, args).items()}
+        return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
+                      out_pins=pins)
 
     def _bound(self, args, kwargs=None) -> BoundCall:
         """The call's arguments bound to positions; NNX objects become state pytrees inside
@@ -349,6 +371,9 @@ class ParallelizedFunction:
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
         flat = [put(x, s) for x, s in zip(leaves, shardings)]
         out = entry.executor.run(flat) if pipeline else self._compiled(args, entry)(*flat)
+        if entry.out_pins:      # a pipeline's results, moved where out_shardings says
+            out = [put(x, entry.out_pins[i]) if i in entry.out_pins else x
+                   for i, x in enumerate(out)]
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 
     def input_shardings(self, *args) -> tuple:
@@ -412,7 +437,7 @@ class ParallelizedFunction:
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,
-                                    plan_cache=self._plan_cache)
+                                    plan_cache=self._plan_cache, pins=self._pins)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -438,13 +463,15 @@ class ParallelizedFunction:
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
         with self._bound(args) as call:
-            graph = trace(self._fun, call.args, static_argnums=self._static,
-                          batch_argnums=self._batch, donate_argnums=self._donated(call.args))
+            args = call.args
+            graph = trace(self._fun, args, static_argnums=self._static,
+                          batch_argnums=self._batch, donate_argnums=self._donated(args))
         _check_batch(graph)
         mesh = self.mesh
         return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
-                           self._method, tuple(int(d.id) for d in mesh.devices.flat),
-                           perturb=(int(seed), float(fraction)))
+                           self._method_for(args), tuple(int(d.id) for d in mesh.devices.flat),
+                           perturb=(int(seed), float(fraction)),
+                           output_pins=self._out_pins(graph, args))
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""
@@ -474,17 +501,22 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
                 donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
                 plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
-                plan_cache: bool | str | os.PathLike = True):
+                plan_cache: bool | str | os.PathLike = True, static_argnames=(),
+                donate_argnames=(), in_shardings=None, out_shardings=None):
     """Parallelize a training step over a device mesh.
 
     Args:
-      fun: the step, e.g. `train_step(state, batch) -> (state, loss)`.
+      fun: the step, e.g. `train_step(state, batch) -> (state, loss)`, or an NNX step
+        `train_step(model, optimizer, batch)` written for `nnx.jit`.
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None uses every device as a
         hosts x devices-per-host mesh (1 x N on one host).
       method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()`,
         `Zero3Parallel()` (any of them with `num_microbatches=M` for gradient accumulation)
         or `PipeshardParallel(...)`.
-      static_argnums, donate_argnums: as in `jax.jit`.
+      static_argnums, donate_argnums: as in `jax.jit` (an int or a sequence of ints).
+      static_argnames, donate_argnames: as in `jax.jit`: parameter names (a str or a
+        sequence), mapped to their positions through `fun`'s signature and added to the
+        *_argnums (an argument passed by keyword binds to its position too).
       batch_argnums: positional arguments whose leaves carry the batch as dimension 0.
       plan: a saved `ParallelPlan` (e.g. `ParallelPlan.from_json(text)`): skip the search.
       cluster: a `ClusterSpec` to cost plans with instead of the one read off the devices.
@@ -494,9 +526,23 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         `$AUTOPAR_CACHE_DIR`, else `~/.cache/autopar/plans`; a path: that directory; False:
         no plan cache. A hit skips the search (`plan.origin` says "plan cache"). In a
         multi-process job process 0 finds the plan and the others receive it.
+      in_shardings: as in `jax.jit`: a pytree prefix of the tuple of non-static positional
+        arguments (one entry per argument), or one leaf for all of them. A leaf is a
+        `PartitionSpec` over the mesh's axis names, a `NamedSharding` on `mesh`, or None
+        (autopar chooses). Pinned leaves keep exactly that sharding; the plan is searched
+        around them (like `ShardParallel(sharding_rules=...)`). For an NNX argument give
+        one leaf for all its state.
+      out_shardings: the same for the step's result (a prefix of it; for an NNX step, of
+        what it returns). Pinned results come back in that layout (`out.sharding`).
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.
+
+    Flax NNX objects (`nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.MultiMetric`, ...)
+    are taken as `nnx.jit` takes them: the step updates them in place (optimizer updates,
+    BatchNorm statistics, RNG counters, metrics, new attributes), objects shared between
+    arguments stay shared, and their state is donated (arrays taken out of them before the
+    call are invalid after it; copy them to keep them). See `autopar.frontend.nnx`.
 
     A state too big for one device is created directly in the plan's layout with
     `step.init(create_state, batch, create_args=(key,))` (see `autopar.init_sharded`).
@@ -504,12 +550,19 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
     Example:
         >>> @autopar.parallelize(mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
         ... def train_step(state, batch): ...
+        >>> @autopar.parallelize(mesh=mesh, batch_argnums=(2,))     # was @nnx.jit
+        ... def nnx_step(model, optimizer, batch): ...
+        >>> @autopar.parallelize(mesh=mesh, donate_argnames="state",
+        ...                      in_shardings=(None, P("data")), out_shardings=(None, P()))
+        ... def train_step(state, batch): ...
     """
     if fun is None:
-        return functools.partial(parallelize, mesh=mesh, method=method,
-                                 static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 batch_argnums=batch_argnums, plan=plan, cluster=cluster,
-                                 plan_cache=plan_cache)
+        return functools.partial(
+            parallelize, mesh=mesh, method=method, static_argnums=static_argnums,
+            donate_argnums=donate_argnums, batch_argnums=batch_argnums, plan=plan,
+            cluster=cluster, plan_cache=plan_cache, static_argnames=static_argnames,
+            donate_argnames=donate_argnames, in_shardings=in_shardings,
+            out_shardings=out_shardings)
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise InvalidArgumentError(
             f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
@@ -518,6 +571,12 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         raise InvalidArgumentError(
             f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
             f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
-    return ParallelizedFunction(fun, mesh=mesh, method=method, static_argnums=static_argnums,
-                                donate_argnums=donate_argnums, batch_argnums=batch_argnums,
-                                plan=plan, cluster=cluster, plan_cache=plan_cache)
+    as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
+    return ParallelizedFunction(
+        fun, mesh=mesh, method=method, batch_argnums=as_tuple(batch_argnums), plan=plan,
+        static_argnums=as_tuple(static_argnums) + argnums_for_names(
+            fun, static_argnames, "static_argnames"),
+        donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
+            fun, donate_argnames, "donate_argnames"),
+        cluster=cluster, plan_cache=plan_cache,
+        pins=PinnedShardings.of(in_shardings, out_shardings))

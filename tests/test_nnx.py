@@ -151,13 +151,13 @@ def test_wrong_batch_argnums_names_the_nnx_argument(mesh):
 # --- a Gemma-like model -------------------------------------------------------------------
 
 def test_gemma_like_step_matches_nnx_jit_and_memory(mesh):
-    cfg = GemmaConfig(seq_len=32, hidden=64, mlp_hidden=128)
+    cfg = GemmaConfig()
 
     def objects():
         model = Gemma(cfg, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
-    batches = [make_gemma_batch(jax.random.key(i), 64, cfg) for i in range(3)]
+    batches = [make_gemma_batch(jax.random.key(i), 16, cfg) for i in range(3)]
     ref, par = objects(), objects()
     ref_step = nnx.jit(nnx_train_step)
     step = autopar.parallelize(nnx_train_step, mesh=mesh, batch_argnums=(2,))
