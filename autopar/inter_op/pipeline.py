@@ -61,8 +61,10 @@ def _grad_node(step: OpGraph):
         raise InvalidArgumentError(
             f"PipeshardParallel and gradient accumulation (num_microbatches > 1) need exactly "
             f"one autopar.value_and_grad / autopar.grad call in the step, found {len(grads)} "
-            "(jax.value_and_grad does not count: it leaves no mark). Fix: take the gradient with "
-            "`autopar.value_and_grad(loss_fn)(params, ...)` (a drop-in for jax's) once per step.")
+            "(jax.value_and_grad and nnx.value_and_grad do not count: they leave no mark). Fix: "
+            "take the gradient with `autopar.value_and_grad(loss_fn)(params, ...)` once per "
+            "step (a drop-in for jax's, and for nnx's on NNX modules: "
+            "`autopar.value_and_grad(loss_fn)(model, batch)`).")
     return grads[0]
 
 
