@@ -29,7 +29,8 @@ from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
 from .frontend.jit_options import PinnedShardings, argnums_for_names
-from .frontend.nnx import BoundCall, NnxState, PureStep, as_state
+from .frontend.nnx import PureStep, as_state
+from .frontend.step import StepFrontend
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .lower import Lowered, lower, named, put
@@ -40,8 +41,7 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
-from .trace import (_arg_names, abstract_signature, bind_arguments, check_argnums,
-                    check_donated_aliases, trace)
+from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,8 @@ class ParallelizedFunction:
         self._cluster = cluster
         self._plan_cache = plan_cache
         self._pins = pins or PinnedShardings()
+        self._front = StepFrontend(fun=self._fun, static=self._static, donate=self._donate,
+                                   batch=self._batch, pins=self._pins)
         self._plans = _plan_cache(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
@@ -238,8 +240,8 @@ class ParallelizedFunction:
                         cluster=self.cluster, method=method,
                         mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
                         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
-                        extra=f"batch={self._batch};static={self._static};"
-                              f"donate={self._donated(args)};out={self._pins.out_shardings}")
+                        extra=f"batch={self._batch};static={self._static};donate="
+                              f"{self._front.donated(args)};out={self._pins.out_shardings}")
         return find_plan(key, search, self._plans)
 
     def _entry(self, args) -> _Entry:
@@ -247,13 +249,13 @@ class ParallelizedFunction:
         entry = self._cache.get(key)
         if entry is not None:
             return entry
-        mesh, method = self.mesh, self._method_for(args)
+        mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
         if _pipelined(method):
             entry = self._pipeline_entry(args, mesh, method)
             self._cache[key] = entry
             return entry
         graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._donated(args))
+                      batch_argnums=self._batch, donate_argnums=self._front.donated(args))
         _check_batch(graph)
         if self._saved_plan is not None:
             plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
@@ -261,32 +263,18 @@ class ParallelizedFunction:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
                 graph, self.cluster, mesh.devices.shape, mesh.axis_names, method,
                 tuple(int(d.id) for d in mesh.devices.flat),
-                output_pins=self._out_pins(graph, args)), method)
+                output_pins=self._front.out_pins(graph, args, self.mesh)), method)
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
         self._cache[key] = entry
         return entry
 
-    def _method_for(self, args) -> ShardParallel:
-        """The method, with `in_shardings` pinned as exact-path `sharding_rules`."""
-        rules = self._pins.input_rules(args, check_argnums("static_argnums", self._static,
-                                                           len(args)),
-                                       _arg_names(self._fun, len(args)), self.mesh)
-        return dataclasses.replace(self._method, sharding_rules=rules + tuple(
-            self._method.sharding_rules)) if rules else self._method
-
-    def _out_pins(self, graph: OpGraph, args) -> dict:
-        """Result position -> pinned Spec (`out_shardings`)."""
-        return self._pins.output_specs(
-            graph.out_tree, [graph.tensors[t].shape for t in graph.outputs],
-            sum(isinstance(a, NnxState) for a in args), self.mesh)
-
     def _pipeline_entry(self, args, mesh, method) -> _Entry:
         cluster = self.cluster
         method, stage_method = _pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
-                  donate_argnums=self._donated(args))
+                  donate_argnums=self._front.donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
         fingerprint = graph_fingerprint(step)
 
@@ -325,39 +313,23 @@ class ParallelizedFunction:
                  f"{method.num_microbatches}-microbatch gradient accumulation")
         check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
         pins = {pos: named(_compat.auto_mesh(mesh), spec)
-                for pos, spec in self._out_pins(graph, args).items()}
+                for pos, spec in self._front.out_pins(graph, args, self.mesh).items()}
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
                       out_pins=pins)
-
-    def _bound(self, args, kwargs=None) -> BoundCall:
-        """The call's arguments bound to positions; NNX objects become state pytrees inside
-        the returned context (`frontend.nnx`)."""
-        args = bind_arguments(self._fun, args, kwargs or {})
-        return BoundCall(args, static_argnums=self._static, batch_argnums=self._batch,
-                         names=_arg_names(self._fun, len(args)))
-
-    def _donated(self, args) -> tuple[int, ...]:
-        """donate_argnums and the NNX states (replaced in place, as nnx.jit replaces them)."""
-        return tuple(sorted(set(check_argnums("donate_argnums", self._donate, len(args))) | {
-            i for i, a in enumerate(args) if isinstance(a, NnxState)}))
-
-    def _leaves(self, args) -> list:
-        return jax.tree_util.tree_leaves(tuple(a for i, a in enumerate(args)
-                                               if i not in self._static))
 
     def _compiled(self, args, entry: _Entry):
         if entry.compiled is None:
             abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
-                        for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
+                        for x, s in zip(self._front.leaves(args), entry.lowered.in_shardings)]
             entry.compiled = entry.lowered.jitted.lower(*abstract).compile()
         return entry.compiled
 
     def __call__(self, *args, **kwargs):
-        with self._bound(args, kwargs) as call:
+        with self._front.bind(args, kwargs) as call:
             return call.finish(self._fun, self._call(call.args))
 
     def _call(self, args):
-        leaves = self._leaves(args)
+        leaves = self._front.leaves(args)
         if any(isinstance(x, _compat.Tracer) for x in leaves):
             raise UnsupportedError(
                 f"autopar.parallelize: {getattr(self._fun, '__name__', 'the step')} was called "
@@ -365,7 +337,7 @@ class ParallelizedFunction:
                 "arguments; a parallelized step runs its own compiled executables on the mesh "
                 "and cannot be traced into another program. Fix: call it at the top level (it "
                 "is compiled already), or transform the plain function and parallelize that.")
-        check_donated_aliases(self._fun, args, self._static, self._donated(args))
+        check_donated_aliases(self._fun, args, self._static, self._front.donated(args))
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
@@ -394,7 +366,8 @@ class ParallelizedFunction:
                 out.append(None)
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(a)
-            out.append(as_state(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves])))
+            tree = jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves])
+            out.append(as_state(tree))      # an NNX argument: as nnx.state(arg) is shaped
         return tuple(out)
 
     def get_plan(self, *args, **kwargs) -> ParallelPlan:
@@ -406,7 +379,7 @@ class ParallelizedFunction:
 
     def _entry_of(self, args, kwargs=None) -> tuple[_Entry, tuple]:
         """(the entry, the arguments as planned: NNX objects as their state pytrees)."""
-        with self._bound(args, kwargs) as call:
+        with self._front.bind(args, kwargs) as call:
             return self._entry(call.args), call.args
 
     def get_compiled(self, *args):
@@ -462,16 +435,17 @@ class ParallelizedFunction:
         if _pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
-        with self._bound(args) as call:
+        with self._front.bind(args) as call:
             args = call.args
             graph = trace(self._fun, args, static_argnums=self._static,
-                          batch_argnums=self._batch, donate_argnums=self._donated(args))
+                          batch_argnums=self._batch, donate_argnums=self._front.donated(args))
         _check_batch(graph)
         mesh = self.mesh
         return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
-                           self._method_for(args), tuple(int(d.id) for d in mesh.devices.flat),
+                           self._front.method(args, self._method, mesh),
+                           tuple(int(d.id) for d in mesh.devices.flat),
                            perturb=(int(seed), float(fraction)),
-                           output_pins=self._out_pins(graph, args))
+                           output_pins=self._front.out_pins(graph, args, self.mesh))
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""

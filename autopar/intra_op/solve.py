@@ -235,11 +235,12 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    input_paths: tuple[str, ...] | None = None,
                    perturb: tuple[int, float] | None = None,
                    output_pins: dict[OutputPos, Spec] | None = None) -> ShardingAssignment:
-    """Build and solve the ILP (`output_pins`: results' fixed shardings). `input_paths` names the graph's inputs for
+    """Build and solve the ILP. `input_paths` names the graph's inputs for
     `method.sharding_rules` where the graph's own paths are not the user's (a pipeline stage's
     graph). `perturb=(seed, fraction)` then replaces the choice of each ILP group, with
     probability `fraction`, by one of its strategies drawn at random (a random feasible plan,
-    to check the cost model against; see `autopar.sample_plan`)."""
+    to check the cost model against; see `autopar.sample_plan`). `output_pins` fixes the
+    shardings of results (`parallelize(out_shardings=...)`)."""
     return solve_built(build_intra_op(graph, cost, method, carried_outputs, input_paths,
                                       output_pins=output_pins), perturb=perturb)
 
