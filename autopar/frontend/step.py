@@ -16,11 +16,15 @@ from dataclasses import dataclass
 
 import jax
 
+from typing import TYPE_CHECKING
+
 from ..graph import OpGraph
-from ..options import ShardParallel
 from ..trace import _arg_names, bind_arguments, check_argnums
 from .jit_options import PinnedShardings
 from .nnx import BoundCall, NnxState, PureStep
+
+if TYPE_CHECKING:      # options imports the intra-op solver, which imports back here
+    from ..options import ShardParallel
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
