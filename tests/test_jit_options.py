@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
+from test_nnx import mse_step
 
 
 @pytest.fixture(scope="module")
@@ -74,25 +75,18 @@ def test_pinned_shardings_are_kept_and_match_jax_jit(mesh):
 
 
 def test_named_sharding_and_nnx_step(mesh):
-    def step_fn(model, optimizer, batch):
-        def loss_fn(model):
-            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
     def objects():
         model = nnx.Linear(16, 6, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     ref, par = objects(), objects()
     batch = make_inputs()[1]
-    step = autopar.parallelize(step_fn, mesh=mesh, batch_argnums=(2,),
+    step = autopar.parallelize(mse_step, mesh=mesh, batch_argnums=(2,),
                                in_shardings=(None, None, NamedSharding(mesh, P("data"))),
                                out_shardings=NamedSharding(mesh, P()))
     for _ in range(3):
         loss = step(*par, batch)
-        np.testing.assert_allclose(loss, nnx.jit(step_fn)(*ref, batch), rtol=1e-5)
+        np.testing.assert_allclose(loss, nnx.jit(mse_step)(*ref, batch), rtol=1e-5)
     assert same(loss.sharding, mesh, P(), 0)
     np.testing.assert_allclose(par[0].kernel[...], ref[0].kernel[...], rtol=1e-5, atol=1e-6)
     assert all(same(s, mesh, P("data"), 2)

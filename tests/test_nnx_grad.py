@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import autopar
-from test_nnx import BnDropNet, assert_same_state, regression_batches
+from test_nnx import BnDropNet, assert_same_state, mse, mse_step, regression_batches
 
 
 class Mlp(nnx.Module):
@@ -25,18 +25,8 @@ class Mlp(nnx.Module):
         return self.layers[-1](x)
 
 
-def mse(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def marked_step(model, optimizer, batch):
     loss, grads = autopar.value_and_grad(mse)(model, batch)
-    optimizer.update(model, grads)
-    return loss
-
-
-def nnx_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(mse)(model, batch)
     optimizer.update(model, grads)
     return loss
 
@@ -73,7 +63,7 @@ def test_microbatched_nnx_step_matches_nnx_jit(method):
     ref, par = mlp_objects(), mlp_objects()
     step = autopar.parallelize(marked_step, mesh=mesh, batch_argnums=(2,), method=method)
     for batch in regression_batches(3, batch_size=32):
-        np.testing.assert_allclose(step(*par, batch), nnx.jit(nnx_step)(*ref, batch),
+        np.testing.assert_allclose(step(*par, batch), nnx.jit(mse_step)(*ref, batch),
                                    rtol=1e-5)
     assert int(par[1].step[...]) == 3
     assert_same_state(ref[0], par[0])
@@ -82,7 +72,7 @@ def test_microbatched_nnx_step_matches_nnx_jit(method):
 
 def test_nnx_value_and_grad_under_microbatches_names_the_fix():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    step = autopar.parallelize(nnx_step, mesh=mesh, batch_argnums=(2,),
+    step = autopar.parallelize(mse_step, mesh=mesh, batch_argnums=(2,),
                                method=autopar.ShardParallel(num_microbatches=2))
     with pytest.raises(autopar.InvalidArgumentError,
                        match=r"nnx.value_and_grad do not count.*autopar.value_and_grad\(loss_fn\)"
