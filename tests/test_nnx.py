@@ -248,6 +248,22 @@ def test_shared_module_keeps_identity(mesh):
     assert_same_state(ref[1], par[1])
 
 
+def test_variable_and_rngs_arguments(mesh):
+    def step_fn(counter, rngs, batch):
+        counter[...] += 1
+        return jnp.mean(batch["x"] + jax.random.normal(rngs.noise(), batch["x"].shape))
+
+    batch = regression_batches(1)[0]
+    ref = (nnx.Variable(jnp.zeros((), jnp.int32)), nnx.Rngs(noise=3))
+    par = (nnx.Variable(jnp.zeros((), jnp.int32)), nnx.Rngs(noise=3))
+    step = autopar.parallelize(step_fn, mesh=mesh, batch_argnums=(2,))
+    for _ in range(3):
+        np.testing.assert_allclose(step(*par, batch), nnx.jit(step_fn)(*ref, batch), rtol=1e-5)
+    assert int(par[0][...]) == 3 and int(par[1].noise.count[...]) == 3
+    assert isinstance(step.input_shardings(*par, batch)[0].get_value(),
+                      jax.sharding.NamedSharding)
+
+
 def test_graph_structure_change_is_written_back_as_nnx_jit_does(mesh):
     def step_fn(model, batch):
         model.seen = nnx.Variable(jnp.sum(batch["x"]))    # a new Variable

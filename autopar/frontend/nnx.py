@@ -101,11 +101,13 @@ class NnxState:
 
     @classmethod
     def of(cls, graphdef, part: int, state) -> "NnxState":
-        """The pytree of `state` (an `nnx.State`, or None for an argument with no state of
-        its own)."""
+        """The pytree of `state` (an `nnx.State`; a Variable for a Variable argument; None
+        for an argument with no state of its own)."""
         nnx = _nnx()
+        items = (() if state is None else nnx.to_flat_state(state)
+                 if isinstance(state, nnx.State) else [((), state)])
         paths, leaf_defs, keys, values = [], [], [], []
-        for path, leaf in (nnx.to_flat_state(state) if state is not None else ()):
+        for path, leaf in items:
             flat, leaf_def = jax.tree_util.tree_flatten_with_path(leaf)
             paths.append(tuple(path))
             leaf_defs.append(leaf_def)
@@ -277,4 +279,7 @@ def as_state(tree) -> Any:
     `nnx.state(arg)`; any other tree unchanged."""
     if not isinstance(tree, NnxState):
         return tree
-    return _nnx().from_flat_state(tree.state_items())
+    items = tree.state_items()
+    if [path for path, _ in items] == [()]:         # a Variable argument
+        return items[0][1]
+    return _nnx().from_flat_state(items)
