@@ -85,3 +85,19 @@ def test_rng_counter_changed_inside_the_marked_loss_raises():
     with pytest.raises(autopar.UnsupportedError,
                        match=r"non-floating NNX state `drop.rngs.count` of argument 0"):
         autopar.value_and_grad(lambda m: mse(m, regression_batches(1)[0]))(model)
+
+
+def test_batch_shaped_aux_under_microbatches_raises():
+    def step_fn(model, optimizer, batch):
+        def loss_fn(model):
+            pred = model(batch["x"])
+            return jnp.mean((pred - batch["y"]) ** 2), pred        # per-example predictions
+        (loss, pred), grads = autopar.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss, pred
+
+    step = autopar.parallelize(step_fn, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                               batch_argnums=(2,), method=autopar.ShardParallel(num_microbatches=4))
+    with pytest.raises(autopar.UnsupportedError,
+                       match=r"auxiliary output 0 .* shape \(16, 4\) for the batch but \(4, 4\)"):
+        step(*mlp_objects(), regression_batches(1)[0])
