@@ -107,7 +107,9 @@ def test_argnames_errors(mesh):
      r"\(32, 6\).*dimension 1 \(size 6\) over 4 devices"),
     ((None, P("rows")), r"argument 1 \(`batch`\), leaf `batch\['x'\]`.*axis 'rows'; the mesh "
      r"axes are \('data', 'model'\)"),
-    (({"w1": P()}, None), r"argument 0 \(`params`\) is not a pytree prefix"),
+    (({"w1": P()}, None), r"argument 0 \(`params`\) is not a pytree prefix of the value: at "
+     r"`params` the prefix has a dict with keys \[\"\['w1'\]\"\] but the value a dict with keys "
+     r"\[\"\['w1'\]\", \"\['w2'\]\"\]"),
     ((P("data"),), r"one entry per non-static positional argument \(2 here"),
     ((None, NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))), r"argument 1 \(`batch`\), "
      r"leaf `batch\['x'\]`: NamedSharding on mesh \{'x': 8\}.*not on the step's mesh"),
@@ -115,6 +117,14 @@ def test_argnames_errors(mesh):
 def test_bad_in_shardings_name_argument_and_leaf(mesh, in_sh, message):
     step = autopar.parallelize(sgd_step, mesh=mesh, static_argnums=(2,), in_shardings=in_sh)
     with pytest.raises(autopar.InvalidArgumentError, match=message):
+        step(*make_inputs(), 0.1)
+
+
+def test_out_shardings_prefix_mismatch_names_the_result_path(mesh):
+    step = autopar.parallelize(sgd_step, mesh=mesh, static_argnums=(2,),
+                               out_shardings=({"w1": P()}, None))
+    with pytest.raises(autopar.InvalidArgumentError, match=r"out_shardings is not a pytree prefix "
+                                                           r"of the value: at `result\[0\]`"):
         step(*make_inputs(), 0.1)
 
 

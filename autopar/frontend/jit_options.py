@@ -120,16 +120,41 @@ def check_pin(value, shape: Sequence[int], mesh: jax.sharding.Mesh, where: str) 
                spec=from_names(entries + (None,) * (len(shape) - len(entries)), names))
 
 
-def _broadcast(prefix, tree, where: str) -> list:
-    """The prefix's leaf for every leaf of `tree`."""
-    try:
-        return jax.tree_util.tree_leaves(jax.tree.broadcast(prefix, tree, is_leaf=_is_leaf),
-                                         is_leaf=_is_leaf)
-    except ValueError as e:
-        raise InvalidArgumentError(
-            f"{where} is not a pytree prefix of the value it describes ({e}). Fix: give one "
-            "leaf (PartitionSpec, NamedSharding or None) per subtree, in the value's "
-            "structure, or a single leaf for all of it.") from None
+def _one_level(x):
+    """(child key paths, children, node definition with the children as leaves) of a node."""
+    keyed, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)
+    return [k for k, _ in keyed], [c for _, c in keyed], node
+
+
+def _broadcast(prefix, tree, where: str, label: str) -> list:
+    """The prefix's leaf for every leaf of `tree` (whose path starts `label`).
+
+    Raises:
+      InvalidArgumentError: the prefix is not a prefix of `tree`, naming the first path where
+        they differ.
+    """
+    out = []
+
+    def walk(p, t, path: str) -> None:
+        if _is_leaf(p):
+            out.extend([p] * len(jax.tree_util.tree_leaves(t)))
+            return
+        p_keys, p_children, p_node = _one_level(p)
+        t_keys, t_children, t_node = _one_level(t)
+        if p_node != t_node:
+            def describe(x, keys):
+                return (f"{type(x).__name__} with keys "
+                        f"{[jax.tree_util.keystr(k) for k in keys]}")
+            raise InvalidArgumentError(
+                f"{where} is not a pytree prefix of the value: at `{path}` the prefix has a "
+                f"{describe(p, p_keys)} but the value a {describe(t, t_keys)}. Fix: give one "
+                "leaf (PartitionSpec, NamedSharding or None) per subtree, in the value's "
+                "structure, or a single leaf for all of it.")
+        for k, pc, tc in zip(t_keys, p_children, t_children):
+            walk(pc, tc, path + jax.tree_util.keystr(k))
+
+    walk(prefix, tree, label)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +192,8 @@ class PinnedShardings:
                 continue
             where = f"in_shardings for argument {i} (`{names[i]}`)"
             leaves = jax.tree_util.tree_flatten_with_path(args[i])[0]
-            for (path, leaf), pin in zip(leaves, _broadcast(prefix, args[i], where)):
+            for (path, leaf), pin in zip(leaves, _broadcast(prefix, args[i], where,
+                                                            names[i])):
                 leaf_path = names[i] + jax.tree_util.keystr(path)
                 pin = check_pin(pin, jax.numpy.shape(leaf), mesh, f"{where}, leaf `{leaf_path}`")
                 if pin is not None:
@@ -187,7 +213,7 @@ class PinnedShardings:
         pins = {}
         flat = jax.tree_util.tree_flatten_with_path(user)[0]
         for pos, ((path, leaf), pin) in enumerate(zip(flat, _broadcast(
-                self.out_shardings, user, where))):
+                self.out_shardings, user, where, "result"))):
             pin = check_pin(pin, leaf.shape, mesh,
                             f"{where}, result leaf `result{jax.tree_util.keystr(path)}`")
             if pin is not None:
