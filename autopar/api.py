@@ -507,7 +507,8 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         around them (like `ShardParallel(sharding_rules=...)`). For an NNX argument give
         one leaf for all its state.
       out_shardings: the same for the step's result (a prefix of it; for an NNX step, of
-        what it returns). Pinned results come back in that layout (`out.sharding`).
+        what it returns). Pinned results come back in that layout (`out.sharding`): planned
+        into it, or for a pipeline moved there after the last stage.
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.

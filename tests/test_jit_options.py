@@ -135,3 +135,29 @@ def test_bad_out_shardings_name_result_leaf(mesh):
                        match=r"out_shardings, result leaf `result\[1\]` of shape \(\): .* 1 "
                              r"entries for 0 dimension"):
         step(*make_inputs(), 0.1)
+
+
+@pytest.mark.parametrize("method", [
+    autopar.ShardParallel(num_microbatches=2),
+    autopar.PipeshardParallel(num_microbatches=2,
+                              layer_option=autopar.AutoLayerOption(num_layers=2),
+                              stage_option=autopar.UniformStageOption(num_stages=2)),
+], ids=["accumulation", "pipeline"])
+def test_pinned_shardings_with_microbatches(mesh, method):
+    def step_fn(params, batch):
+        value, grads = autopar.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(
+            params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), value
+
+    step = autopar.parallelize(step_fn, mesh=mesh, method=method,
+                               in_shardings=({"w1": P(None, "model"), "w2": None}, P("data")),
+                               out_shardings=({"w1": P("model"), "w2": None}, P()))
+    params, batch = make_inputs()
+    ref = jax.jit(step_fn)(params, batch)
+    got = step(params, batch)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    np.testing.assert_allclose(got[0]["w1"], ref[0]["w1"], rtol=1e-5, atol=1e-6)
+    assert same(got[0]["w1"].sharding, mesh, P("model"), 2) and same(got[1].sharding, mesh, P(), 0)
+    shardings = step.input_shardings(params, batch)
+    assert shardings[0]["w1"].spec == P(None, "model") and shardings[1]["x"].spec[0] == "data"
