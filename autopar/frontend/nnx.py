@@ -118,9 +118,9 @@ class NnxState:
         return cls(StateLayout(graphdef=graphdef, part=part, paths=tuple(paths),
                                leaf_defs=tuple(leaf_defs), keys=tuple(keys)), values)
 
-    def state_items(self, values: Sequence[Any] | None = None) -> list[tuple[tuple, Any]]:
-        """(path, Variable) pairs rebuilt from `values` (default: this state's values)."""
-        it = iter(self.values if values is None else values)
+    def state_items(self) -> list[tuple[tuple, Any]]:
+        """(path, Variable) pairs rebuilt from the values."""
+        it = iter(self.values)
         return [(path, jax.tree_util.tree_unflatten(d, [next(it) for _ in range(d.num_leaves)]))
                 for path, d in zip(self.layout.paths, self.layout.leaf_defs)]
 
@@ -258,10 +258,6 @@ class BoundCall:
             f"holds NNX objects ({type(self.args[i]).__name__}); the batch argument must hold "
             f"arrays whose leading dimension is the batch. Fix: pass {hint} (e.g. "
             f"`train_step(model, optimizer, metrics, batch)` takes batch_argnums=(3,)).")
-
-    def donate(self, donate_argnums: Sequence[int]) -> tuple[int, ...]:
-        """`donate_argnums` plus the NNX arguments (their state is replaced in place)."""
-        return tuple(sorted(set(donate_argnums) | set(self.positions)))
 
     def finish(self, pure: PureStep, result) -> Any:
         """Write the new NNX states of `result` back into the user's objects; the step's own
