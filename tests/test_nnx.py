@@ -264,6 +264,24 @@ def test_variable_and_rngs_arguments(mesh):
                       jax.sharding.NamedSharding)
 
 
+def test_functional_nnx_state_stays_a_pytree(mesh):
+    """`nnx.split(model, nnx.Param)`'s State (Variables in a pytree) is taken and returned as
+    a pytree, as before: functional NNX code is not an in-place NNX call."""
+    graphdef, params = nnx.split(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def step_fn(params, batch):
+        loss, grads = jax.value_and_grad(lambda p: mse(nnx.merge(graphdef, p), batch))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    batch = regression_batches(1)[0]
+    (new, loss), (ref, ref_loss) = (autopar.parallelize(step_fn, mesh=mesh)(params, batch),
+                                    jax.jit(step_fn)(params, batch))
+    assert isinstance(new, nnx.State) and jax.tree_util.tree_structure(new) == \
+        jax.tree_util.tree_structure(ref)
+    np.testing.assert_allclose(new["kernel"][...], ref["kernel"][...], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
 def test_graph_structure_change_is_written_back_as_nnx_jit_does(mesh):
     def step_fn(model, batch):
         model.seen = nnx.Variable(jnp.sum(batch["x"]))    # a new Variable

@@ -44,12 +44,19 @@ def _nnx():
 
 
 def holds_graph_nodes(x) -> bool:
-    """Whether `x` is, or is a pytree holding, an NNX graph node (Module, Variable, Rngs...)."""
+    """Whether `x` is an NNX graph node (Module, Optimizer, Rngs, Variable, ...) or a pytree
+    holding one other than a Variable. A pytree of Variables (the `nnx.State` of functional
+    NNX code, `nnx.split(model, nnx.Param)[1]`) stays a plain pytree, as it always was."""
     nnx = _nnx()
-    if nnx is None:
-        return False
+    return nnx is not None and (nnx.graph.is_graph_node(x) or _holds_objects(x))
+
+
+def _holds_objects(x) -> bool:
+    """Whether the pytree `x` holds an NNX graph node other than a Variable."""
+    nnx = _nnx()
     is_node = nnx.graph.is_graph_node
-    return any(is_node(leaf) for leaf in jax.tree_util.tree_leaves(x, is_leaf=is_node))
+    return any(is_node(leaf) and not isinstance(leaf, nnx.Variable)
+               for leaf in jax.tree_util.tree_leaves(x, is_leaf=is_node))
 
 
 class _PathKey:
@@ -172,12 +179,12 @@ class PureStep:
         for (i, _), obj in zip(parts, objects):
             full[i] = obj
         out = self.fun(*full)
-        if holds_graph_nodes(out):
+        if _holds_objects(out):
             raise UnsupportedError(
                 f"autopar.parallelize: {getattr(self.fun, '__name__', 'the step')} returns an "
                 "NNX graph object (Module, Variable, Rngs, ...). A parallelized step updates "
-                "its NNX arguments in place and returns arrays only. Fix: return arrays (e.g. "
-                "the loss), or `nnx.state(obj)` for a state to hand back.")
+                "its NNX arguments in place and returns arrays only (or pytrees of them, such "
+                "as `nnx.state(obj)`). Fix: return arrays, e.g. the loss.")
         names = _arg_names(self.fun, len(args))
         _check_static_arrays(objects, self.fun, [names[i] for i, _ in parts])
         gd_out, states = _split_parts(tuple(objects), graphdef)
