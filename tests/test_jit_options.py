@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 from test_nnx import mse_step
+from test_nnx_grad import microbatch_methods
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +138,7 @@ def test_bad_out_shardings_name_result_leaf(mesh):
         step(*make_inputs(), 0.1)
 
 
-@pytest.mark.parametrize("method", [
-    autopar.ShardParallel(num_microbatches=2),
-    autopar.PipeshardParallel(num_microbatches=2,
-                              layer_option=autopar.AutoLayerOption(num_layers=2),
-                              stage_option=autopar.UniformStageOption(num_stages=2)),
-], ids=["accumulation", "pipeline"])
+@microbatch_methods(2)
 def test_pinned_shardings_with_microbatches(mesh, method):
     def step_fn(params, batch):
         value, grads = autopar.value_and_grad(

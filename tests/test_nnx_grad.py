@@ -52,12 +52,17 @@ def test_same_as_nnx_value_and_grad_outside_autopar():
     assert_same_state(ref, got)
 
 
-@pytest.mark.parametrize("method", [
-    autopar.ShardParallel(num_microbatches=4),
-    autopar.PipeshardParallel(num_microbatches=4,
-                              layer_option=autopar.AutoLayerOption(num_layers=2),
-                              stage_option=autopar.UniformStageOption(num_stages=2)),
-], ids=["accumulation", "pipeline"])
+def microbatch_methods(m: int):
+    """Parametrize `method` over gradient accumulation and a 2-stage pipeline, m microbatches."""
+    return pytest.mark.parametrize("method", [
+        autopar.ShardParallel(num_microbatches=m),
+        autopar.PipeshardParallel(num_microbatches=m,
+                                  layer_option=autopar.AutoLayerOption(num_layers=2),
+                                  stage_option=autopar.UniformStageOption(num_stages=2)),
+    ], ids=["accumulation", "pipeline"])
+
+
+@microbatch_methods(4)
 def test_microbatched_nnx_step_matches_nnx_jit(method):
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     ref, par = mlp_objects(), mlp_objects()
