@@ -100,6 +100,11 @@ def check_pin(value, shape: Sequence[int], mesh: jax.sharding.Mesh, where: str) 
             f"{len(shape)} dimension(s). Fix: at most one entry per dimension.")
     used = []
     for dim, e in enumerate(entries):
+        if not (e is None or isinstance(e, (str, tuple))):
+            raise InvalidArgumentError(
+                f"{where}: {value} has entry {e!r} for dimension {dim}; autopar pins only "
+                "None, an axis name or a tuple of axis names (not P.UNCONSTRAINED). Fix: give "
+                "those, or None for the whole leaf to let autopar choose.")
         axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
         for a in axes:
             if a not in names:
