@@ -288,12 +288,14 @@ def test_graph_structure_change_is_written_back_as_nnx_jit_does(mesh):
         model.tag = "trained"                              # a new static attribute
         return jnp.mean(model(batch["x"]))
 
-    batch = regression_batches(1)[0]
     ref, par = nnx.Linear(8, 4, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(0))
-    np.testing.assert_allclose(autopar.parallelize(step_fn, mesh=mesh)(par, batch),
-                               nnx.jit(step_fn)(ref, batch), rtol=1e-6)
-    assert par.tag == ref.tag == "trained"
-    np.testing.assert_allclose(par.seen[...], ref.seen[...], rtol=1e-6)
+    step, ref_step = autopar.parallelize(step_fn, mesh=mesh), nnx.jit(step_fn)
+    for batch in regression_batches(2):     # the second call has a new graph: planned anew
+        np.testing.assert_allclose(step(par, batch), ref_step(ref, batch), rtol=1e-6)
+        assert par.tag == ref.tag == "trained"
+        np.testing.assert_allclose(par.seen[...], ref.seen[...], rtol=1e-6)
+    assert len({p.graph_fingerprint for p in (step.get_plan(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+                                                            batch), step.get_plan(par, batch))}) == 2
 
 
 def test_array_outside_a_variable_raises(mesh):
