@@ -28,10 +28,13 @@ from .cost import CostModel
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from .frontend.jit_options import PinnedShardings, argnums_for_names
 from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
+from .frontend.nnx import PureStep, as_state
+from .frontend.step import StepFrontend
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
-from .lower import Lowered, lower, put
+from .lower import Lowered, lower, named, put
 from .lower_pipeline import lower_pipeline
 from .options import PipeshardParallel, ShardParallel
 from .pipeshard import accumulation_method, plan_pipeline
@@ -39,21 +42,21 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import PlanCache, cache_key, find_plan
 from .planner import build_plan
-from .trace import (abstract_signature, bind_arguments, check_argnums, check_donated_aliases,
-                    trace)
+from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
 
 
 def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
-                device_ids, perturb=None) -> ParallelPlan:
+                device_ids, perturb=None, output_pins=None) -> ParallelPlan:
     t0 = time.perf_counter()
     log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
              len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
              dict(zip(axis_names, mesh_shape)))
     logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
     cost = CostModel(mesh=logical)
-    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb)
+    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb,
+                                output_pins=output_pins)
     ilp = assignment.ilp
     log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
              "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
@@ -174,15 +177,16 @@ class _Entry:
     lowered: Lowered | None
     compiled: Any = None      # the XLA executable, compiled once (by a call or get_compiled)
     executor: Executor | None = None   # pipeline plans: runs the stages' executables
+    out_pins: dict = dataclasses.field(default_factory=dict)  # pipelines: out_shardings
 
 
 class ParallelizedFunction:
     """What `parallelize` returns: call it like the original function."""
 
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
-                 plan, cluster, plan_cache=True):
+                 plan, cluster, plan_cache=True, pins: PinnedShardings | None = None):
         functools.update_wrapper(self, fun)
-        self._fun = fun
+        self._user_fun, self._fun = fun, PureStep(fun)    # NNX arguments: see frontend.nnx
         self._mesh = mesh
         self._method = method or ShardParallel()
         self._static = tuple(static_argnums)
@@ -191,6 +195,9 @@ class ParallelizedFunction:
         self._saved_plan = plan
         self._cluster = cluster
         self._plan_cache = plan_cache
+        self._pins = pins or PinnedShardings()
+        self._front = StepFrontend(fun=self._fun, static=self._static, donate=self._donate,
+                                   batch=self._batch, pins=self._pins)
         self._plans = _plan_cache(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
@@ -227,15 +234,15 @@ class ParallelizedFunction:
                              f"{'~' if weak else ''}")
         return ";".join(parts)
 
-    def _find(self, args, fingerprint: str, mesh, search) -> ParallelPlan:
+    def _find(self, args, fingerprint: str, mesh, search, method) -> ParallelPlan:
         """The plan: from the plan cache, from process 0 in a multi-process job, else
         `search()`."""
         key = cache_key(graph_fingerprint=fingerprint, args_signature=self._signature(args),
-                        cluster=self.cluster, method=self._method,
+                        cluster=self.cluster, method=method,
                         mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
                         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
-                        extra=f"batch={self._batch};static={self._static};"
-                              f"donate={self._donate}")
+                        extra=f"batch={self._batch};static={self._static};donate="
+                              f"{self._front.donated(args)};out={self._pins.out_shardings}")
         return find_plan(key, search, self._plans)
 
     def _entry(self, args) -> _Entry:
@@ -247,28 +254,29 @@ class ParallelizedFunction:
         return entry
 
     def _new_entry(self, args) -> _Entry:
-        mesh = self.mesh
-        if _pipelined(self._method):
-            return self._pipeline_entry(args, mesh)
+        mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
+        if _pipelined(method):
+            return self._pipeline_entry(args, mesh, method)
         graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._donate)
+                      batch_argnums=self._batch, donate_argnums=self._front.donated(args))
         _check_batch(graph)
         if self._saved_plan is not None:
             plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
-                graph, self.cluster, mesh.devices.shape, mesh.axis_names, self._method,
-                tuple(int(d.id) for d in mesh.devices.flat)))
+                graph, self.cluster, mesh.devices.shape, mesh.axis_names, method,
+                tuple(int(d.id) for d in mesh.devices.flat),
+                output_pins=self._front.out_pins(graph, args, self.mesh)), method)
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
         return entry
 
-    def _pipeline_entry(self, args, mesh) -> _Entry:
+    def _pipeline_entry(self, args, mesh, method) -> _Entry:
         cluster = self.cluster
-        method, stage_method = _pipeline_methods(self._method, mesh.devices.shape, cluster)
+        method, stage_method = _pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
-                  donate_argnums=self._donate)
+                  donate_argnums=self._front.donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
         fingerprint = graph_fingerprint(step)
 
@@ -285,7 +293,7 @@ class ParallelizedFunction:
                 nonlocal searched
                 searched = run(method)
                 return searched[0]
-            replay = self._find(args, fingerprint, mesh, search)
+            replay = self._find(args, fingerprint, mesh, search, method)
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages and their solutions
@@ -306,11 +314,10 @@ class ParallelizedFunction:
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
         check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
-        return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program))
-
-    def _leaves(self, args) -> list:
-        return jax.tree_util.tree_leaves(tuple(a for i, a in enumerate(args)
-                                               if i not in self._static))
+        pins = {pos: named(_compat.auto_mesh(mesh), spec)
+                for pos, spec in self._front.out_pins(graph, args, self.mesh).items()}
+        return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
+                      out_pins=pins)
 
     def _compiled(self, args, entry: _Entry):
         if entry.compiled is None:
@@ -319,7 +326,7 @@ class ParallelizedFunction:
 
     def _lowered(self, args, entry: _Entry):
         abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
-                    for x, s in zip(self._leaves(args), entry.lowered.in_shardings)]
+                    for x, s in zip(self._front.leaves(args), entry.lowered.in_shardings)]
         with no_context_mesh():
             return entry.lowered.jitted.lower(*abstract)
 
@@ -327,16 +334,18 @@ class ParallelizedFunction:
         """The step lowered for these arguments, as `jax.jit(f).lower(...)` gives it
         (`.as_text()`: the StableHLO with the plan's shardings; `.compile()`). Single-mesh
         plans only: a pipeline runs one executable per stage (see `get_compiled`)."""
-        args = bind_arguments(self._fun, args, kwargs)
-        entry = self._entry(args)
+        entry, args = self._entry_of(args, kwargs)
         if entry.executor is not None:
             raise InvalidArgumentError("lower: a pipeline plan runs one executable per stage; "
                                        "use get_compiled(...) for its PipelineProgram.")
         return self._lowered(args, entry)
 
     def __call__(self, *args, **kwargs):
-        args = bind_arguments(self._fun, args, kwargs)
-        leaves = self._leaves(args)
+        with self._front.bind(args, kwargs) as call:
+            return call.finish(self._fun, self._call(call.args))
+
+    def _call(self, args):
+        leaves = self._front.leaves(args)
         if any(isinstance(x, _compat.Tracer) for x in leaves):
             raise UnsupportedError(
                 f"autopar.parallelize: {getattr(self._fun, '__name__', 'the step')} was called "
@@ -344,7 +353,7 @@ class ParallelizedFunction:
                 "arguments; a parallelized step runs its own compiled executables on the mesh "
                 "and cannot be traced into another program. Fix: call it at the top level (it "
                 "is compiled already), or transform the plain function and parallelize that.")
-        check_donated_aliases(self._fun, args, self._static, self._donate)
+        check_donated_aliases(self._fun, args, self._static, self._front.donated(args))
         entry = self._entry(args)
         pipeline = entry.executor is not None
         shardings = entry.executor.p.in_shardings if pipeline else entry.lowered.in_shardings
@@ -352,6 +361,9 @@ class ParallelizedFunction:
         with no_context_mesh():
             flat = [put(relabel(x, s), s) for x, s in zip(leaves, shardings)]
             out = entry.executor.run(flat) if pipeline else compiled(*flat)
+            if entry.out_pins:      # a pipeline's results, moved where out_shardings says
+                out = [put(x, entry.out_pins[i]) if i in entry.out_pins else x
+                       for i, x in enumerate(out)]
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, on_user_mesh(out, self._mesh))
 
     def input_shardings(self, *args) -> tuple:
@@ -363,7 +375,7 @@ class ParallelizedFunction:
             >>> state_shardings = step.input_shardings(state, batch)[0]
             >>> state = autopar.restore_checkpoint(path, state_shardings)
         """
-        entry = self._entry(args)
+        entry, args = self._entry_of(args)
         flat = iter(entry.executor.p.in_shardings if entry.executor is not None
                     else entry.lowered.in_shardings)
         out = []
@@ -372,20 +384,26 @@ class ParallelizedFunction:
                 out.append(None)
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(a)
-            out.append(jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves]))
+            tree = jax.tree_util.tree_unflatten(treedef, [next(flat) for _ in leaves])
+            out.append(as_state(tree))      # an NNX argument: as nnx.state(arg) is shaped
         return tuple(out)
 
     def get_plan(self, *args, **kwargs) -> ParallelPlan:
         """The plan used for these arguments (planned now if not yet)."""
-        return self._entry(bind_arguments(self._fun, args, kwargs)).plan
+        return self._entry_of(args, kwargs)[0].plan
 
     def get_graph(self, *args) -> OpGraph:
-        return self._entry(args).graph
+        return self._entry_of(args)[0].graph
+
+    def _entry_of(self, args, kwargs=None) -> tuple[_Entry, tuple]:
+        """(the entry, the arguments as planned: NNX objects as their state pytrees)."""
+        with self._front.bind(args, kwargs) as call:
+            return self._entry(call.args), call.args
 
     def get_compiled(self, *args):
         """The compiled XLA executable these arguments run (`.as_text()` gives the HLO); for
         a pipeline plan, the `PipelineProgram` (per-stage executables)."""
-        entry = self._entry(args)
+        entry, args = self._entry_of(args)
         if entry.executor is not None:
             return entry.executor.p
         return self._compiled(args, entry)
@@ -407,10 +425,10 @@ class ParallelizedFunction:
         return self._fresh(mesh=mesh, cluster=None)
 
     def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
-        return ParallelizedFunction(self._fun, mesh=mesh, method=self._method,
+        return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,
-                                    plan_cache=self._plan_cache)
+                                    plan_cache=self._plan_cache, pins=self._pins)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -435,18 +453,22 @@ class ParallelizedFunction:
         if _pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
-        graph = under_mesh_if_needed(self._mesh, lambda: trace(
-            self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
-            donate_argnums=self._donate))
+        with self._front.bind(args) as call:
+            args = call.args
+            graph = under_mesh_if_needed(self._mesh, lambda: trace(
+                self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
+                donate_argnums=self._front.donated(args)))
         _check_batch(graph)
         mesh = self.mesh
         return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
-                           self._method, tuple(int(d.id) for d in mesh.devices.flat),
-                           perturb=(int(seed), float(fraction)))
+                           self._front.method(args, self._method, mesh),
+                           tuple(int(d.id) for d in mesh.devices.flat),
+                           perturb=(int(seed), float(fraction)),
+                           output_pins=self._front.out_pins(graph, args, self.mesh))
 
     def get_executor(self, *args) -> Executor:
         """The pipeline executor of these arguments (its `stats` describe the last step)."""
-        entry = self._entry(args)
+        entry = self._entry_of(args)[0]
         if entry.executor is None:
             raise InvalidArgumentError("get_executor: this plan is not a pipeline (method is "
                                        "not PipeshardParallel, num_microbatches is 1).")
@@ -472,17 +494,22 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
                 donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
                 plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
-                plan_cache: bool | str | os.PathLike = True):
+                plan_cache: bool | str | os.PathLike = True, static_argnames=(),
+                donate_argnames=(), in_shardings=None, out_shardings=None):
     """Parallelize a training step over a device mesh.
 
     Args:
-      fun: the step, e.g. `train_step(state, batch) -> (state, loss)`.
+      fun: the step, e.g. `train_step(state, batch) -> (state, loss)`, or an NNX step
+        `train_step(model, optimizer, batch)` written for `nnx.jit`.
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None uses every device as a
         hosts x devices-per-host mesh (1 x N on one host).
       method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()`,
         `Zero3Parallel()` (any of them with `num_microbatches=M` for gradient accumulation)
         or `PipeshardParallel(...)`.
-      static_argnums, donate_argnums: as in `jax.jit`.
+      static_argnums, donate_argnums: as in `jax.jit` (an int or a sequence of ints).
+      static_argnames, donate_argnames: as in `jax.jit`: parameter names (a str or a
+        sequence), mapped to their positions through `fun`'s signature and added to the
+        *_argnums (an argument passed by keyword binds to its position too).
       batch_argnums: positional arguments whose leaves carry the batch as dimension 0.
       plan: a saved `ParallelPlan` (e.g. `ParallelPlan.from_json(text)`): skip the search.
       cluster: a `ClusterSpec` to cost plans with instead of the one read off the devices.
@@ -492,9 +519,24 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         `$AUTOPAR_CACHE_DIR`, else `~/.cache/autopar/plans`; a path: that directory; False:
         no plan cache. A hit skips the search (`plan.origin` says "plan cache"). In a
         multi-process job process 0 finds the plan and the others receive it.
+      in_shardings: as in `jax.jit`: a pytree prefix of the tuple of non-static positional
+        arguments (one entry per argument), or one leaf for all of them. A leaf is a
+        `PartitionSpec` over the mesh's axis names, a `NamedSharding` on `mesh`, or None
+        (autopar chooses). Pinned leaves keep exactly that sharding; the plan is searched
+        around them (like `ShardParallel(sharding_rules=...)`). For an NNX argument give
+        one leaf for all its state.
+      out_shardings: the same for the step's result (a prefix of it; for an NNX step, of
+        what it returns). Pinned results come back in that layout (`out.sharding`): planned
+        into it, or for a pipeline moved there after the last stage.
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.
+
+    Flax NNX objects (`nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.MultiMetric`, ...)
+    are taken as `nnx.jit` takes them: the step updates them in place (optimizer updates,
+    BatchNorm statistics, RNG counters, metrics, new attributes), objects shared between
+    arguments stay shared, and their state is donated (arrays taken out of them before the
+    call are invalid after it; copy them to keep them). See `autopar.frontend.nnx`.
 
     A state too big for one device is created directly in the plan's layout with
     `step.init(create_state, batch, create_args=(key,))` (see `autopar.init_sharded`).
@@ -502,12 +544,19 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
     Example:
         >>> @autopar.parallelize(mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
         ... def train_step(state, batch): ...
+        >>> @autopar.parallelize(mesh=mesh, batch_argnums=(2,))     # was @nnx.jit
+        ... def nnx_step(model, optimizer, batch): ...
+        >>> @autopar.parallelize(mesh=mesh, donate_argnames="state",
+        ...                      in_shardings=(None, P("data")), out_shardings=(None, P()))
+        ... def train_step(state, batch): ...
     """
     if fun is None:
-        return functools.partial(parallelize, mesh=mesh, method=method,
-                                 static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 batch_argnums=batch_argnums, plan=plan, cluster=cluster,
-                                 plan_cache=plan_cache)
+        return functools.partial(
+            parallelize, mesh=mesh, method=method, static_argnums=static_argnums,
+            donate_argnums=donate_argnums, batch_argnums=batch_argnums, plan=plan,
+            cluster=cluster, plan_cache=plan_cache, static_argnames=static_argnames,
+            donate_argnames=donate_argnames, in_shardings=in_shardings,
+            out_shardings=out_shardings)
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise InvalidArgumentError(
             f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
@@ -516,6 +565,12 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         raise InvalidArgumentError(
             f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
             f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
-    return ParallelizedFunction(fun, mesh=mesh, method=method, static_argnums=static_argnums,
-                                donate_argnums=donate_argnums, batch_argnums=batch_argnums,
-                                plan=plan, cluster=cluster, plan_cache=plan_cache)
+    as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
+    return ParallelizedFunction(
+        fun, mesh=mesh, method=method, batch_argnums=as_tuple(batch_argnums), plan=plan,
+        static_argnums=as_tuple(static_argnums) + argnums_for_names(
+            fun, static_argnames, "static_argnames"),
+        donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
+            fun, donate_argnames, "donate_argnames"),
+        cluster=cluster, plan_cache=plan_cache,
+        pins=PinnedShardings.of(in_shardings, out_shardings))

@@ -104,12 +104,30 @@ def _check_argnums(argnums, num_args: int) -> tuple[int, ...]:
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
     """Like `jax.value_and_grad(fun, argnums, has_aux)`, and marks the gradient for autopar.
+    Differentiated NNX modules are taken as `nnx.value_and_grad` takes them (gradients of
+    their `nnx.Param`s, as an `nnx.State`; see `autopar.frontend.nnx_grad`).
 
     Example:
         >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
         >>> (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
+        >>> loss, grads = autopar.value_and_grad(nnx_loss_fn)(model, batch)
     """
+    marked = _marked(fun, argnums, has_aux)
+
     @functools.wraps(fun)
+    def wrapped(*args):
+        nums = _check_argnums(argnums, len(args))
+        from .frontend.nnx import holds_graph_nodes     # (frontend imports trace, grad)
+        if any(holds_graph_nodes(args[i]) for i in nums):
+            from .frontend.nnx_grad import value_and_grad_nnx
+            return value_and_grad_nnx(_marked, fun, argnums, nums, has_aux, args)
+        return marked(*args)
+
+    return wrapped
+
+
+def _marked(fun: Callable, argnums, has_aux: bool):
+    """`value_and_grad` on pytrees: the marker primitive around the loss's jaxpr."""
     def wrapped(*args):
         nums = _check_argnums(argnums, len(args))
         tu = jax.tree_util

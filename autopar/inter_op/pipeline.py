@@ -61,8 +61,10 @@ def _grad_node(step: OpGraph):
         raise InvalidArgumentError(
             f"PipeshardParallel and gradient accumulation (num_microbatches > 1) need exactly "
             f"one autopar.value_and_grad / autopar.grad call in the step, found {len(grads)} "
-            "(jax.value_and_grad does not count: it leaves no mark). Fix: take the gradient with "
-            "`autopar.value_and_grad(loss_fn)(params, ...)` (a drop-in for jax's) once per step.")
+            "(jax.value_and_grad and nnx.value_and_grad do not count: they leave no mark). Fix: "
+            "take the gradient with `autopar.value_and_grad(loss_fn)(params, ...)` once per "
+            "step (a drop-in for jax's, and for nnx's on NNX modules: "
+            "`autopar.value_and_grad(loss_fn)(model, batch)`).")
     return grads[0]
 
 
@@ -97,6 +99,15 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
                 f"PipeshardParallel: loss input {pos} has shape {tuple(full.shape)} for the full "
                 f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
                 "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
+    for k, (full, mb) in enumerate(zip(params["jaxpr"].out_avals[1:], closed.out_avals[1:])):
+        if tuple(full.shape) != tuple(mb.shape):
+            raise UnsupportedError(
+                f"num_microbatches={num_microbatches}: auxiliary output {k} of the loss (has_aux) "
+                f"has shape {tuple(full.shape)} for the batch but {tuple(mb.shape)} for a "
+                "microbatch; auxiliary outputs are averaged (floats) or summed (integers) over "
+                "microbatches, so they must not depend on the batch size (e.g. per-example "
+                "logits for metrics). Fix: reduce them inside the loss (a mean, a count of "
+                "correct predictions), or use num_microbatches=1.")
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     forward = trace(jcore.jaxpr_as_fun(closed), avals)
     for out in forward.outputs:

@@ -419,19 +419,28 @@ class _LiveBytes:
 def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], list[Spec]],
               output_targets: dict[OutputPos, TensorId], budget: float | None,
               allowed: Callable[..., bool] | None = None,
+              output_pins: dict[OutputPos, Spec] | None = None,
               hints: dict[TensorId, Spec] | None = None) -> Built:
     """Build the ILP. `output_targets` maps a flat output position to the tensor id of the
     input it replaces next step (a loop-carried state; `OpGraph.carried_tensors`): the output
     is charged for moving into that input's sharding. `allowed(tid, spec, wanted)`: the
     method's pins on every tensor (see `constraints.method_tensor_rule`); options that break
-    them are not offered. `hints`: shardings the user prefers (`annotations="hint"`): every
-    other option of the value pays moving it there."""
+    them are not offered. `output_pins` fixes the sharding of results (`out_shardings`): the
+    result is charged for moving into it (a pin overrides a carried output's target).
+    `hints`: shardings the user prefers (`annotations="hint"`): every other option of the
+    value pays moving it there."""
+    output_pins = output_pins or {}
     b = _Builder(graph, ctx, input_options)
     b.add_sources()
     cheap = cheap_source_tensors(graph)
     for node in graph.nodes:
         b.add_node(node, cheap)
+    for pos, spec in output_pins.items():
+        out_tid = graph.outputs[pos]
+        b.connect(out_tid, b.tensor_group[out_tid], [spec] * len(b.tensor_specs[out_tid]))
     for pos, in_tid in output_targets.items():
+        if pos in output_pins:
+            continue
         out_tid = graph.outputs[pos]
         g_in = b.tensor_group[in_tid]
         b.connect(out_tid, g_in, list(b.tensor_specs[in_tid]))

@@ -114,6 +114,7 @@ class IntraOpProblem:
     built: Built
     output_targets: dict[OutputPos, TensorId]   # carried output -> tensor id of its input
     build_time_s: float
+    output_pins: dict[OutputPos, Spec] = dataclasses.field(default_factory=dict)
 
     @property
     def budget(self) -> float:
@@ -125,13 +126,15 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    carried_outputs: dict[OutputPos, InputPos],
                    input_paths: tuple[str, ...] | None = None,
                    *, points_above: float | None = None,
-                   batch_sources: dict[int, int] | None = None) -> IntraOpProblem:
+                   batch_sources: dict[int, int] | None = None,
+                   output_pins: dict[OutputPos, Spec] | None = None) -> IntraOpProblem:
     """Build the ILP (strategies, costs, memory points). `carried_outputs` pairs result
     positions with the input positions they replace next step (`OpGraph.carried_outputs`).
     Memory points are kept where the live bytes could exceed `points_above` (default: the
     method's budget); pass 0 to solve it later at budgets below that, or for its least memory
     (`least_memory`). `batch_sources` maps tensor ids to their batch dimension (default: the
-    batch inputs' leading one), where the method pins the batch path."""
+    batch inputs' leading one), where the method pins the batch path. `output_pins` fixes
+    results' shardings (`parallelize(out_shardings=...)`)."""
     mesh = cost.mesh
     budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
@@ -145,13 +148,15 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     built = build_ilp(graph, ctx, method_input_options(graph, method, mesh.shape,
                                                      mesh.axis_names, input_paths),
                       output_targets, budget if points_above is None else float(points_above),
-                      allowed, hints=marked if method.annotations == Annotations.HINT else None)
+                      allowed, output_pins,
+                      hints=marked if method.annotations == Annotations.HINT else None)
     if built.unmet_pins:
         _warn_unmet(graph, method, built.unmet_pins,
                     annotated=bool(marked) and method.annotations == Annotations.PIN)
     built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)
     return IntraOpProblem(graph=graph, mesh=mesh, method=method, built=built,
-                          output_targets=output_targets, build_time_s=time.perf_counter() - t0)
+                          output_targets=output_targets, build_time_s=time.perf_counter() - t0,
+                          output_pins=dict(output_pins or {}))
 
 
 def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
@@ -218,7 +223,8 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
         objective_s=float(evaluate(built.problem, sol.choice)), layer_reuse=reuse)
-    return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats)
+    return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats,
+                         p.output_pins)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],
@@ -237,14 +243,16 @@ def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float]
 def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                    carried_outputs: dict[OutputPos, InputPos],
                    input_paths: tuple[str, ...] | None = None,
-                   perturb: tuple[int, float] | None = None) -> ShardingAssignment:
+                   perturb: tuple[int, float] | None = None,
+                   output_pins: dict[OutputPos, Spec] | None = None) -> ShardingAssignment:
     """Build and solve the ILP. `input_paths` names the graph's inputs for
     `method.sharding_rules` where the graph's own paths are not the user's (a pipeline stage's
     graph). `perturb=(seed, fraction)` then replaces the choice of each ILP group, with
     probability `fraction`, by one of its strategies drawn at random (a random feasible plan,
-    to check the cost model against; see `autopar.sample_plan`)."""
-    return solve_built(build_intra_op(graph, cost, method, carried_outputs, input_paths),
-                       perturb=perturb)
+    to check the cost model against; see `autopar.sample_plan`). `output_pins` fixes the
+    shardings of results (`parallelize(out_shardings=...)`)."""
+    return solve_built(build_intra_op(graph, cost, method, carried_outputs, input_paths,
+                                      output_pins=output_pins), perturb=perturb)
 
 
 def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: float, seed: int,
@@ -273,7 +281,8 @@ def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: floa
 
 def assignment_of(graph: OpGraph, built, choice, mesh,
                   output_targets: dict[OutputPos, TensorId],
-                  stats: IlpStats) -> ShardingAssignment:
+                  stats: IlpStats, output_pins: dict[OutputPos, Spec] | None = None,
+                  ) -> ShardingAssignment:
     """The assignment that picks strategy `choice[g]` in every ILP group `g`."""
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
@@ -282,7 +291,9 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     out_specs = []
     for pos, tid in enumerate(graph.outputs):
         target = output_targets.get(pos)
-        out_specs.append(specs[target] if target is not None else specs[tid])
+        pinned = (output_pins or {}).get(pos)
+        out_specs.append(pinned if pinned is not None else
+                         specs[target] if target is not None else specs[tid])
     return ShardingAssignment(
         mesh_shape=tuple(mesh.shape), axis_names=tuple(mesh.axis_names), tensor_specs=specs,
         node_strategy=tuple(s.name for s in strat), node_comm=tuple(s.comm for s in strat),

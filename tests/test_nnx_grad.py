@@ -1,0 +1,108 @@
+"""`autopar.value_and_grad` on NNX modules (autopar/frontend/nnx_grad.py): what
+`nnx.value_and_grad` computes, marked, so NNX steps run with gradient accumulation and
+PipeshardParallel and match `nnx.jit` on one device (3 steps, fp32, 1e-5)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autopar
+from test_nnx import BnDropNet, assert_same_state, mse, mse_step, regression_batches
+
+
+class Mlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs),
+                                nnx.Linear(32, 4, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def marked_step(model, optimizer, batch):
+    loss, grads = autopar.value_and_grad(mse)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def mlp_objects():
+    model = Mlp(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+
+def test_same_as_nnx_value_and_grad_outside_autopar():
+    batch = regression_batches(1)[0]
+    ref, got = BnDropNet(nnx.Rngs(0, dropout=1)), BnDropNet(nnx.Rngs(0, dropout=1))
+    for m in (ref, got):
+        m.drop.deterministic = True
+    loss_fn = lambda m: mse(m, batch)
+    l_ref, g_ref = nnx.jit(nnx.value_and_grad(loss_fn))(ref)
+    l_got, g_got = nnx.jit(autopar.value_and_grad(loss_fn))(got)
+    np.testing.assert_allclose(l_got, l_ref, rtol=1e-6)
+    assert jax.tree_util.tree_structure(g_got) == jax.tree_util.tree_structure(g_ref)
+    for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_got)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got.bn.mean[...], 0.0)         # BatchNorm statistics written back
+    assert_same_state(ref, got)
+
+
+def microbatch_methods(m: int):
+    """Parametrize `method` over gradient accumulation and a 2-stage pipeline, m microbatches."""
+    return pytest.mark.parametrize("method", [
+        autopar.ShardParallel(num_microbatches=m),
+        autopar.PipeshardParallel(num_microbatches=m,
+                                  layer_option=autopar.AutoLayerOption(num_layers=2),
+                                  stage_option=autopar.UniformStageOption(num_stages=2)),
+    ], ids=["accumulation", "pipeline"])
+
+
+@microbatch_methods(4)
+def test_microbatched_nnx_step_matches_nnx_jit(method):
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    ref, par = mlp_objects(), mlp_objects()
+    step = autopar.parallelize(marked_step, mesh=mesh, batch_argnums=(2,), method=method)
+    for batch in regression_batches(3, batch_size=32):
+        np.testing.assert_allclose(step(*par, batch), nnx.jit(mse_step)(*ref, batch),
+                                   rtol=1e-5)
+    assert int(par[1].step[...]) == 3
+    assert_same_state(ref[0], par[0])
+    assert_same_state(ref[1], par[1])
+
+
+def test_nnx_value_and_grad_under_microbatches_names_the_fix():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    step = autopar.parallelize(mse_step, mesh=mesh, batch_argnums=(2,),
+                               method=autopar.ShardParallel(num_microbatches=2))
+    with pytest.raises(autopar.InvalidArgumentError,
+                       match=r"nnx.value_and_grad do not count.*autopar.value_and_grad\(loss_fn\)"
+                             r"\(model, batch\)"):
+        step(*mlp_objects(), regression_batches(1)[0])
+
+
+def test_rng_counter_changed_inside_the_marked_loss_raises():
+    model = BnDropNet(nnx.Rngs(0, dropout=1))                # Dropout advances its counter
+    with pytest.raises(autopar.UnsupportedError,
+                       match=r"non-floating NNX state `drop.rngs.count` of argument 0"):
+        autopar.value_and_grad(lambda m: mse(m, regression_batches(1)[0]))(model)
+
+
+def test_batch_shaped_aux_under_microbatches_raises():
+    def step_fn(model, optimizer, batch):
+        def loss_fn(model):
+            pred = model(batch["x"])
+            return jnp.mean((pred - batch["y"]) ** 2), pred        # per-example predictions
+        (loss, pred), grads = autopar.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss, pred
+
+    step = autopar.parallelize(step_fn, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                               batch_argnums=(2,), method=autopar.ShardParallel(num_microbatches=4))
+    with pytest.raises(autopar.UnsupportedError,
+                       match=r"auxiliary output 0 .* shape \(16, 4\) for the batch but \(4, 4\)"):
+        step(*mlp_objects(), regression_batches(1)[0])
