@@ -27,7 +27,7 @@ from ..intra_op.build import cheap_source_tensors
 from ..options import AutoLayerOption, ManualLayerOption
 from ..trace import trace
 from .layers import cluster_layers, cut_bytes_from_liveness
-from .reduction import LossReduction, reduce_outputs, warn_inexact
+from .reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -114,6 +114,7 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
         reduction = reduce_outputs(forward, full, batch_inputs=frozenset(batch),
                                    num_diff=params["num_diff"], num_microbatches=num_microbatches)
         warn_inexact(reduction, forward, num_microbatches)
+        forward = guard_ratios(forward, reduction)
     return LossGraph(step=step, grad_node=node.id, forward=forward,
                      num_diff=params["num_diff"], batch_inputs=frozenset(batch),
                      reduction=reduction)

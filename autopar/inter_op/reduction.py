@@ -31,12 +31,15 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..errors import MicrobatchReductionWarning
@@ -102,6 +105,8 @@ _MOVES = frozenset({
     "mesh_cast", "reduce_sum", "cumsum"})
 _SAME_SCALE = frozenset({"add", "sub", "add_any", "max", "min", "neg", "concatenate", "pad",
                          "select_n", "clamp", "reduce_max", "reduce_min", "cummax", "cummin"})
+# Value by value: a random mask's bits become floats elementwise at any shape.
+_VALUEWISE = ELEMENTWISE | {"bitcast_convert_type"}
 _BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
 _PASS = frozenset({"reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type",
                    "copy", "copy_p", "reduce_precision", "neg", "stop_gradient", "reduce_sum",
@@ -202,7 +207,7 @@ class _Analysis:
         if all(v.kind == _Kind.FREE for v in ins):
             full = self.full.nodes[node.id] if self.full is not None else None
             scale = _scale(node, ins, self.fwd)
-            if not (node.primitive in ELEMENTWISE or node.primitive in _PASS - {"reduce_sum"}
+            if not (node.primitive in _VALUEWISE or node.primitive in _PASS - {"reduce_sum"}
                     or node.primitive in RANDOM_BITS):
                 same = _same_params(node, full) and all(
                     self.fwd.tensors[a].shape == self.full.tensors[b].shape
@@ -335,6 +340,39 @@ def reduce_outputs(forward: OpGraph, full_forward: OpGraph | None, *,
     dens = tuple(dict.fromkeys(o.den for o in outs if o.combine == Combine.RATIO))
     nodes, inputs = _ancestors(forward, dens)
     return LossReduction(outputs=outs, rows=rows, dens=dens, den_nodes=nodes, den_inputs=inputs)
+
+
+class _GuardedDiv:
+    """`num / den` that divides by 1 where den is 0. A RATIO's microbatch whose denominator
+    is 0 (all its examples padded) has weight 0 and numerator 0 (a sum of terms weighted 0):
+    its loss is then 0 and its gradient 0, not 0 / 0 (NaN) in the forward and in the
+    backward. Elsewhere it is the division itself."""
+    name = "div"
+    multiple_results = False
+
+    @staticmethod
+    def bind(num, den, **params):
+        return jax.lax.div(num, jnp.where(den == 0, jnp.ones_like(den), den))
+
+
+class _Reemitted:
+    """An equation re-emitted through another primitive (what `lower.run_nodes` binds)."""
+
+    def __init__(self, eqn, primitive):
+        self._eqn, self.primitive = eqn, primitive
+
+    def __getattr__(self, name):
+        return getattr(self._eqn, name)
+
+
+def guard_ratios(forward: OpGraph, reduction: LossReduction) -> OpGraph:
+    """`forward` with every division by a RATIO denominator guarded (see `_GuardedDiv`);
+    tensors and nodes keep their ids."""
+    dens = set(reduction.dens)
+    nodes = tuple(dataclasses.replace(n, eqn=_Reemitted(n.eqn, _GuardedDiv))
+                  if n.primitive == "div" and n.inputs[1] in dens else n
+                  for n in forward.nodes)
+    return dataclasses.replace(forward, nodes=nodes)
 
 
 def warn_inexact(reduction: LossReduction, forward: OpGraph, num_microbatches: int,
