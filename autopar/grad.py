@@ -17,9 +17,22 @@ Example:
 Under `jax.vmap` and differentiation (`jax.jvp`, `jax.hessian`) the marker turns into what
 it computes, so per-example gradients and gradient penalties work, unmarked.
 
-With microbatches the loss, its auxiliary floating outputs and the gradients are the mean
-over microbatches (exact for a loss that is a mean over the batch's examples); integer
-auxiliary outputs are summed.
+With microbatches (`num_microbatches > 1`: gradient accumulation, pipelines) the loss runs
+on B / M examples at a time and each of its outputs is combined back into the full batch's
+as its graph shows it reduces the batch (`inter_op/reduction.py`):
+
+- a mean over examples (`jnp.mean(ce)`, plus terms without the batch such as weight decay):
+  the microbatches' mean, gradients too;
+- a sum over examples (`jnp.sum(per_example)`): the sum, gradients too;
+- `sum(l * w) / sum(w)` with `w` computed from the batch alone (a padded token loss,
+  `w = jnp.where(targets > 0, 1, 0)`): each microbatch weighted by its share of sum(w), so
+  the loss is the full batch's ratio and the gradient sum_m grad(num_m) / sum(w) exactly; a
+  microbatch with sum(w) = 0 adds nothing;
+- an auxiliary output with the batch dimension (logits, per-example losses): the rows of all
+  microbatches, in batch order;
+- anything else (`exp(mean)`, a max over the batch, a denominator that depends on the
+  parameters or is clamped, statistics mixing examples): averaged (integers summed), with a
+  `MicrobatchReductionWarning` naming the output, its line and the fix.
 """
 from __future__ import annotations
 
@@ -105,9 +118,19 @@ def _check_argnums(argnums, num_args: int) -> tuple[int, ...]:
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
     """Like `jax.value_and_grad(fun, argnums, has_aux)`, and marks the gradient for autopar.
 
+    Under gradient accumulation or a pipeline the loss and aux are combined over microbatches
+    as the module docstring says: exact for a mean, a sum or a padding-weighted ratio of sums
+    over examples, aux with the batch dimension concatenated back in batch order, a
+    `MicrobatchReductionWarning` otherwise.
+
     Example:
         >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
         >>> (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
+        >>> def padded_loss(params):      # exact with num_microbatches=M, logits full-batch
+        ...     logits = model.apply(params, batch["inputs"])
+        ...     w = jnp.where(batch["targets"] > 0, 1.0, 0.0)
+        ...     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        ...     return jnp.sum(ce * w) / jnp.sum(w), logits
     """
     @functools.wraps(fun)
     def wrapped(*args):

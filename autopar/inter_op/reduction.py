@@ -240,7 +240,7 @@ class _Analysis:
             return _Val(_Kind.SUM, _scale(node, ins, self.fwd))   # contracted over examples
         if len(ins) == 1 and p in _PASS and first.kind in (_Kind.SUM, _Kind.RATIO):
             return first
-        if first.kind == _Kind.EXAMPLE or (len(ins) > 1 and ins[1].kind == _Kind.EXAMPLE):
+        if _Kind.EXAMPLE in kinds:
             return self._unknown(node, ins, "the batch dimension is lost in a way that is not "
                                             "a sum over examples")
         if p in ("mul", "div"):

@@ -281,9 +281,10 @@ class Executor:
         for pos, t in enumerate(fwd.outputs):
             vals, s = state.final[t], self._producer[t]
             if len(vals) > 1:
-                whole = NamedSharding(p.stages[s].mesh, PartitionSpec())
-                weights = {d: [self._put(w, whole) for w in ws]
-                           for d, ws in state.weights.items()}
+                weights = state.weights.get(self._merge.outputs[pos].den)
+                if weights is not None:        # a ratio: its weights, on its stage
+                    whole = NamedSharding(p.stages[s].mesh, PartitionSpec())
+                    weights = [self._put(w, whole) for w in weights]
                 vals = [self._dispatched(self._merge(pos, vals, weights))]
             env[gnode.outputs[pos]] = {s: vals[0]}
         n_val = len(fwd.outputs)

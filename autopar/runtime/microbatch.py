@@ -88,9 +88,9 @@ class Merger:
             return out.den
         return 1.0 if out.combine == Combine.SUM else 1.0 / self.m
 
-    def __call__(self, pos: int, values: list, weights: dict):
-        """Output `pos` of the loss merged from its microbatch values; `weights`: per RATIO
-        denominator, the per-microbatch weights on the values' devices."""
+    def __call__(self, pos: int, values: list, weights: list | None = None):
+        """Output `pos` of the loss merged from its microbatch values; `weights`: for a
+        RATIO output, its per-microbatch weights on the values' devices."""
         out = self.outputs[pos]
         kind = out.combine
         if kind == Combine.UNKNOWN:
@@ -101,7 +101,7 @@ class Merger:
         if kind == Combine.SUM:
             return add_all(*values)
         if kind == Combine.RATIO:
-            return self._weighted(weights[out.den], values)
+            return self._weighted(weights, values)
         return _interleaver(out.batch_dim, self.rows)(values)
 
 
