@@ -83,11 +83,11 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
             "size than at the full batch size; the step's structure must not depend on the batch "
             "size.")
     for pos, (tid, full, mb) in enumerate(zip(node.inputs, full_avals, closed.in_avals)):
-        if tid in derived and pos >= params["num_diff"] and tuple(full.shape) == tuple(mb.shape):
-            continue   # no batch dimension (a token count): each microbatch reads the batch's
+        t = step.tensors[tid]
         if tid in derived and pos >= params["num_diff"]:
-            t = step.tensors[tid]
-            if t.rank == 0 or t.shape[0] % num_microbatches or \
+            if t.rank == 0 or (num_microbatches > 1 and tuple(full.shape) == tuple(mb.shape)):
+                continue   # no batch dimension (a token count): every microbatch reads it whole
+            if t.shape[0] % num_microbatches or \
                     tuple(mb.shape) != (t.shape[0] // num_microbatches, *t.shape[1:]):
                 raise InvalidArgumentError(
                     f"num_microbatches={num_microbatches}: the loss input computed from the batch "
