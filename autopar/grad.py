@@ -33,6 +33,10 @@ as its graph shows it reduces the batch (`inter_op/reduction.py`):
 - anything else (`exp(mean)`, a max over the batch, a denominator that depends on the
   parameters or is clamped, statistics mixing examples): averaged (integers summed), with a
   `MicrobatchReductionWarning` naming the output, its line and the fix.
+
+A random key the loss reads (a dropout rng) is folded with the microbatch's index
+(`jax.random.fold_in(key, m)`), so the microbatches draw different masks; the masks then
+differ from the full batch's, so a step with dropout is not equal to `jax.jit`'s.
 """
 from __future__ import annotations
 

@@ -58,8 +58,9 @@ class ShardParallel:
         sum(w), so loss and gradient are exact; a value with the batch dimension, e.g.
         logits: the microbatches' rows put back in batch order). An output that is none of
         these is averaged (integers summed) with a `MicrobatchReductionWarning`; see
-        `autopar.value_and_grad`. Dropout draws its mask per microbatch. The shardings come
-        from the ILP at the microbatch's size.
+        `autopar.value_and_grad`. A random key the loss reads (dropout) is folded with the
+        microbatch's index, so microbatches draw different masks. The shardings come from
+        the ILP at the microbatch's size.
 
     Example:
       sharding_rules: pin input leaves to a sharding: `(regex, spec)` pairs; the first

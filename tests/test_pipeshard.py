@@ -394,29 +394,33 @@ def test_lm1b_padded_loss_and_logits_aux_match_single_device(method):
     w = (targets > 0).astype(np.float32)
     ratios = [(ce[m::4] * w[m::4]).sum() / w[m::4].sum() for m in range(4)]
     assert abs(np.mean(ratios) - ref[0][0]["loss"]) > 1e-4 * ref[0][0]["loss"]
-    plan = par.get_plan(state, batches[0], rng)
-    assert plan.pipeline["microbatch_combine"] == ["ratio", "concat"]
-    assert "loss outputs over microbatches: ratio, concat" in autopar.dump(plan)
+    assert par.get_plan(state, batches[0], rng).pipeline["microbatch_combine"] == [
+        "ratio", "concat"]
 
 
 def test_lm1b_with_dropout_runs_under_gradient_accumulation():
-    """Dropout masks are drawn per microbatch (from the same rng at the microbatch's shape),
-    so the step cannot equal the single-device one: it runs, drops, and returns whole
-    logits."""
+    """Dropout masks are drawn per microbatch, so the step cannot equal the single-device one:
+    it runs, drops, returns whole logits, and microbatch m draws from fold_in(key, m): two
+    identical examples in two microbatches (at the same row) get different masks."""
     step, state, batches, rng = _lm1b_case(deterministic=False)
+    batch = jax.tree_util.tree_map(lambda x: x.at[1].set(x[0]), batches[0])   # 1 is 0 again
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
                               method=autopar.ShardParallel(num_microbatches=4))
     with warnings.catch_warnings():      # random bits at the microbatch's shape are exact
         warnings.simplefilter("error", autopar.MicrobatchReductionWarning)
-        _, got = _run_with(par, state, batches[:1], rng)
-    assert par.get_plan(state, batches[0], rng).pipeline["microbatch_combine"] == [
-        "ratio", "concat"]
+        _, got = _run_with(par, state, [batch], rng)
+    plan = par.get_plan(state, batch, rng)
+    assert plan.pipeline["microbatch_combine"] == ["ratio", "concat"]
+    assert "loss outputs over microbatches: ratio, concat" in autopar.dump(plan)
     det_step, *_ = _lm1b_case(deterministic=True)
-    _, ref = _run_with(jax.jit(det_step), state, batches[:1], rng)
+    _, ref = _run_with(jax.jit(det_step), state, [batch], rng)
     ((metrics, grads),) = got
-    assert metrics["logits"].shape == (8, LM.seq_len, LM.vocab_size)
+    logits = metrics["logits"]
+    assert logits.shape == (8, LM.seq_len, LM.vocab_size)
     assert np.isfinite(metrics["loss"]) and abs(metrics["loss"] - ref[0][0]["loss"]) > 1e-4
     assert all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads))
+    assert np.abs(logits[0] - logits[1]).max() > 1e-3       # different masks
+    np.testing.assert_allclose(ref[0][0]["logits"][0], ref[0][0]["logits"][1], rtol=1e-6)
 
 
 def test_lm1b_with_jax_value_and_grad_names_the_fix():

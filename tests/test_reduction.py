@@ -130,3 +130,23 @@ def test_without_the_full_size_graph_sums_and_means_are_unknown():
 def test_one_microbatch_needs_no_reduction():
     loss, caught = _loss(lambda w, x, y: jnp.exp(jnp.mean(err(w, x, y))), num_microbatches=1)
     assert loss.reduction is None and not caught
+
+
+def test_random_keys_read_by_the_loss_are_listed():
+    """A dropout key read by the loss (each microbatch folds in its index); random bits drawn
+    at the microbatch's shape keep a mean loss exact."""
+    def fn(w, x, y, key):
+        keep = jax.random.bernoulli(key, 0.9, x.shape)
+        return jnp.mean(err(w, jnp.where(keep, x / 0.9, 0.0), y))
+
+    def step(w, batch, key):
+        loss, g = autopar.value_and_grad(fn)(w, batch["x"], batch["y"], key)
+        return w - g, loss
+    args = (W, BATCH, jax.random.key(7))
+    full = trace(step, args, batch_argnums=(1,), keep_grad=True)
+    micro = trace(step, microbatch_args(args, (1,), 4), batch_argnums=(1,), keep_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.MicrobatchReductionWarning)
+        loss = split_step(full, micro, 4)
+    assert loss.reduction.loss.combine == Combine.MEAN
+    assert loss.reduction.rng_inputs == (3,)      # w, x, y, key

@@ -45,7 +45,7 @@ import numpy as np
 from ..errors import MicrobatchReductionWarning
 from ..graph import Node, OpGraph, TensorKind
 from ..intra_op.batch_dims import batch_dims
-from ..primitives import ELEMENTWISE, RANDOM_BITS
+from ..primitives import ELEMENTWISE, KEY_OPS, RANDOM_BITS
 
 
 class Combine(enum.Enum):
@@ -73,6 +73,8 @@ class LossReduction:
     dens: tuple[int, ...]            # distinct RATIO denominators (forward tensor ids)
     den_nodes: tuple[int, ...]       # forward nodes computing them, in order
     den_inputs: tuple[int, ...]      # forward input positions those nodes read
+    rng_inputs: tuple[int, ...] = ()  # forward input positions that are random keys (dropout):
+                                      # microbatch m draws from fold_in(key, m)
 
     @property
     def loss(self) -> OutputCombine:
@@ -107,6 +109,7 @@ _SAME_SCALE = frozenset({"add", "sub", "add_any", "max", "min", "neg", "concaten
                          "select_n", "clamp", "reduce_max", "reduce_min", "cummax", "cummin"})
 # Value by value: a random mask's bits become floats elementwise at any shape.
 _VALUEWISE = ELEMENTWISE | {"bitcast_convert_type"}
+_RANDOM = KEY_OPS | RANDOM_BITS | {"threefry2x32"}   # what reads a random key
 _BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
 _PASS = frozenset({"reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type",
                    "copy", "copy_p", "reduce_precision", "neg", "stop_gradient", "reduce_sum",
@@ -339,7 +342,12 @@ def reduce_outputs(forward: OpGraph, full_forward: OpGraph | None, *,
     outs = tuple(analysis.output(t, num_microbatches, rows) for t in forward.outputs)
     dens = tuple(dict.fromkeys(o.den for o in outs if o.combine == Combine.RATIO))
     nodes, inputs = _ancestors(forward, dens)
-    return LossReduction(outputs=outs, rows=rows, dens=dens, den_nodes=nodes, den_inputs=inputs)
+    consumers = forward.consumers()
+    keys = tuple(q for q, t in enumerate(forward.inputs) if q >= num_diff
+                 and q not in batch_inputs and any(
+                     forward.nodes[n].primitive in _RANDOM for n in consumers[t]))
+    return LossReduction(outputs=outs, rows=rows, dens=dens, den_nodes=nodes, den_inputs=inputs,
+                         rng_inputs=keys)
 
 
 class _GuardedDiv:

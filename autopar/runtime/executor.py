@@ -177,6 +177,9 @@ class Executor:
                     full = get(gnode.inputs[q], st.index, NamedSharding(st.mesh, sh.spec))
                     parts = self._dispatched(self._split(full)) if m_total > 1 else (full,)
                     parts = [self._put(x, sh) for x in parts]
+                elif q in self._merge.rng_inputs and m_total > 1:     # a dropout key
+                    keys = self._merge.fold_keys(get(gnode.inputs[q], st.index, sh))
+                    parts = [self._put(k, sh) for k in self._dispatched(keys)]
                 else:
                     parts = [get(gnode.inputs[q], st.index, sh)] * m_total
                 for m in range(m_total):
