@@ -265,15 +265,22 @@ class Executor:
             t_info = fwd.tensors[t]
             parts = [self._put(g, sh) for g in state.cts.pop((t, m), [])]
             if t == fwd.outputs[0]:
-                seed = self._merge.seed() if self.p.num_microbatches > 1 else 1.0
-                parts.append(self._put(state.weights[seed][m], sh) if isinstance(seed, int)
-                             else self._const(("seed", st.index), lambda: jax.device_put(
-                                 jnp.asarray(seed, t_info.dtype), sh)))
+                parts.append(self._seed(state, st, m, sh))
             if not parts:
                 parts.append(self._const(("zeros", t), lambda: jax.device_put(
                     jnp.zeros(t_info.shape, t_info.dtype), sh)))
             ct.append(parts[0] if len(parts) == 1 else self._dispatched(self._sum(*parts)))
         return ct
+
+    def _seed(self, state: _StepState, st, m: int, sh):
+        """The loss's cotangent in microbatch m: 1 / M for a mean, 1 for a sum, the
+        microbatch's share of the denominator for a ratio (see `runtime.microbatch`)."""
+        den = self._merge.outputs[0].den
+        if den is not None and self.p.num_microbatches > 1:
+            return self._put(state.weights[den][m], sh)
+        dtype = self.p.loss.forward.tensors[self.p.loss.forward.outputs[0]].dtype
+        return self._const(("seed", st.index), lambda: jax.device_put(
+            jnp.asarray(self._merge.seed(), dtype), sh))
 
     def _finish(self, env, gnode, state: _StepState) -> None:
         """The marker's results: the loss and aux merged over microbatches as

@@ -85,13 +85,10 @@ class Merger:
             return out
         return jax.jit(run)
 
-    def seed(self) -> float | int:
-        """The loss's cotangent in every microbatch, or the RATIO denominator's tensor id
-        (the seed is then that microbatch's weight)."""
-        out = self.outputs[0]
-        if out.combine == Combine.RATIO:
-            return out.den
-        return 1.0 if out.combine == Combine.SUM else 1.0 / self.m
+    def seed(self) -> float:
+        """The loss's cotangent in every microbatch, unless the loss is a RATIO (its seed
+        is then each microbatch's weight)."""
+        return 1.0 if self.outputs[0].combine == Combine.SUM else 1.0 / self.m
 
     def __call__(self, pos: int, values: list, weights: list | None = None):
         """Output `pos` of the loss merged from its microbatch values; `weights`: for a
