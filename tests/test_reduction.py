@@ -150,3 +150,20 @@ def test_random_keys_read_by_the_loss_are_listed():
         loss = split_step(full, micro, 4)
     assert loss.reduction.loss.combine == Combine.MEAN
     assert loss.reduction.rng_inputs == (3,)      # w, x, y, key
+
+
+def test_microbatches_of_one_example():
+    """The batch dimension is followed at the full size: at one example per microbatch it has
+    size 1, like any other unit dimension. Where the two sizes trace to different graphs
+    (`take_along_axis` drops a unit dimension), nothing is assumed: the loss warns."""
+    def fn(w, x, y):
+        e = err(w, x, y)
+        return jnp.sum(e.sum(-1) * mask(y)) / jnp.sum(mask(y)), (jnp.mean(e), x @ w)
+    got, caught = _combines(fn, num_microbatches=8, has_aux=True)
+    assert got == ["ratio", "mean", "concat"] and not caught
+
+    def picked(w, x, y):
+        return jnp.mean(jnp.take_along_axis(err(w, x, y), jnp.argmax(y, -1)[:, None], axis=-1))
+    assert _combines(picked, num_microbatches=4)[0] == ["mean"]
+    got, caught = _combines(picked, num_microbatches=8)
+    assert got == ["unknown"] and len(caught) == 1

@@ -181,9 +181,15 @@ class _Analysis:
         self.fwd, self.num_diff = fwd, num_diff
         aligned = full is not None and len(full.nodes) == len(fwd.nodes) and all(
             a.primitive == b.primitive and len(a.inputs) == len(b.inputs)
-            for a, b in zip(fwd.nodes, full.nodes))
+            for a, b in zip(fwd.nodes, full.nodes)) and len(full.tensors) == len(fwd.tensors) \
+            and all(a.kind == b.kind and a.producer == b.producer
+                    for a, b in zip(fwd.tensors, full.tensors))
         self.full = full if aligned else None
-        self.dims = batch_dims(fwd, {fwd.inputs[q]: 0 for q in batch_inputs})
+        # The batch dimension is followed at the full size where the two graphs align (tensor
+        # ids then match): a microbatch of one example has a batch dimension of size 1, which
+        # reshapes and broadcasts do not tell apart from any other.
+        ref = self.full if self.full is not None else fwd
+        self.dims = batch_dims(ref, {ref.inputs[q]: 0 for q in batch_inputs})
         self.vals: list[_Val | None] = [None] * len(fwd.tensors)
         self.param_dep = [False] * len(fwd.tensors)
         for pos, t in enumerate(fwd.inputs):
@@ -296,6 +302,9 @@ class _Analysis:
         v, d, t = self.vals[tid], self.dims[tid], self.fwd.tensors[tid]
         floating = _floating(self.fwd, tid)
         if d is not None:
+            if self.full is not None and self.full.tensors[tid].rank != t.rank:
+                return OutputCombine(combine=Combine.UNKNOWN, reason=(
+                    "it has another rank at the microbatch's size than at the batch's"))
             if t.shape[d] % rows == 0:
                 return OutputCombine(combine=Combine.CONCAT, batch_dim=d)
             return OutputCombine(combine=Combine.UNKNOWN, reason=(
