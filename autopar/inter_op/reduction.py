@@ -13,7 +13,8 @@ per output:
 - `RATIO`: `sum(l * w) / sum(w)` with a denominator computed from the batch alone (a padded
   token loss): weighted by each microbatch's share of the denominator, den_m / sum(den), so
   the loss is sum(num) / sum(den) and its gradient sum_m grad(num_m) / sum(den), exactly the
-  full batch's.
+  full batch's. `guard_ratios` makes a microbatch whose denominator is 0 add nothing
+  (not 0 / 0).
 - `UNKNOWN`: none of these could be shown (e.g. `exp(mean)`, a max over the batch, a
   denominator that depends on the parameters, BatchNorm statistics). The output is averaged
   (floats) or summed (integers) and a `MicrobatchReductionWarning` names it.
@@ -22,6 +23,8 @@ The analysis follows every value with its kind (free of the batch, per example, 
 examples, a ratio of sums, or unknown) and its *scale*: the ratio of its value at the
 microbatch size to its value at the full batch size, found by comparing the literals of the
 two traces node by node (`jnp.mean` divides by 32 in one and by 128 in the other: scale M).
+It also lists the random keys the loss reads (`rng_inputs`: each microbatch folds in its
+index, so dropout masks differ between microbatches).
 
 Example:
     >>> red = reduce_outputs(forward, full_forward, batch_inputs=frozenset({5}), num_diff=4,
