@@ -12,7 +12,8 @@ from .cluster import ClusterSpec, LogicalMesh
 from .cost import CostModel
 from .distributed import DistributedInfo, init_distributed, to_host
 from .errors import (AutoparError, FallbackWarning, InfeasiblePlanError, InvalidArgumentError,
-                     PlanMismatchError, ProfileError, UnsupportedError)
+                     MicrobatchReductionWarning, PlanMismatchError, ProfileError,
+                     UnsupportedError)
 from .init import init_sharded
 from .inspect import dump
 from .grad import grad, value_and_grad
@@ -34,5 +35,5 @@ __all__ = [
     "calibrate", "Calibration", "init_distributed", "DistributedInfo", "to_host",
     "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps", "init_sharded",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
-    "UnsupportedError", "FallbackWarning", "Annotations",
+    "UnsupportedError", "FallbackWarning", "Annotations", "MicrobatchReductionWarning",
 ]

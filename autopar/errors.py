@@ -43,3 +43,12 @@ class FallbackWarning(UserWarning):
     device, results whole on every device): the message names the primitive, its source line
     and the bytes each device then holds. Silence it with `warnings.filterwarnings("ignore",
     category=autopar.FallbackWarning)` once the cost is understood."""
+
+
+class MicrobatchReductionWarning(UserWarning):
+    """With `num_microbatches > 1` (gradient accumulation, pipelines) an output of the loss
+    function (the loss, or an auxiliary output) could not be shown to combine exactly over
+    microbatches: it is not a mean, a sum or a ratio of sums over the examples, nor a value
+    with the batch dimension (see `autopar.value_and_grad`). The message names the output, its
+    source line, why, and how to rewrite it. For the loss, the gradient trained on is then
+    the microbatches' mean, not the full batch's."""

@@ -17,9 +17,26 @@ Example:
 Under `jax.vmap` and differentiation (`jax.jvp`, `jax.hessian`) the marker turns into what
 it computes, so per-example gradients and gradient penalties work, unmarked.
 
-With microbatches the loss, its auxiliary floating outputs and the gradients are the mean
-over microbatches (exact for a loss that is a mean over the batch's examples); integer
-auxiliary outputs are summed.
+With microbatches (`num_microbatches > 1`: gradient accumulation, pipelines) the loss runs
+on B / M examples at a time and each of its outputs is combined back into the full batch's
+as its graph shows it reduces the batch (`inter_op/reduction.py`):
+
+- a mean over examples (`jnp.mean(ce)`, plus terms without the batch such as weight decay):
+  the microbatches' mean, gradients too;
+- a sum over examples (`jnp.sum(per_example)`): the sum, gradients too;
+- `sum(l * w) / sum(w)` with `w` computed from the batch alone (a padded token loss,
+  `w = jnp.where(targets > 0, 1, 0)`): each microbatch weighted by its share of sum(w), so
+  the loss is the full batch's ratio and the gradient sum_m grad(num_m) / sum(w) exactly; a
+  microbatch with sum(w) = 0 adds nothing;
+- an auxiliary output with the batch dimension (logits, per-example losses): the rows of all
+  microbatches, in batch order;
+- anything else (`exp(mean)`, a max over the batch, a denominator that depends on the
+  parameters or is clamped, statistics mixing examples): averaged (integers summed), with a
+  `MicrobatchReductionWarning` naming the output, its line and the fix.
+
+A random key the loss reads (a dropout rng) is folded with the microbatch's index
+(`jax.random.fold_in(key, m)`), so the microbatches draw different masks; the masks then
+differ from the full batch's, so a step with dropout is not equal to `jax.jit`'s.
 """
 from __future__ import annotations
 
@@ -107,10 +124,20 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     Differentiated NNX modules are taken as `nnx.value_and_grad` takes them (gradients of
     their `nnx.Param`s, as an `nnx.State`; see `autopar.frontend.nnx_grad`).
 
+    Under gradient accumulation or a pipeline the loss and aux are combined over microbatches
+    as the module docstring says: exact for a mean, a sum or a padding-weighted ratio of sums
+    over examples, aux with the batch dimension concatenated back in batch order, a
+    `MicrobatchReductionWarning` otherwise.
+
     Example:
         >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
         >>> (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
         >>> loss, grads = autopar.value_and_grad(nnx_loss_fn)(model, batch)
+        >>> def padded_loss(params):      # exact with num_microbatches=M, logits full-batch
+        ...     logits = model.apply(params, batch["inputs"])
+        ...     w = jnp.where(batch["targets"] > 0, 1.0, 0.0)
+        ...     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        ...     return jnp.sum(ce * w) / jnp.sum(w), logits
     """
     marked = _marked(fun, argnums, has_aux)
 

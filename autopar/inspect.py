@@ -30,6 +30,8 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
     local, total = sum(p.get("local_gradients", ())), sum(p.get("num_gradients", ()))
     reduced = (f"; {local} of {total} parameter gradients accumulate as per-device partial "
                "sums, reduced once per step" if local else "")
+    if p.get("microbatch_combine"):      # per loss output: mean, sum, ratio, concat, unknown
+        reduced += "; loss outputs over microbatches: " + ", ".join(p["microbatch_combine"])
     if p.get("gradient_accumulation"):
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "

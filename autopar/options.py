@@ -47,12 +47,21 @@ class ShardParallel:
       layer_reuse: tie the ILP variables of repeated layers (`block_0`, `block_1`, ...) so a
         deep model is solved about as fast as one layer; see `LayerReuse`.
       num_microbatches: gradient accumulation. With M > 1 the batch is split into M equal
-        microbatches (M must divide the batch size); one executable runs forward and backward
-        on each and adds its gradient into an accumulator, then one executable applies the
-        update, so activation memory is that of one microbatch. The loss and gradients are the
-        microbatches' mean, which equals the full batch's for a loss that is a mean over
-        examples. The step must take its gradient with `autopar.value_and_grad` /
-        `autopar.grad`. The shardings come from the ILP at the microbatch's size.
+        microbatches (M must divide the batch size; microbatch m holds examples m, m + M,
+        ...); one executable runs forward and backward on each and adds its gradient into an
+        accumulator, then one executable applies the update, so activation memory is that of
+        one microbatch. The step must take its gradient with `autopar.value_and_grad` /
+        `autopar.grad` (with `jax.value_and_grad` it is refused with an
+        InvalidArgumentError). The loss, its gradient and the `has_aux` outputs come back as
+        the full batch's: each output of the loss function is combined as its graph says
+        (a mean over examples: averaged; a sum: summed; `sum(l * w) / sum(w)` with weights
+        from the batch, e.g. a padded token loss: weighted by each microbatch's share of
+        sum(w), so loss and gradient are exact; a value with the batch dimension, e.g.
+        logits: the microbatches' rows put back in batch order). An output that is none of
+        these is averaged (integers summed) with a `MicrobatchReductionWarning`; see
+        `autopar.value_and_grad`. A random key the loss reads (dropout) is folded with the
+        microbatch's index, so microbatches draw different masks. The shardings come from
+        the ILP at the microbatch's size.
 
     Example:
       sharding_rules: pin input leaves to a sharding: `(regex, spec)` pairs; the first
@@ -331,7 +340,8 @@ class PipeshardParallel(ShardParallel):
 
     Args:
       num_microbatches: the batch is split into this many equal microbatches (it must
-        divide the batch size); the loss and gradients are their mean.
+        divide the batch size); the loss, gradients and aux come back as the full batch's,
+        combined over microbatches as `ShardParallel.num_microbatches` says.
       schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage)
         or `Schedule.GPIPE`.
       layer_option: `AutoLayerOption(num_layers=...)` or `ManualLayerOption()`.

@@ -217,6 +217,9 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         # per stage: gradients accumulated as partial sums and reduced once per step
         "local_gradients": [sum(lg.grad_outputs) if lg else 0 for lg in local],
         "num_gradients": [len(st.slice.param_inputs) for st in result.stages],
+        # per loss output (the loss first): how microbatch values combine (inter_op.reduction)
+        "microbatch_combine": [o.combine.value for o in loss.reduction.outputs]
+        if loss.reduction is not None else [],
     }
     # The step's compute / communication / resharding / call-overhead split, in the stages'
     # proportions; the apply-gradient executables add one call each.

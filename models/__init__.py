@@ -9,6 +9,13 @@ from models.gpt import (
     gpt_param_count,
     make_gpt_batch,
 )
+from models.lm1b import (
+    Lm1bConfig,
+    Lm1bTransformer,
+    make_lm1b_batch,
+    sinusoid_table,
+    weighted_cross_entropy,
+)
 from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 from models.moe import (
     MoE,
@@ -33,6 +40,8 @@ from models.wide_resnet import (
 __all__ = [
     "GPT",
     "GPTConfig",
+    "Lm1bConfig",
+    "Lm1bTransformer",
     "MLP",
     "MoE",
     "MoEConfig",
@@ -48,13 +57,16 @@ __all__ = [
     "gpt_param_count",
     "make_gpt_batch",
     "make_image_batch",
+    "make_lm1b_batch",
     "make_mlp_batch",
     "make_moe_batch",
     "moe_flops_per_token",
     "moe_loss",
     "moe_param_count",
     "mse_loss",
+    "sinusoid_table",
     "top2_gating",
     "wide_resnet_flops_per_example",
+    "weighted_cross_entropy",
     "wide_resnet_param_count",
 ]

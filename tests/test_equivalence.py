@@ -11,10 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-import flax.linen as nn
 from flax.training import train_state
 
 import autopar
+from models.lm1b import Lm1bConfig, Lm1bTransformer
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 METHODS = {
@@ -124,36 +124,7 @@ def test_megatron_sharding_rules_pin_params_and_match_jit(model):
 
 
 # --------------------------------------------------- a step that closes over a numpy array
-LM_VOCAB, LM_LEN, LM_HIDDEN = 64, 16, 32
-
-
-def _sinusoid_table(length, hidden):
-    """lm1b's fixed position table: a numpy array the model closes over (a jaxpr constant)."""
-    pos = np.arange(length)[:, None]
-    i = np.arange(hidden)[None, :]
-    angle = pos / 10000 ** ((2 * (i // 2)) / hidden)
-    return np.where(i % 2 == 0, np.sin(angle), np.cos(angle)).astype(np.float32)
-
-
-class _Lm1bBlock(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-        y = nn.SelfAttention(num_heads=4, qkv_features=LM_HIDDEN, use_bias=False,
-                             deterministic=True)(nn.LayerNorm()(x), mask=mask)
-        x = x + y
-        return x + nn.Dense(LM_HIDDEN)(nn.relu(nn.Dense(4 * LM_HIDDEN)(nn.LayerNorm()(x))))
-
-
-class _Lm1bTransformer(nn.Module):
-    """A small lm1b-style decoder: shared embedding, sinusoidal positions (numpy), 2 blocks."""
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(LM_VOCAB, LM_HIDDEN)
-        x = embed(tokens) + _sinusoid_table(LM_LEN, LM_HIDDEN)[None]
-        for _ in range(2):
-            x = _Lm1bBlock()(x)
-        return embed.attend(nn.LayerNorm()(x))
+LM_VOCAB, LM_LEN = 64, 16
 
 
 def _lm1b_step(state, tokens):
@@ -174,7 +145,7 @@ def test_closed_over_numpy_table_keeps_carried_outputs_on_their_inputs(method, m
     key = jax.random.key(0)
     batches = [jax.random.randint(jax.random.fold_in(key, i), (8, LM_LEN), 0, LM_VOCAB)
                for i in range(3)]
-    model = _Lm1bTransformer()
+    model = Lm1bTransformer(Lm1bConfig(vocab_size=LM_VOCAB, seq_len=LM_LEN))
     state = train_state.TrainState.create(apply_fn=model.apply,
                                           params=model.init(key, batches[0]),
                                           tx=sgd_momentum_clip())

@@ -233,3 +233,25 @@ def test_a_loss_input_made_with_broadcast_constants_is_split_into_microbatches()
     ref = jax.jit(lambda w, b: step(w, b, jax.value_and_grad))(w, batch)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_input_made_from_the_batch_without_its_dimension_is_read_whole():
+    """A token count computed in the step (`w.sum()`) and closed over by the loss has no batch
+    dimension: it is not split (every microbatch reads the whole batch's), where it was
+    refused; a [batch, ...] value made from the batch still is split."""
+    def step(params, batch):
+        w = jnp.where(batch["y"][:, 0] > 0, 1.0, 0.0)
+        count = w.sum()
+
+        def loss_fn(p, x, y):
+            err = (jnp.tanh(x @ p["l0"]) - y) ** 2
+            return jnp.sum(err.sum(-1) * w) / count
+        loss, g = autopar.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
+        return g, loss
+    lg = loss_graph(step, num_microbatches=2)
+    fwd = lg.forward
+    shapes = [fwd.tensors[t].shape for t in fwd.inputs]
+    (w,), (count,) = ([q for q, s in enumerate(shapes) if s == shape] for shape in [(B // 2,), ()])
+    assert shapes[X] == (B // 2, H)
+    assert lg.batch_inputs == {X, Y, w} and count not in lg.batch_inputs
+    assert [o.combine.value for o in lg.reduction.outputs] == ["sum"]

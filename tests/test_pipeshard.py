@@ -2,17 +2,23 @@
 over 3 steps equal plain `jax.jit` on one device (same tolerances and optimizer rule as the
 ShardParallel equivalence tests, including `clip_by_global_norm`)."""
 import dataclasses
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state
 
 import autopar
 from autopar.pipeshard import accumulation_method
 from autopar.spec import num_shards
+from models import make_mlp_batch
 from models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+from models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
+from steps import (assert_equivalent, make_case, mesh_of, mlp_train_state, run_steps,
+                   sgd_momentum_clip)
 
 GPT_MARKED = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4,
                        stage_boundaries=True)
@@ -335,3 +341,221 @@ def test_remat_blocks_in_a_pipeline_match_single_device():
         np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
         for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+# Flax-example-style steps (lm1b): a padding-weighted token loss sum(ce * w) / sum(w) with
+# uneven padding, logits returned as aux and used in the metrics, a closed-over numpy
+# position table, dropout drawing from an rng argument.
+
+LM = Lm1bConfig()                         # vocab 64, seq 16, hidden 32, 2 layers
+# Tokens per example in each step's batch: uneven microbatches (microbatch m holds examples m
+# and m + 4); in the last step examples 1 and 5 have no target, so microbatch 1 has none.
+LENGTHS = ([16, 3, 9, 12, 5, 16, 2, 7], [7, 16, 3, 9, 12, 5, 16, 2], [16, 1, 9, 12, 5, 1, 2, 7])
+
+
+def _lm1b_case(*, deterministic=True, value_and_grad=autopar.value_and_grad):
+    """(step, state, batches, rng): `step(state, batch, rng) -> (state, metrics, grads)`."""
+    key = jax.random.key(0)
+    batches = [make_lm1b_batch(jax.random.fold_in(key, i), 8, LM, lengths)
+               for i, lengths in enumerate(LENGTHS)]
+    model = Lm1bTransformer(LM)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(key, batches[0]["inputs"])["params"],
+        tx=sgd_momentum_clip())
+
+    def step(state, batch, dropout_rng):
+        inputs, targets = batch["inputs"], batch["targets"]
+        weights = jnp.where(targets > 0, 1, 0).astype(jnp.float32)
+        rng = jax.random.fold_in(dropout_rng, state.step)
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, inputs, deterministic=deterministic,
+                                    rngs={"dropout": rng})
+            total, count = weighted_cross_entropy(logits, targets, weights)
+            return total / count, logits
+        (loss, logits), grads = value_and_grad(loss_fn, has_aux=True)(state.params)
+        hits = (jnp.argmax(logits, -1) == targets) * weights      # full-batch logits
+        metrics = {"loss": loss, "accuracy": hits.sum() / weights.sum(), "logits": logits}
+        return state.apply_gradients(grads=grads), metrics, grads
+    return step, state, batches, jax.random.PRNGKey(1)
+
+
+def _run_with(step, state, batches, *extra):
+    """(final state, per step (values, grads) as numpy) of `step(state, batch, *extra)`."""
+    outs = []
+    for b in batches:
+        state, values, grads = step(state, b, *extra)
+        outs.append(jax.tree_util.tree_map(np.asarray, (values, grads)))
+    return state, outs
+
+
+@pytest.mark.parametrize("method", [autopar.ShardParallel(num_microbatches=4), _method(2, F, 4)],
+                         ids=["accumulation", "pipeshard"])
+def test_lm1b_padded_loss_and_logits_aux_match_single_device(method):
+    """The padded token loss is weighted by each microbatch's token count (the mean of the
+    microbatches' ratios would be off: checked below; a microbatch without tokens adds
+    nothing, not 0 / 0), and the logits come back whole, in batch order, so metrics computed
+    from them after the step match too."""
+    assert not (np.asarray(make_lm1b_batch(jax.random.key(0), 8, LM, LENGTHS[2])["targets"])[
+        1::4] > 0).any()
+    step, state, batches, rng = _lm1b_case()
+    ref_state, ref = _run_with(jax.jit(step), state, batches, rng)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    got_state, got = _run_with(par, state, batches, rng)
+    for (rm, rg), (gm, gg) in zip(ref, got):
+        assert gm["logits"].shape == rm["logits"].shape == (8, LM.seq_len, LM.vocab_size)
+        np.testing.assert_allclose(gm["logits"], rm["logits"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gm["loss"], rm["loss"], rtol=1e-5)
+        np.testing.assert_allclose(gm["accuracy"], rm["accuracy"], rtol=1e-5)
+        scale = max(float(np.abs(x).max()) for x in jax.tree_util.tree_leaves(rg))
+        for x, y in zip(jax.tree_util.tree_leaves(rg), jax.tree_util.tree_leaves(gg)):
+            assert np.abs(x - y).max() <= 2e-5 * scale
+    assert_equivalent((ref_state, [], []), (got_state, [], []), compare_params=True, rtol=2e-5)
+    # The test can fail: the mean of per-microbatch ratios (microbatch m holds examples m,
+    # m + 4) is off the full batch's loss by 10x the tolerance above.
+    targets = np.asarray(batches[0]["targets"])
+    logits = ref[0][0]["logits"]
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+    w = (targets > 0).astype(np.float32)
+    ratios = [(ce[m::4] * w[m::4]).sum() / w[m::4].sum() for m in range(4)]
+    assert abs(np.mean(ratios) - ref[0][0]["loss"]) > 1e-4 * ref[0][0]["loss"]
+    assert par.get_plan(state, batches[0], rng).pipeline["microbatch_combine"] == [
+        "ratio", "concat"]
+
+
+def test_lm1b_with_dropout_runs_under_gradient_accumulation():
+    """Dropout masks are drawn per microbatch, so the step cannot equal the single-device one:
+    it runs, drops, returns whole logits, and microbatch m draws from fold_in(key, m): two
+    identical examples in two microbatches (at the same row) get different masks."""
+    step, state, batches, rng = _lm1b_case(deterministic=False)
+    batch = jax.tree_util.tree_map(lambda x: x.at[1].set(x[0]), batches[0])   # 1 is 0 again
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=4))
+    with warnings.catch_warnings():      # random bits at the microbatch's shape are exact
+        warnings.simplefilter("error", autopar.MicrobatchReductionWarning)
+        _, got = _run_with(par, state, [batch], rng)
+    plan = par.get_plan(state, batch, rng)
+    assert plan.pipeline["microbatch_combine"] == ["ratio", "concat"]
+    assert "loss outputs over microbatches: ratio, concat" in autopar.dump(plan)
+    det_step, *_ = _lm1b_case(deterministic=True)
+    _, ref = _run_with(jax.jit(det_step), state, [batch], rng)
+    ((metrics, grads),) = got
+    logits = metrics["logits"]
+    assert logits.shape == (8, LM.seq_len, LM.vocab_size)
+    assert np.isfinite(metrics["loss"]) and abs(metrics["loss"] - ref[0][0]["loss"]) > 1e-4
+    assert all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads))
+    assert np.abs(logits[0] - logits[1]).max() > 1e-3       # different masks
+    np.testing.assert_allclose(ref[0][0]["logits"][0], ref[0][0]["logits"][1], rtol=1e-6)
+
+
+def test_lm1b_with_jax_value_and_grad_names_the_fix():
+    step, state, batches, rng = _lm1b_case(value_and_grad=jax.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=4))
+    with pytest.raises(autopar.InvalidArgumentError,
+                       match=r"jax.value_and_grad does not count.*autopar.value_and_grad"):
+        par(state, batches[0], rng)
+
+
+def _mlp_sum_case(loss_of):
+    """(step, state, batches) of a linen MLP whose loss is `loss_of(squared error [B, H], y)`."""
+    state = mlp_train_state(16, 16, sgd_momentum_clip())
+    key = jax.random.key(3)
+    batches = [make_mlp_batch(jax.random.fold_in(key, i), 16, 16, 16) for i in range(3)]
+
+    def step(state, batch):
+        def loss_fn(p):
+            out = state.apply_fn({"params": p}, batch["x"])
+            return loss_of((out - batch["y"]) ** 2, batch["y"])
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss, grads
+    return step, state, batches
+
+
+@pytest.mark.parametrize("method", [autopar.ShardParallel(num_microbatches=4), _method(2, F, 4)],
+                         ids=["accumulation", "pipeshard"])
+def test_sum_reduced_loss_is_summed_over_microbatches(method):
+    """`jnp.sum(per_example)`: the microbatches' losses and gradients are summed (averaging
+    them would train on a quarter of the gradient)."""
+    step, state, batches = _mlp_sum_case(lambda err, y: jnp.sum(err))
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    assert par.get_plan(state, batches[0]).pipeline["microbatch_combine"] == ["sum"]
+
+
+def test_a_token_count_made_in_the_step_is_read_whole_by_every_microbatch():
+    """`sum(l * w) / count` with `count = w.sum()` computed before the loss and closed over:
+    it has no batch dimension, so every microbatch divides by the whole batch's count (it
+    was refused as a loss input that cannot be split) and the losses are summed."""
+    state = mlp_train_state(16, 16, sgd_momentum_clip())
+    batches = [make_mlp_batch(jax.random.fold_in(jax.random.key(5), i), 16, 16, 16)
+               for i in range(3)]
+
+    def step(state, batch):
+        w = (batch["y"][:, 0] > 0).astype(jnp.float32)
+        count = w.sum()
+
+        def loss_fn(p):
+            err = (state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2
+            return jnp.sum(err.sum(-1) * w) / count
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss, grads
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=4))
+    assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
+                      compare_params=True, rtol=2e-5)
+    assert par.get_plan(state, batches[0]).pipeline["microbatch_combine"] == ["sum"]
+
+
+@pytest.mark.parametrize("method", [autopar.ShardParallel(num_microbatches=4), _method(2, G, 4)],
+                         ids=["accumulation", "pipeshard"])
+def test_auxiliary_outputs_combine_like_the_full_batch(method):
+    """A padded-ratio loss with aux: per-example values (in batch order), a ratio with its own
+    denominator, an integer count and a mean, all equal to the single-device step's."""
+    def loss_and_aux(err, y):
+        w, w2 = (y[:, 0] > 0).astype(jnp.float32), (y[:, 1] > 0.5).astype(jnp.float32)
+        per_example = err.sum(-1)
+        return jnp.sum(per_example * w) / jnp.sum(w), {
+            "per_example": per_example, "ratio": jnp.sum(per_example * w2) / jnp.sum(w2),
+            "count": jnp.sum(per_example > 1.0), "mean": jnp.mean(err)}
+    state = mlp_train_state(16, 16, sgd_momentum_clip())
+    batches = [make_mlp_batch(jax.random.fold_in(jax.random.key(4), i), 16, 16, 16)
+               for i in range(3)]
+
+    def step(state, batch):
+        def loss_fn(p):
+            return loss_and_aux((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2,
+                                batch["y"])
+        (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, aux), grads
+    # Some microbatch has no example with w2 = 1: its ratio is 0 / 0 and must weigh nothing.
+    assert any(not (np.asarray(b["y"])[m::4, 1] > 0.5).any() for b in batches for m in range(4))
+    ref_state, ref = _run_with(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    got_state, got = _run_with(par, state, batches)
+    for ((rl, ra), rg), ((gl, ga), gg) in zip(ref, got):
+        assert ra["count"].dtype == ga["count"].dtype and ra["count"] == ga["count"]
+        for x, y in zip(jax.tree_util.tree_leaves((rl, ra)), jax.tree_util.tree_leaves((gl, ga))):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+    assert_equivalent((ref_state, [v[0][0] for v in ref], [v[1] for v in ref]),
+                      (got_state, [v[0][0] for v in got], [v[1] for v in got]),
+                      compare_params=True, rtol=2e-5)
+    assert par.get_plan(state, batches[0]).pipeline["microbatch_combine"] == [
+        "ratio", "sum", "mean", "concat", "ratio"]
+
+
+def test_a_loss_that_cannot_be_made_exact_warns():
+    """A denominator clamped with jnp.maximum is not a plain sum over examples: the loss is
+    averaged over microbatches, and the warning names the rule, the loss line and the fix."""
+    def clamped(err, y):
+        w = (y[:, 0] > 0).astype(jnp.float32)
+        return jnp.sum(err.sum(-1) * w) / jnp.maximum(jnp.sum(w), 1.0)
+    step, state, batches = _mlp_sum_case(clamped)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=4))
+    with pytest.warns(autopar.MicrobatchReductionWarning,
+                      match=r"num_microbatches=4: the loss .*test_pipeshard.py:\d+.*`max`.*"
+                            r"and so is its gradient.*Fix: .*sum\(l \* w\) / sum\(w\)"):
+        plan = par.get_plan(state, batches[0])
+    assert plan.pipeline["microbatch_combine"] == ["unknown"]

@@ -27,6 +27,7 @@ from ..intra_op.build import cheap_source_tensors
 from ..options import AutoLayerOption, ManualLayerOption
 from ..trace import trace
 from .layers import cluster_layers, cut_bytes_from_liveness
+from .reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -37,6 +38,7 @@ class LossGraph:
     forward: OpGraph               # inputs = the marker's operands, in order
     num_diff: int                  # the first num_diff forward inputs are differentiated
     batch_inputs: frozenset[int]   # forward input positions split into microbatches
+    reduction: LossReduction | None = None   # how outputs combine over microbatches (M > 1)
 
     @property
     def num_aux(self) -> int:
@@ -83,9 +85,11 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
             "size than at the full batch size; the step's structure must not depend on the batch "
             "size.")
     for pos, (tid, full, mb) in enumerate(zip(node.inputs, full_avals, closed.in_avals)):
+        t = step.tensors[tid]
         if tid in derived and pos >= params["num_diff"]:
-            t = step.tensors[tid]
-            if t.rank == 0 or t.shape[0] % num_microbatches or \
+            if t.rank == 0 or (num_microbatches > 1 and tuple(full.shape) == tuple(mb.shape)):
+                continue   # no batch dimension (a token count): every microbatch reads it whole
+            if t.shape[0] % num_microbatches or \
                     tuple(mb.shape) != (t.shape[0] // num_microbatches, *t.shape[1:]):
                 raise InvalidArgumentError(
                     f"num_microbatches={num_microbatches}: the loss input computed from the batch "
@@ -116,8 +120,17 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
                 "PipeshardParallel: an output of the loss function is an input or a constant "
                 "rather than computed from them; the pipeline cannot place it. Fix: return "
                 "values computed in the loss function.")
+    reduction = None
+    if num_microbatches > 1:
+        full = trace(jcore.jaxpr_as_fun(params["jaxpr"]),
+                     [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in full_avals])
+        reduction = reduce_outputs(forward, full, batch_inputs=frozenset(batch),
+                                   num_diff=params["num_diff"], num_microbatches=num_microbatches)
+        warn_inexact(reduction, forward, num_microbatches)
+        forward = guard_ratios(forward, reduction)
     return LossGraph(step=step, grad_node=node.id, forward=forward,
-                     num_diff=params["num_diff"], batch_inputs=frozenset(batch))
+                     num_diff=params["num_diff"], batch_inputs=frozenset(batch),
+                     reduction=reduction)
 
 
 def layer_boundaries(forward: OpGraph,

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..inter_op.apply_grad import PIPELINE
 from ..lower import has_sharding, put
 from ..lower_pipeline import PipelineProgram
+from .microbatch import Merger, add_all
 from .schedule import Phase
 
 
@@ -71,6 +72,7 @@ class _StepState:
     cts: dict = field(default_factory=lambda: collections.defaultdict(list))
     acc: list = field(default_factory=list)        # per stage: accumulated param gradients
     final: dict = field(default_factory=dict)      # loss output tensor -> per-microbatch values
+    weights: dict = field(default_factory=dict)    # RATIO denominator -> per-microbatch weights
 
 
 class Executor:
@@ -82,8 +84,8 @@ class Executor:
         m = program.num_microbatches
         self._split = jax.jit(lambda x: tuple(x.reshape(x.shape[0] // m, m, *x.shape[1:])[:, i]
                                               for i in range(m)))
-        self._mean = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
-        self._sum = jax.jit(lambda *xs: sum(xs[1:], xs[0]))
+        self._merge = Merger(program.loss, m)
+        self._sum = add_all
         ios = [st.io for st in program.stages]
         self._producer = {t: st.index for st, io in zip(program.stages, ios)
                           for t in (*io.float_outputs, *io.int_outputs)}
@@ -175,6 +177,9 @@ class Executor:
                     full = get(gnode.inputs[q], st.index, NamedSharding(st.mesh, sh.spec))
                     parts = self._dispatched(self._split(full)) if m_total > 1 else (full,)
                     parts = [self._put(x, sh) for x in parts]
+                elif q in self._merge.rng_inputs and m_total > 1:     # a dropout key
+                    keys = self._merge.fold_keys(get(gnode.inputs[q], st.index, sh))
+                    parts = [self._put(k, sh) for k in self._dispatched(keys)]
                 else:
                     parts = [get(gnode.inputs[q], st.index, sh)] * m_total
                 for m in range(m_total):
@@ -183,6 +188,13 @@ class Executor:
         state = _StepState(params=params, data=data, residuals=[{} for _ in p.stages],
                            acc=[None] * len(p.stages),
                            final={t: [] for t in loss.forward.outputs})
+        if self._merge.weights is not None and m_total > 1:
+            # A loss sum(num) / sum(den): each microbatch's share of the denominator, computed
+            # from the batch on the loss's stage before any backward needs it as a seed.
+            s = self._producer[loss.forward.outputs[0]]
+            shares = self._dispatched(self._merge.weights(
+                *(get(gnode.inputs[q], s) for q in self._merge.den_inputs)))
+            state.weights = dict(zip(loss.reduction.dens, shares))
         for row in p.schedule.clocks:
             for s, task in enumerate(row):
                 if task is None:
@@ -253,25 +265,38 @@ class Executor:
             t_info = fwd.tensors[t]
             parts = [self._put(g, sh) for g in state.cts.pop((t, m), [])]
             if t == fwd.outputs[0]:
-                parts.append(self._const(("seed", st.index), lambda: jax.device_put(
-                    jnp.asarray(1.0 / self.p.num_microbatches, t_info.dtype), sh)))
+                parts.append(self._seed(state, st, m, sh))
             if not parts:
                 parts.append(self._const(("zeros", t), lambda: jax.device_put(
                     jnp.zeros(t_info.shape, t_info.dtype), sh)))
             ct.append(parts[0] if len(parts) == 1 else self._dispatched(self._sum(*parts)))
         return ct
 
+    def _seed(self, state: _StepState, st, m: int, sh):
+        """The loss's cotangent in microbatch m: 1 / M for a mean, 1 for a sum, the
+        microbatch's share of the denominator for a ratio (see `runtime.microbatch`)."""
+        den = self._merge.outputs[0].den
+        if den is not None and self.p.num_microbatches > 1:
+            return self._put(state.weights[den][m], sh)
+        dtype = self.p.loss.forward.tensors[self.p.loss.forward.outputs[0]].dtype
+        return self._const(("seed", st.index), lambda: jax.device_put(
+            jnp.asarray(self._merge.seed(), dtype), sh))
+
     def _finish(self, env, gnode, state: _StepState) -> None:
-        """The marker's results: mean loss and float aux over microbatches (integer aux
-        summed), and each parameter's gradient summed over the stages that read it."""
+        """The marker's results: the loss and aux merged over microbatches as
+        `loss.reduction` says (means, sums, weighted ratios, rows back in batch order), and
+        each parameter's gradient summed over the stages that read it."""
         p = self.p
         fwd = p.loss.forward
         for pos, t in enumerate(fwd.outputs):
-            vals = state.final[t]
+            vals, s = state.final[t], self._producer[t]
             if len(vals) > 1:
-                reduce = self._mean if jnp.issubdtype(vals[0].dtype, jnp.floating) else self._sum
-                vals = [self._dispatched(reduce(*vals))]
-            env[gnode.outputs[pos]] = {self._producer[t]: vals[0]}
+                weights = state.weights.get(self._merge.outputs[pos].den)
+                if weights is not None:        # a ratio: its weights, on its stage
+                    whole = NamedSharding(p.stages[s].mesh, PartitionSpec())
+                    weights = [self._put(w, whole) for w in weights]
+                vals = [self._dispatched(self._merge(pos, vals, weights))]
+            env[gnode.outputs[pos]] = {s: vals[0]}
         n_val = len(fwd.outputs)
         by_param: dict[int, list] = collections.defaultdict(list)
         for st in p.stages:
