@@ -92,17 +92,28 @@ def test_rng_counter_changed_inside_the_marked_loss_raises():
         autopar.value_and_grad(lambda m: mse(m, regression_batches(1)[0]))(model)
 
 
-def test_batch_shaped_aux_under_microbatches_raises():
-    def step_fn(model, optimizer, batch):
-        def loss_fn(model):
-            pred = model(batch["x"])
-            return jnp.mean((pred - batch["y"]) ** 2), pred        # per-example predictions
-        (loss, pred), grads = autopar.value_and_grad(loss_fn, has_aux=True)(model)
-        optimizer.update(model, grads)
-        return loss, pred
+def test_batch_shaped_aux_under_microbatches_comes_back_full_batch():
+    """Per-example predictions returned as aux under 4 microbatches come back for the whole
+    batch, in its order, equal to nnx.jit's (see inter_op.reduction)."""
+    def make(value_and_grad):
+        def step_fn(model, optimizer, batch):
+            def loss_fn(model):
+                pred = model(batch["x"])
+                return jnp.mean((pred - batch["y"]) ** 2), pred     # per-example predictions
+            (loss, pred), grads = value_and_grad(loss_fn, has_aux=True)(model)
+            optimizer.update(model, grads)
+            return loss, pred
+        return step_fn
 
-    step = autopar.parallelize(step_fn, mesh=jax.make_mesh((2, 4), ("data", "model")),
-                               batch_argnums=(2,), method=autopar.ShardParallel(num_microbatches=4))
-    with pytest.raises(autopar.UnsupportedError,
-                       match=r"auxiliary output 0 .* shape \(16, 4\) for the batch but \(4, 4\)"):
-        step(*mlp_objects(), regression_batches(1)[0])
+    ref, par = mlp_objects(), mlp_objects()
+    step = autopar.parallelize(make(autopar.value_and_grad), batch_argnums=(2,),
+                               mesh=jax.make_mesh((2, 4), ("data", "model")),
+                               method=autopar.ShardParallel(num_microbatches=4))
+    for batch in regression_batches(2):
+        got_loss, got_pred = step(*par, batch)
+        want_loss, want_pred = nnx.jit(make(nnx.value_and_grad))(*ref, batch)
+        assert got_pred.shape == want_pred.shape
+        np.testing.assert_allclose(np.asarray(got_pred), np.asarray(want_pred), rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert_same_state(ref[0], par[0])

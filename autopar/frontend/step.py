@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..graph import OpGraph
 from ..trace import _arg_names, bind_arguments, check_argnums
 from .jit_options import PinnedShardings
+from .metadata import metadata_rules
 from .nnx import BoundCall, NnxState, PureStep
 
 if TYPE_CHECKING:      # options imports the intra-op solver, which imports back here
@@ -48,10 +49,13 @@ class StepFrontend:
             i for i, a in enumerate(args) if isinstance(a, NnxState)}))
 
     def method(self, args: tuple, method: ShardParallel, mesh) -> ShardParallel:
-        """`method` with `in_shardings` pinned as exact-path `sharding_rules`."""
-        rules = self.pins.input_rules(args, check_argnums("static_argnums", self.static,
-                                                          len(args)),
-                                      _arg_names(self.fun, len(args)), mesh)
+        """`method` with `in_shardings` pinned as exact-path `sharding_rules`, then (with
+        `annotations="pin"`) the parameters' sharding metadata (`frontend.metadata`)."""
+        static = check_argnums("static_argnums", self.static, len(args))
+        names = _arg_names(self.fun, len(args))
+        rules = self.pins.input_rules(args, static, names, mesh)
+        if method.annotations.value == "pin":
+            rules += metadata_rules(args, static, names, mesh)
         return dataclasses.replace(method, sharding_rules=rules + tuple(
             method.sharding_rules)) if rules else method
 

@@ -103,15 +103,6 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
                 f"PipeshardParallel: loss input {pos} has shape {tuple(full.shape)} for the full "
                 f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
                 "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
-    for k, (full, mb) in enumerate(zip(params["jaxpr"].out_avals[1:], closed.out_avals[1:])):
-        if tuple(full.shape) != tuple(mb.shape):
-            raise UnsupportedError(
-                f"num_microbatches={num_microbatches}: auxiliary output {k} of the loss (has_aux) "
-                f"has shape {tuple(full.shape)} for the batch but {tuple(mb.shape)} for a "
-                "microbatch; auxiliary outputs are averaged (floats) or summed (integers) over "
-                "microbatches, so they must not depend on the batch size (e.g. per-example "
-                "logits for metrics). Fix: reduce them inside the loss (a mean, a count of "
-                "correct predictions), or use num_microbatches=1.")
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     forward = trace(jcore.jaxpr_as_fun(closed), avals)
     for out in forward.outputs:
