@@ -89,6 +89,34 @@ class Node:
     eqn: Any = field(repr=False)       # the jaxpr equation, for params and re-emission
 
 
+class LoopKind(enum.Enum):
+    SCAN = "scan"
+    WHILE = "while"
+    COND = "cond"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LoopRegion:
+    """A `scan` / `while` / `cond` whose body operators are nodes of the graph (nodes
+    `start` .. `stop - 1`, entry and exit pseudo-nodes included; see `frontend.loops`).
+    `body_inputs` / `body_outputs` are the body's tensors in the body jaxpr's order (one
+    tuple per branch of a `cond`); `trips` is the trip count the body's costs are multiplied
+    by (1 where it is unknown, as for most `while` loops)."""
+    id: int
+    kind: LoopKind
+    eqn: Any = field(repr=False)               # the original equation (params, cond_jaxpr)
+    start: int
+    stop: int
+    trips: int
+    outer_inputs: tuple[int, ...]              # tensor ids of the equation's operands
+    outer_outputs: tuple[int, ...]             # tensor ids of its results
+    entry_nodes: tuple[int, ...]               # per body input: its pseudo-node, -1 if aliased
+    exit_nodes: tuple[int, ...]                # per result: its pseudo-node
+    body_inputs: tuple[tuple[int, ...], ...]
+    body_outputs: tuple[tuple[int, ...], ...]
+    body_nodes: tuple[tuple[int, int], ...]    # per body: its (first, stop) node ids
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class OpGraph:
     nodes: tuple[Node, ...]
@@ -105,6 +133,7 @@ class OpGraph:
                                                # positions, not tensor ids: see carried_tensors
     stage_markers: tuple[StageMarker, ...] = ()  # manual layer boundaries, in order
     trace_time_s: float = 0.0
+    regions: tuple[LoopRegion, ...] = ()       # loops and conds, outer before inner
 
     def carried_tensors(self, carried: dict[OutputPos, InputPos] | None = None,
                         ) -> dict[OutputPos, TensorId]:
@@ -145,6 +174,12 @@ class OpGraph:
         for pos, t in enumerate(self.inputs):
             if pos not in self.donated_inputs:
                 last[t] = end
+        for r in self.regions:       # a value read in a loop lives until the loop ends
+            for node in self.nodes[r.start:r.stop]:
+                for t in node.inputs:
+                    produced = self.tensors[t].producer
+                    if (produced is None or produced < r.start) and 0 <= last[t] < r.stop - 1:
+                        last[t] = r.stop - 1
         return last
 
     @property

@@ -17,9 +17,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _compat
-from .errors import PlanMismatchError
+from .errors import AutoparError, PlanMismatchError
+from .frontend.loops import PSEUDO_PRIMITIVES, region_at
 from .graph import OpGraph
 from .intra_op.predict import RESULT, reshard_path
+from .lowering.loops import run_region
 from .plan import ParallelPlan
 from .spec import Spec, to_names
 
@@ -82,7 +84,20 @@ def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None
     (node id, operand position) to the layouts that operand passes through on its way to the
     spec the node's strategy wants (`reshard_paths`)."""
     constrain, reshard = constrain or {}, reshard or {}
+    regions, skip_to = region_at(graph), -1
     for node in nodes:
+        if node.id < skip_to:         # inside a loop region emitted below
+            continue
+        region = regions.get(node.id)
+        if region is not None:        # a scan / while / cond: re-emitted around its body
+            run_region(graph, region, env, constrain, reshard, run_nodes, _resharded)
+            skip_to = region.stop
+            continue
+        if node.primitive in PSEUDO_PRIMITIVES:
+            raise AutoparError(
+                f"node {node.id} '{node.primitive}' belongs to a loop whose first node is not "
+                f"evaluated here: a stage or slice of the graph cut through a loop region (an "
+                f"internal autopar error; please report it).")
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
             args = [_resharded(env, t, reshard.get((node.id, i)))

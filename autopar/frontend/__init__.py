@@ -1,0 +1,1 @@
+"""Front end: code that turns the user's program into the OpGraph (trace-level passes)."""

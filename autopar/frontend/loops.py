@@ -1,0 +1,165 @@
+"""Trace side of loops: a `scan`, `while` or `cond` equation becomes a *region* of the OpGraph.
+
+Its body (each branch of a `cond`) is walked into the same graph, with the tracer's own
+inlining of `jit` / custom calls / `remat`, so every body operator is an ordinary node that the
+intra-op ILP gives strategies to. Pseudo-nodes connect the body to the outside:
+
+- `loop_carry`  outer init -> body carry-in (a value of its own sharding, kept across
+  iterations: the body's carry-out is moved into it, priced per iteration);
+- `loop_slice`  outer xs `[T, ...]` -> body x `[...]` (the body spec drops dim 0, which stays
+  whole outside);
+- `loop_stack`  body y `[...]` -> outer ys `[T, ...]` (dim 0 whole);
+- `loop_exit`   body carry-out -> outer final carry (the carry-in's sharding);
+- `branch_exit` every branch's k-th result -> the cond's k-th result (one sharding for all).
+
+Loop constants and a cond's operands are the outer tensors themselves (one sharding inside
+and out). A `LoopRegion` (graph.py) records the node range and the boundary so that lowering
+re-emits `jax.lax.scan` / `while_loop` / `switch` around the planned body.
+
+Example:
+    >>> g = trace(lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0],
+    ...           (ws, x))
+    >>> [n.primitive for n in g.nodes]
+    ['loop_carry', 'loop_slice', 'dot_general', 'tanh', 'loop_exit']
+    >>> g.regions[0].trips
+    3
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _compat
+from ..graph import LoopKind, LoopRegion, Node, OpGraph, TensorKind
+
+from ..primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_CARRY, LOOP_EXIT,
+                          LOOP_PSEUDO as PSEUDO_PRIMITIVES, LOOP_SLICE, LOOP_STACK)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PseudoEqn:
+    """The `eqn` of a pseudo-node: plain parameters (read by the fingerprint and the ILP) and
+    the loop equation's source info. Never bound: lowering re-emits the whole region."""
+    params: dict
+    source_info: Any = field(repr=False)
+
+
+def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None) -> None:
+    """Walk the loop or cond `eqn` (operands `in_ids`) into builder `b` (trace._Builder) and
+    bind its results in `env`."""
+    kind = LoopKind(eqn.primitive.name)
+    rid = len(b.regions)
+    b.regions.append(None)            # reserved: regions are numbered in order of start
+    source = _compat.source_summary(eqn.source_info) or outer_source
+    start = len(b.nodes)
+    p = eqn.params
+    if kind is LoopKind.COND:
+        ins, outs, bodies, entry = [], [], [], []
+        for branch in p["branches"]:
+            ins.append(tuple(in_ids[1:]))       # a branch reads the operands themselves
+            first = len(b.nodes)
+            outs.append(tuple(_walk_body(b, branch, dict(zip(branch.jaxpr.invars, in_ids[1:])),
+                                         source)))
+            bodies.append((first, len(b.nodes)))
+        entry = [-1] * (len(in_ids) - 1)
+        exits = [_pseudo(b, BRANCH_EXIT, tuple(o[k] for o in outs), v.aval, eqn, env,
+                         source, rid, k) for k, v in enumerate(eqn.outvars)]
+        trips = 1
+    else:
+        if kind is LoopKind.SCAN:
+            closed, n_const, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+            outer_of = list(in_ids)
+            trips = int(p["length"])
+        else:
+            closed, n_const = p["body_jaxpr"], p["body_nconsts"]
+            n_carry = len(closed.jaxpr.invars) - n_const
+            outer_of = list(in_ids[p["cond_nconsts"]:])
+            trips = 1                         # unknown trip count: the body is costed once
+        body_env, entry, body_in = {}, [], []
+        for k, v in enumerate(closed.jaxpr.invars):
+            if k < n_const:
+                tid, nid = outer_of[k], -1
+            else:
+                prim = LOOP_CARRY if k < n_const + n_carry else LOOP_SLICE
+                nid = _pseudo(b, prim, (outer_of[k],), v.aval, eqn, None, source, rid, k)
+                tid = b.nodes[nid].outputs[0]
+            body_env[v] = tid
+            entry.append(nid)
+            body_in.append(tid)
+        first = len(b.nodes)
+        body_out = _walk_body(b, closed, body_env, source)
+        bodies, ins, outs = [(first, len(b.nodes))], [tuple(body_in)], [tuple(body_out)]
+        exits = []
+        for k, (tid, v) in enumerate(zip(body_out, eqn.outvars)):
+            prim = LOOP_EXIT if k < n_carry else LOOP_STACK
+            extra = {"carry_in": body_in[n_const + k]} if k < n_carry else {}
+            exits.append(_pseudo(b, prim, (tid,), v.aval, eqn, env, source, rid, k, **extra))
+    b.regions[rid] = LoopRegion(
+        id=rid, kind=kind, eqn=eqn, start=start, stop=len(b.nodes), trips=trips,
+        outer_inputs=tuple(in_ids),
+        outer_outputs=tuple(b.nodes[n].outputs[0] for n in exits),
+        entry_nodes=tuple(entry), exit_nodes=tuple(exits), body_inputs=tuple(ins),
+        body_outputs=tuple(outs), body_nodes=tuple(bodies))
+
+
+def _walk_body(b, closed, env: dict, source) -> list[int]:
+    """Walk a (closed) body jaxpr into `b` with `env` binding its inputs; its result ids."""
+    inner = getattr(closed, "jaxpr", closed)
+    for v, c in zip(inner.constvars, getattr(closed, "consts", ())):
+        env[v] = b.const(c, v.aval)
+    b.walk(inner, env, source)
+    return [b.read(env, v) for v in inner.outvars]
+
+
+def _pseudo(b, primitive: str, inputs: tuple[int, ...], aval, eqn, env, source, rid: int,
+            index: int, **params) -> int:
+    """Append pseudo-node `primitive` with one result of type `aval`; bind it to the loop
+    equation's result `index` in `env` (when given); return the node id."""
+    node_id = len(b.nodes)
+    tid = b.new_tensor(aval, TensorKind.INTERMEDIATE, producer=node_id)
+    if env is not None and not isinstance(eqn.outvars[index], _compat.DropVar):
+        env[eqn.outvars[index]] = tid
+    p = eqn.params
+    plain = {k: p[k] for k in ("length", "reverse", "unroll") if k in p}
+    b.nodes.append(Node(
+        id=node_id, primitive=primitive, inputs=inputs, outputs=(tid,), flops=0.0,
+        source=source or "<unknown>", name_stack=_compat.name_stack(eqn.source_info),
+        eqn=PseudoEqn(params={"region": rid, "index": index, **plain, **params},
+                      source_info=eqn.source_info)))
+    return node_id
+
+
+def node_trips(graph: OpGraph) -> list[int]:
+    """Per node, how many times it runs per step: the product of the trip counts of the
+    loops around it (a loop's exit pseudo-nodes count as inside: the carry moves back into
+    its sharding every iteration)."""
+    trips = [1] * len(graph.nodes)
+    for r in graph.regions:
+        if r.trips == 1:
+            continue
+        inside = [n for first, stop in r.body_nodes for n in range(first, stop)]
+        for n in inside + list(r.exit_nodes):
+            trips[n] *= r.trips
+    return trips
+
+
+def stacked_tensors(graph: OpGraph) -> frozenset[int]:
+    """Tensors whose dimension 0 is a loop's iteration dimension (scanned-over xs and stacked
+    ys): it is never split, so each iteration reads or writes a whole slice."""
+    out = set()
+    for node in graph.nodes:
+        if node.primitive == LOOP_SLICE:
+            out.add(node.inputs[0])
+        elif node.primitive == LOOP_STACK:
+            out.add(node.outputs[0])
+    return frozenset(out)
+
+
+def region_at(graph: OpGraph) -> dict[int, LoopRegion]:
+    """Regions by their first node id."""
+    return {r.start: r for r in graph.regions}
+
+
+__all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
+           "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region", "node_trips",
+           "stacked_tensors", "region_at"]
