@@ -9,6 +9,7 @@ replicates a tensor to change its layout and compiles the collectives the plan p
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -78,19 +79,22 @@ def _same_layout(a, b) -> bool:
 
 
 def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None,
-              reshard: dict[tuple[int, int], tuple] | None = None) -> None:
+              reshard: dict[tuple[int, int], tuple] | None = None, *,
+              entered: frozenset[int] = frozenset()) -> None:
     """Evaluate `nodes` (in order) reading and writing tensor values in `env`; under a trace,
     this re-emits their equations, each with its scope and source line. `reshard` maps
     (node id, operand position) to the layouts that operand passes through on its way to the
-    spec the node's strategy wants (`reshard_paths`)."""
+    spec the node's strategy wants (`reshard_paths`). `entered`: ids of the loop regions
+    whose body this is."""
     constrain, reshard = constrain or {}, reshard or {}
     regions, skip_to = region_at(graph), -1
     for node in nodes:
         if node.id < skip_to:         # inside a loop region emitted below
             continue
-        region = regions.get(node.id)
+        region = next((r for r in regions.get(node.id, ()) if r.id not in entered), None)
         if region is not None:        # a scan / while / cond: re-emitted around its body
-            run_region(graph, region, env, constrain, reshard, run_nodes, _resharded)
+            run_region(graph, region, env, constrain, reshard,
+                       functools.partial(run_nodes, entered=entered | {region.id}), _resharded)
             skip_to = region.stop
             continue
         if node.primitive in PSEUDO_PRIMITIVES:

@@ -155,9 +155,13 @@ def stacked_tensors(graph: OpGraph) -> frozenset[int]:
     return frozenset(out)
 
 
-def region_at(graph: OpGraph) -> dict[int, LoopRegion]:
-    """Regions by their first node id."""
-    return {r.start: r for r in graph.regions}
+def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
+    """Regions by their first node id, outermost first (a cond's first branch, or a body
+    starting with a loop, starts where the region around it starts)."""
+    out: dict[int, list[LoopRegion]] = {}
+    for r in graph.regions:          # numbered in order of entry: outer before inner
+        out.setdefault(r.start, []).append(r)
+    return out
 
 
 __all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
