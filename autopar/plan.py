@@ -51,8 +51,9 @@ class OperatorPlan:
     out_shape: tuple[int, ...]
     out_spec: Spec
     flops: float
-    compute_s: float
+    compute_s: float                   # over all its runs (x `trips`)
     comm_s: float
+    trips: int = 1                     # runs per step: inside a loop body, its trip count
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
