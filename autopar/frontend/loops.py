@@ -155,6 +155,21 @@ def stacked_tensors(graph: OpGraph) -> frozenset[int]:
     return frozenset(out)
 
 
+def atomic_spans(graph: OpGraph) -> list[tuple[int, int]]:
+    """The graph's nodes as consecutive [start, stop) spans that a cut may separate: one per
+    node outside every region, one per outermost region (a pipeline stage boundary inside a
+    loop would split its body from its boundary)."""
+    spans, n = [], 0
+    outer = sorted((r.start, r.stop) for r in graph.regions)
+    for start, stop in outer:
+        if start < n:                # nested in a region already taken whole
+            continue
+        spans += [(i, i + 1) for i in range(n, start)]
+        spans.append((start, stop))
+        n = stop
+    return spans + [(i, i + 1) for i in range(n, len(graph.nodes))]
+
+
 def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
     """Regions by their first node id, outermost first (a cond's first branch, or a body
     starting with a loop, starts where the region around it starts)."""
@@ -166,4 +181,4 @@ def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
 
 __all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
            "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region", "node_trips",
-           "stacked_tensors", "region_at"]
+           "stacked_tensors", "region_at", "atomic_spans"]

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,12 +22,15 @@ import jax.extend.core as jcore
 import numpy as np
 
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..frontend.loops import atomic_spans, node_trips
 from ..grad import VALUE_AND_GRAD
 from ..graph import InputRole, OpGraph, TensorKind
 from ..intra_op.build import cheap_source_tensors
 from ..options import AutoLayerOption, ManualLayerOption
 from ..trace import trace
 from .layers import cluster_layers, cut_bytes_from_liveness
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -113,20 +117,29 @@ def layer_boundaries(forward: OpGraph,
                      option: AutoLayerOption | ManualLayerOption) -> tuple[int, ...]:
     """Node index where each layer starts, plus the end (length L + 1)."""
     n = len(forward.nodes)
+    spans = atomic_spans(forward)          # a loop region is one unit: never cut inside
     if isinstance(option, ManualLayerOption):
-        cuts = sorted({m.position for m in forward.stage_markers if not m.backward} - {0, n})
+        marked = {m.position for m in forward.stage_markers if not m.backward} - {0, n}
+        cuts = sorted(marked & {a for a, _ in spans})
+        if len(cuts) < len(marked):
+            log.warning("autopar: %d stage marker(s) inside a loop body (scan/while/cond) are "
+                        "ignored: a loop stays in one pipeline stage", len(marked) - len(cuts))
         if not cuts:
             raise InvalidArgumentError(
                 "ManualLayerOption: the loss has no autopar.mark_stage_boundary(...) call, so it "
                 "is one layer. Fix: mark the values between layers, e.g. `x = "
                 "autopar.mark_stage_boundary(x)` after each block, or use AutoLayerOption.")
         return (0, *cuts, n)
-    num_layers = min(option.num_layers, n)
-    flops = np.array([nd.flops for nd in forward.nodes])
+    num_layers = min(option.num_layers, len(spans))
+    trips = node_trips(forward)
+    flops = np.array([sum(forward.nodes[i].flops * trips[i] for i in range(a, b))
+                      for a, b in spans])
     defined = [t.producer if t.kind == TensorKind.INTERMEDIATE else -1 for t in forward.tensors]
     last = forward.last_use()
     cut = cut_bytes_from_liveness(defined, last, [t.nbytes for t in forward.tensors], n)
-    return cluster_layers(flops, cut, num_layers, imbalance=option.imbalance).boundaries
+    starts = [a for a, _ in spans] + [n]
+    units = cluster_layers(flops, cut[starts], num_layers, imbalance=option.imbalance)
+    return tuple(starts[u] for u in units.boundaries)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
