@@ -200,3 +200,62 @@ def test_cond_equivalence_both_branches(sign):
     assert [r.kind for r in graph.regions] == [LoopKind.COND] * 2
     exits = [n for n in graph.nodes if n.primitive == "branch_exit"]
     assert exits and all(len(n.inputs) == 2 for n in exits)    # one sharding for both
+
+
+# ------------------------------------------------------------------- methods, pipelines
+@pytest.mark.parametrize("method", [autopar.DataParallel, autopar.Zero3Parallel])
+def test_scanned_stack_under_data_parallel_and_zero3(method):
+    """The batch path is followed through slices, stacks and carries (DataParallel pins it);
+    ZeRO-3 shards the stacks (and their Adam moments) on a non-layer dim even where the
+    layer dim is the largest, and gathers each layer's slice inside the loop."""
+    n, d = 8, 8                                    # the layer dim is the largest
+    p = {"ws": jax.random.normal(KEY, (n, d, d)) * 0.5}
+    batches = [{"x": b["x"][:, :d], "y": b["y"][:, :d]} for b in BATCHES]
+    tx = optax.adam(1e-2)
+
+    def step(state, batch):
+        params, opt = state
+        loss, g = jax.value_and_grad(lambda q: jnp.mean((jax.lax.scan(
+            lambda h, w: (jnp.tanh(h @ w), None), batch["x"], q["ws"])[0] - batch["y"]) ** 2)
+        )(params)
+        updates, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss, g
+    state = (p, tx.init(p))
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method(), batch_argnums=(1,))
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=False)   # Adam
+    plan = par.get_plan(state, batches[0])
+    stacks = [t for t in plan.inputs if t.shape == (n, d, d)]
+    assert len(stacks) == 3 and all(t.spec[0] == () for t in stacks)
+    body = hlo.summary(hlo.loop_body_collectives(par.get_compiled(state, batches[0]).as_text()))
+    if method is autopar.Zero3Parallel:
+        assert all(any(t.spec) for t in stacks)
+        assert body.get("all-gather", (0,))[0] >= 1, body
+    else:
+        assert not any(any(t.spec) for t in stacks)
+        assert set(body) <= {"all-reduce"}, body     # only the gradient reduction
+
+
+def test_pipeline_keeps_a_scan_inside_one_stage():
+    """Layer clustering never cuts a loop region: the scanned stack stays in one stage
+    (sub-scans over layer ranges are not implemented), and the pipeline is exact."""
+    p = {"w_in": jax.random.normal(KEY, (D, D)) * 0.3, **stacked_params(),
+         "w_out": jax.random.normal(jax.random.fold_in(KEY, 7), (D, D)) * 0.3}
+
+    def step(state, batch):
+        def loss(q):
+            h = jnp.tanh(batch["x"] @ q["w_in"])
+            with jax.named_scope("stack"):
+                h = scanned_mlp(q, h)
+            return jnp.mean((jnp.tanh(h @ q["w_out"]) - batch["y"]) ** 2)
+        value, g = autopar.value_and_grad(loss)(state[0])
+        return (jax.tree.map(lambda a, b: a - 0.1 * b, state[0], g),), value, g
+    ref = run_steps(jax.jit(step), (p,), BATCHES)
+    method = autopar.PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=3),
+        stage_option=autopar.UniformStageOption(num_stages=2))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    assert_equivalent(ref, run_steps(par, (p,), BATCHES), compare_params=True, rtol=2e-5)
+    plan = par.get_plan((p,), BATCHES[0])
+    assert len(plan.stages) == 2
+    assert [any("stack" in x for x in s.scopes) for s in plan.stages].count(True) == 1

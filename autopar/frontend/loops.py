@@ -26,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
     rid = len(b.regions)
     b.regions.append(None)            # reserved: regions are numbered in order of start
     source = _compat.source_summary(eqn.source_info) or outer_source
+    scope = _compat.name_stack(eqn.source_info)
     start = len(b.nodes)
     p = eqn.params
     if kind is LoopKind.COND:
@@ -59,7 +61,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
             ins.append(tuple(in_ids[1:]))       # a branch reads the operands themselves
             first = len(b.nodes)
             outs.append(tuple(_walk_body(b, branch, dict(zip(branch.jaxpr.invars, in_ids[1:])),
-                                         source)))
+                                         source, scope)))
             bodies.append((first, len(b.nodes)))
         entry = [-1] * (len(in_ids) - 1)
         exits = [_pseudo(b, BRANCH_EXIT, tuple(o[k] for o in outs), v.aval, eqn, env,
@@ -87,7 +89,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
             entry.append(nid)
             body_in.append(tid)
         first = len(b.nodes)
-        body_out = _walk_body(b, closed, body_env, source)
+        body_out = _walk_body(b, closed, body_env, source, scope)
         bodies, ins, outs = [(first, len(b.nodes))], [tuple(body_in)], [tuple(body_out)]
         exits = []
         for k, (tid, v) in enumerate(zip(body_out, eqn.outvars)):
@@ -102,12 +104,20 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
         body_outputs=tuple(outs), body_nodes=tuple(bodies))
 
 
-def _walk_body(b, closed, env: dict, source) -> list[int]:
-    """Walk a (closed) body jaxpr into `b` with `env` binding its inputs; its result ids."""
+def _walk_body(b, closed, env: dict, source, scope: str) -> list[int]:
+    """Walk a (closed) body jaxpr into `b` with `env` binding its inputs; its result ids.
+    Body equations name their scope relative to the loop: `scope` (the loop's) is put
+    in front."""
     inner = getattr(closed, "jaxpr", closed)
     for v, c in zip(inner.constvars, getattr(closed, "consts", ())):
         env[v] = b.const(c, v.aval)
+    first = len(b.nodes)
     b.walk(inner, env, source)
+    if scope:
+        for i in range(first, len(b.nodes)):
+            node = b.nodes[i]
+            b.nodes[i] = dataclasses.replace(
+                node, name_stack=f"{scope}/{node.name_stack}" if node.name_stack else scope)
     return [b.read(env, v) for v in inner.outvars]
 
 
