@@ -180,8 +180,23 @@ def test_while_loop_with_dynamic_bound_equivalence():
         np.testing.assert_allclose(par(W, x, jnp.int32(n)), jax.jit(power)(W, x, jnp.int32(n)),
                                    rtol=1e-5, atol=1e-6)
     graph = par.get_graph(W, x, jnp.int32(3))
-    assert [(r.kind, r.trips) for r in graph.regions] == [(LoopKind.WHILE, 1)]
+    assert [(r.kind, r.trips) for r in graph.regions] == [(LoopKind.WHILE, 1)]   # unknown
     assert "dot_general" in [n.primitive for n in graph.nodes]
+
+
+@pytest.mark.parametrize("loop,trips", [
+    (lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ W)),
+                                  (0, x))[1], 5),
+    (lambda x: jax.lax.while_loop(lambda c: 0 < c[0], lambda c: (c[0] - 2, jnp.tanh(c[1] @ W)),
+                                  (7, x))[1], 4),
+    (lambda x: jax.lax.fori_loop(2, jnp.int32(9), lambda i, h: jnp.tanh(h @ W), x), 7),
+    (lambda x: jax.lax.while_loop(lambda h: jnp.sum(h) < 10.0, lambda h: h * 2.0, x), 1),
+])
+def test_a_counting_while_loop_is_costed_per_iteration(loop, trips):
+    x = jnp.abs(BATCHES[0]["x"])
+    assert [r.trips for r in trace(loop, (x,)).regions] == [trips]
+    par = autopar.parallelize(loop, mesh=mesh_of((2, 4)), batch_argnums=(0,))
+    np.testing.assert_allclose(par(x), jax.jit(loop)(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

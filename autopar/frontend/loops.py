@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
             closed, n_const = p["body_jaxpr"], p["body_nconsts"]
             n_carry = len(closed.jaxpr.invars) - n_const
             outer_of = list(in_ids[p["cond_nconsts"]:])
-            trips = 1                         # unknown trip count: the body is costed once
+            trips = counted_trips(eqn, in_ids, b.const_values) or 1   # unknown: costed once
         body_env, entry, body_in = {}, [], []
         for k, v in enumerate(closed.jaxpr.invars):
             if k < n_const:
@@ -102,6 +103,82 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
         outer_outputs=tuple(b.nodes[n].outputs[0] for n in exits),
         entry_nodes=tuple(entry), exit_nodes=tuple(exits), body_inputs=tuple(ins),
         body_outputs=tuple(outs), body_nodes=tuple(bodies))
+
+
+_COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+            "ne": operator.ne}
+MAX_COUNTED_TRIPS = 1 << 20
+# A counter's update: (counter, step) operand orders and the step's sign.
+_STEPS = {"add": lambda v: (((v[0], v[1]), 1), ((v[1], v[0]), 1)),
+          "sub": lambda v: (((v[0], v[1]), -1),)}
+
+
+def counted_trips(eqn, in_ids: list[int], const_values: dict) -> int | None:
+    """The trip count of a `while` loop that counts: its condition compares one integer
+    carry with a bound fixed for the loop (a literal, a constant, or a carry the body passes
+    through), the body adds or subtracts a literal step to that carry, and its initial value
+    is a constant (`while i < 5: ...; i += 1`, `fori_loop` with a constant bound). None for
+    any other loop (its body is then costed once).
+
+    Example:
+        >>> counted_trips(while_eqn_of(lambda c: c[0] < 5, step_by_one, (0, x)), ids, consts)
+        5
+    """
+    p = eqn.params
+    cond, body, n_cond, n_body = (p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"],
+                                  p["body_nconsts"])
+    if len(cond.jaxpr.eqns) != 1:
+        return None
+    (test,) = cond.jaxpr.eqns
+    compare = _COMPARE.get(test.primitive.name)
+    invars = list(cond.jaxpr.invars)
+    consts = dict(zip(cond.jaxpr.constvars, cond.consts))
+
+    def position(atom) -> int | None:          # index among the cond's inputs
+        if isinstance(atom, _compat.Literal):
+            return None
+        return next((k for k, v in enumerate(invars) if v is atom), None)
+
+    def fixed(atom):                           # a value that is the same every iteration
+        if isinstance(atom, _compat.Literal):
+            return atom.val
+        if atom in consts:
+            return consts[atom]
+        k = position(atom)
+        if k is not None and k >= n_cond:      # a carry the body passes through unchanged
+            c = k - n_cond
+            k = n_cond + n_body + c if body.jaxpr.outvars[c] is body.jaxpr.invars[n_body + c] \
+                else None
+        return const_values.get(in_ids[k]) if k is not None else None
+
+    if compare is None or test.outvars[0] is not cond.jaxpr.outvars[0]:
+        return None
+    (lhs, rhs), flip = test.invars, False
+    k = position(lhs)
+    if k is None or k < n_cond:
+        (rhs, lhs), flip = test.invars, True
+        k = position(lhs)
+    bound = fixed(rhs)
+    if k is None or k < n_cond or bound is None:
+        return None
+    carry = k - n_cond
+    init = const_values.get(in_ids[n_cond + n_body + carry])
+    carry_in, carry_out = body.jaxpr.invars[n_body + carry], body.jaxpr.outvars[carry]
+    step = next((other.val * sign for e in body.jaxpr.eqns if e.outvars[0] is carry_out
+                 for (a, other), sign in _STEPS.get(e.primitive.name, lambda v: ())(e.invars)
+                 if a is carry_in and isinstance(other, _compat.Literal)), None)
+    try:
+        i, bound, step = int(init), int(bound), int(step)
+    except (TypeError, ValueError):          # not a constant integer
+        return None
+    if step == 0:
+        return None
+    n = 0
+    while (compare(bound, i) if flip else compare(i, bound)):
+        i, n = i + step, n + 1
+        if n > MAX_COUNTED_TRIPS:
+            return None
+    return max(n, 1)
 
 
 def _walk_body(b, closed, env: dict, source, scope: str) -> list[int]:
@@ -191,4 +268,4 @@ def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
 
 __all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
            "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region", "node_trips",
-           "stacked_tensors", "region_at", "atomic_spans"]
+           "stacked_tensors", "region_at", "atomic_spans", "counted_trips"]
