@@ -125,11 +125,12 @@ def section(res: dict, cmdline: str) -> str:
     for row in res.get("rows", []):
         name = "scan" if row["scan"] else "unrolled"
         if "error" in row:
-            out.append(md_row([row["layers"], name, f"failed: {row['error']}"] + [""] * 6))
+            out.append(md_row([str(row["layers"]), name, f"failed: {row['error']}"] + [""] * 6))
             continue
         temp = row.get("temp")
         out.append(md_row([
-            row["layers"], name, f"{row['plan_s']:.1f}", row["ilp_groups"], row["ilp_vars"],
+            str(row["layers"]), name, f"{row['plan_s']:.1f}", str(row["ilp_groups"]),
+            str(row["ilp_vars"]),
             f"{temp / 2**20:.2f} MiB" if temp is not None else "not compiled (plan only)",
             f"{temp / row['temp_one_device']:.2f}" if temp is not None else "",
             _kinds(row["compiled"]) if temp is not None else "",

@@ -16,6 +16,7 @@ import autopar
 from autopar import hlo
 from autopar.frontend.loops import node_trips
 from autopar.graph import LoopKind
+from autopar.intra_op.predict import compare
 from autopar.trace import trace
 from models.gpt import GPTConfig
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
@@ -149,6 +150,10 @@ def test_scanned_gpt_is_planned_inside_the_loop():
     compiled = par.get_compiled(state, batches[0])
     in_body = hlo.summary(hlo.loop_body_collectives(compiled.as_text()))
     assert in_body.get("all-reduce", (0,))[0] >= 2, in_body
+    # the plan predicts what compiles (body collectives listed once, as the HLO has them)
+    check = compare(plan.collectives, hlo.collectives(compiled.as_text()),
+                    reduce_scatter_as_all_reduce=True)
+    assert check.ok, check.problems
     one = jax.jit(step).lower(state, batches[0]).compile().memory_analysis()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.3 * one.temp_size_in_bytes
 
