@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from common import (DEFAULT_OUT, REPO, cpu_model, load_avg, md_row, source_revision, utc_now,
+from common import (DEFAULT_OUT, collective_kinds, md_row, run_worker, section_head,
                     write_section)
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COMPILED_LAYERS, PLAN_LAYERS = (4, 12), (48,)
 
 
@@ -88,32 +85,12 @@ def _worker(out_path: str, compiled_layers, plan_layers) -> None:
 
 def run(compiled_layers=COMPILED_LAYERS, plan_layers=PLAN_LAYERS,
         timeout_s: float = 1800) -> dict:
-    res = {"started": utc_now(), "revision": source_revision(), "cpu": cpu_model()}
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        env = {**os.environ, "PYTHONPATH": REPO, "AUTOPAR_PLAN_CACHE": "off"}
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker", out,
-               "--layers", *map(str, compiled_layers), "--plan-layers", *map(str, plan_layers)]
-        try:
-            r = subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout_s)
-            if r.returncode:
-                res["error"] = f"worker exited with status {r.returncode}"
-        except subprocess.TimeoutExpired:
-            res["error"] = f"worker stopped after {timeout_s:.0f} s"
-        res["rows"] = json.load(open(out)) if os.path.exists(out) else []
-    res["finished"], res["load"] = utc_now(), load_avg()
-    return res
-
-
-def _kinds(found: dict) -> str:
-    parts = [f"{k} {n}" for k in KINDS if k in found for n, _ in [found[k]]]
-    return ", ".join(parts) or "none"
+    return run_worker(__file__, ["--layers", *map(str, compiled_layers),
+                                 "--plan-layers", *map(str, plan_layers)], timeout_s)
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = ["<!-- loops:begin -->", "## Loops (scanned vs unrolled GPT)", "",
-           f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
-           f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", "",
+    out = section_head("loops", "Loops (scanned vs unrolled GPT)", res, cmdline) + [
            "Linen GPT (hidden 256, 8 heads, vocab 1024, seq 64, batch 16, adamw), ShardParallel "
            "on a 2 x 4 mesh of simulated CPU devices. *scan*: `nn.scan` over the blocks "
            "(`GPTConfig.scan_layers`), the body planned once and costed x layers. *temp*: "
@@ -133,8 +110,8 @@ def section(res: dict, cmdline: str) -> str:
             str(row["ilp_vars"]),
             f"{temp / 2**20:.2f} MiB" if temp is not None else "not compiled (plan only)",
             f"{temp / row['temp_one_device']:.2f}" if temp is not None else "",
-            _kinds(row["compiled"]) if temp is not None else "",
-            _kinds(row["in_loops"]) if temp is not None else ""]))
+            collective_kinds(row["compiled"], kib=False) if temp is not None else "",
+            collective_kinds(row["in_loops"], kib=False) if temp is not None else ""]))
     if res.get("error"):
         out += ["", f"The worker did not finish: {res['error']}."]
     return "\n".join(out + ["<!-- loops:end -->"])
