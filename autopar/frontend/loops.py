@@ -33,7 +33,6 @@ from typing import Any
 
 from .. import _compat
 from ..graph import LoopKind, LoopRegion, Node, OpGraph, TensorKind
-
 from ..primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_CARRY, LOOP_EXIT,
                           LOOP_PSEUDO as PSEUDO_PRIMITIVES, LOOP_SLICE, LOOP_STACK)
 
@@ -57,7 +56,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
     start = len(b.nodes)
     p = eqn.params
     if kind is LoopKind.COND:
-        ins, outs, bodies, entry = [], [], [], []
+        ins, outs, bodies = [], [], []
         for branch in p["branches"]:
             ins.append(tuple(in_ids[1:]))       # a branch reads the operands themselves
             first = len(b.nodes)
