@@ -5,6 +5,8 @@
 iteration, and the lowering re-emits the loop with per-iteration sharding constraints. Each
 case is checked against plain `jax.jit` on one device (fp32) on a 2x4 mesh.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +281,40 @@ def test_pipeline_keeps_a_scan_inside_one_stage():
     plan = par.get_plan((p,), BATCHES[0])
     assert len(plan.stages) == 2
     assert [any("stack" in x for x in s.scopes) for s in plan.stages].count(True) == 1
+
+
+def test_scanned_gpt_gets_its_unrolled_twins_plan():
+    """Planned (not compiled) at a size where Megatron pays: every block operator of the
+    scanned GPT takes the strategy the unrolled twin gives it in its first block, and the
+    predicted step costs agree."""
+    from flax.training import train_state
+    from models.gpt import GPT, gpt_loss, make_gpt_batch
+
+    def plan_of(scan):
+        cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden=256, num_heads=8,
+                        scan_layers=scan)
+        net, batch = GPT(cfg), make_gpt_batch(KEY, 16, cfg)
+        state = jax.eval_shape(lambda: train_state.TrainState.create(
+            apply_fn=net.apply, params=net.init(KEY, batch["tokens"]), tx=optax.adamw(1e-3)))
+
+        def step(state, batch):
+            loss, g = jax.value_and_grad(lambda p: gpt_loss(
+                state.apply_fn(p, batch["tokens"]), batch["tokens"]))(state.params)
+            return state.apply_gradients(grads=g), loss
+        return autopar.plan(step, state, batch, cluster=autopar.ClusterSpec.preset("cpu"),
+                            mesh_shape=(2, 4), batch_argnums=(1,))
+
+    def block_strategies(plan):
+        out = {}
+        for o in plan.operators:
+            scope = o.name_stack.replace("blocks/block", "block").replace("block_0", "block")
+            if "/block/" in scope:      # which dim a square gradient reduce-scatters onto
+                out.setdefault((scope, o.out_shape), re.sub(r" rs\d$", " rs", o.strategy))
+        return out                        # is a tie between equal costs
+    scanned, unrolled = plan_of(True), plan_of(False)
+    assert {o.trips for o in scanned.operators if "/blocks/" in o.name_stack} == {2}
+    mine, twin = block_strategies(scanned), block_strategies(unrolled)
+    assert len(mine) >= 10 and mine == twin
+    assert any("model" in s for s in mine.values())          # tensor parallel inside
+    assert scanned.predicted_compute_s == pytest.approx(unrolled.predicted_compute_s, rel=0.02)
+    assert scanned.predicted_comm_s == pytest.approx(unrolled.predicted_comm_s, rel=0.02)
