@@ -84,6 +84,25 @@ def test_trace_makes_a_region_per_scan_with_boundary_pseudo_nodes():
     assert g.last_use()[w_slice.inputs[0]] >= fwd.stop - 1
 
 
+def test_liveness_holds_stacked_ys_through_the_loop():
+    """A body value lives one iteration; the stacked ys buffer exists from the loop's start,
+    so the peak inside the body counts it next to the body's temporaries."""
+    from autopar.intra_op.solve import peak_memory
+    from autopar.spec import replicated
+    xs, c0 = jnp.ones((4, 64, 64)), jnp.ones((64, 64))
+
+    def f(xs, c0):
+        def body(c, x):
+            h = jnp.tanh(c @ x)
+            return h, h * 2.0
+        return jax.lax.scan(body, c0, xs)
+    g = trace(f, (xs, c0))
+    specs = [replicated(t.rank) for t in g.tensors]
+    block = 64 * 64 * 4
+    # xs and ys whole, plus the carry, the matmul, tanh and the y of one iteration
+    assert peak_memory(g, specs, (2, 4)) >= 2 * 4 * block + 4 * block
+
+
 # ------------------------------------------------------------------------------ scan
 def test_lax_scan_mlp_equivalence_and_per_iteration_costs():
     state = (stacked_params(), TX.init(stacked_params()))

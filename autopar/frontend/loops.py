@@ -241,6 +241,18 @@ def stacked_tensors(graph: OpGraph) -> frozenset[int]:
     return frozenset(out)
 
 
+def stacks_born_early(graph: OpGraph) -> dict[int, int]:
+    """Stacked results (a loop's ys) -> the node where their buffer is allocated: the loop's
+    first node, not the stack pseudo-node after the body (the loop writes one slice per
+    iteration into a buffer that exists from the start), for liveness."""
+    out = {}
+    for r in graph.regions:
+        for n in r.exit_nodes:
+            if graph.nodes[n].primitive == LOOP_STACK:
+                out[graph.nodes[n].outputs[0]] = r.start
+    return out
+
+
 def atomic_spans(graph: OpGraph) -> list[tuple[int, int]]:
     """The graph's nodes as consecutive [start, stop) spans that a cut may separate: one per
     node outside every region, one per outermost region (a pipeline stage boundary inside a
@@ -267,4 +279,5 @@ def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
 
 __all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
            "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region", "node_trips",
-           "stacked_tensors", "region_at", "atomic_spans", "counted_trips"]
+           "stacked_tensors", "region_at", "atomic_spans", "counted_trips",
+           "stacks_born_early"]

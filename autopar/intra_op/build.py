@@ -20,7 +20,7 @@ from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..frontend.loops import node_trips, stacked_tensors
+from ..frontend.loops import node_trips, stacked_tensors, stacks_born_early
 from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
@@ -348,10 +348,13 @@ class _Builder:
         for t in g.inputs:
             if last[t] >= 0:
                 tracker.add(t)
+        early: dict[int, list[int]] = {}      # a loop's stacked ys exist from its start
+        for t, at in stacks_born_early(g).items():
+            early.setdefault(at, []).append(t)
         points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                for o in g.nodes[i].outputs:
+                for o in (*early.get(i, ()), *g.nodes[i].outputs):
                     if last[o] >= 0:
                         tracker.add(o)
                         grown = True
