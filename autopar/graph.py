@@ -182,6 +182,19 @@ class OpGraph:
                         last[t] = r.stop - 1
         return last
 
+    def node_trips(self) -> list[int]:
+        """Per node, how many times it runs per step: the product of the trip counts of the
+        loops around it (a loop's exit pseudo-nodes count as inside: the carry moves back
+        into its sharding every iteration)."""
+        trips = [1] * len(self.nodes)
+        for r in self.regions:
+            if r.trips != 1:
+                inside = [n for first, stop in r.body_nodes for n in range(first, stop)]
+                for n in inside + list(r.exit_nodes):
+                    trips[n] *= r.trips
+        return trips
+
     @property
     def total_flops(self) -> float:
-        return float(sum(n.flops for n in self.nodes))
+        """FLOPs per step (a loop body's operators once per iteration)."""
+        return float(sum(n.flops * k for n, k in zip(self.nodes, self.node_trips())))

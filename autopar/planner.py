@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-from .frontend.loops import node_trips
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
 from .intra_op.predict import implied_reshards, predict_collectives
@@ -42,7 +41,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     predicted resharding collectives."""
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
-    operators, trips = [], node_trips(graph)
+    operators, trips = [], graph.node_trips()
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:
             continue

@@ -16,7 +16,6 @@ from flax import nnx
 
 import autopar
 from autopar import hlo
-from autopar.frontend.loops import node_trips
 from autopar.graph import LoopKind
 from autopar.intra_op.predict import compare
 from autopar.trace import trace
@@ -75,8 +74,10 @@ def test_trace_makes_a_region_per_scan_with_boundary_pseudo_nodes():
     assert "dot_general" in prims and prims[-1] == "loop_stack"
     assert "loop_exit" in prims and "scan" not in [n.primitive for n in g.nodes]
     body = range(*fwd.body_nodes[0])
-    trips = node_trips(g)
+    trips = g.node_trips()
     assert all(trips[n] == L for n in body) and trips[fwd.entry_nodes[0]] == 1
+    matmul = 2 * B * D * D
+    assert g.total_flops >= 3 * L * matmul          # forward, input and weight gradients x L
     # the stacked weights are sliced, one [D, D] matrix per iteration
     w_slice = g.nodes[fwd.entry_nodes[1]]
     assert g.tensors[w_slice.outputs[0]].shape == (D, D)

@@ -215,20 +215,6 @@ def _pseudo(b, primitive: str, inputs: tuple[int, ...], aval, eqn, env, source, 
     return node_id
 
 
-def node_trips(graph: OpGraph) -> list[int]:
-    """Per node, how many times it runs per step: the product of the trip counts of the
-    loops around it (a loop's exit pseudo-nodes count as inside: the carry moves back into
-    its sharding every iteration)."""
-    trips = [1] * len(graph.nodes)
-    for r in graph.regions:
-        if r.trips == 1:
-            continue
-        inside = [n for first, stop in r.body_nodes for n in range(first, stop)]
-        for n in inside + list(r.exit_nodes):
-            trips[n] *= r.trips
-    return trips
-
-
 def stacked_tensors(graph: OpGraph) -> frozenset[int]:
     """Tensors whose dimension 0 is a loop's iteration dimension (scanned-over xs and stacked
     ys): it is never split, so each iteration reads or writes a whole slice."""
@@ -278,6 +264,6 @@ def region_at(graph: OpGraph) -> dict[int, list[LoopRegion]]:
 
 
 __all__ = ["LOOP_CARRY", "LOOP_SLICE", "LOOP_STACK", "LOOP_EXIT", "BRANCH_EXIT",
-           "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region", "node_trips",
+           "PSEUDO_PRIMITIVES", "REGION_PRIMITIVES", "PseudoEqn", "trace_region",
            "stacked_tensors", "region_at", "atomic_spans", "counted_trips",
            "stacks_born_early"]

@@ -22,7 +22,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..frontend.loops import atomic_spans, node_trips
+from ..frontend.loops import atomic_spans
 from ..grad import VALUE_AND_GRAD
 from ..graph import InputRole, OpGraph, TensorKind
 from ..intra_op.build import cheap_source_tensors
@@ -131,7 +131,7 @@ def layer_boundaries(forward: OpGraph,
                 "autopar.mark_stage_boundary(x)` after each block, or use AutoLayerOption.")
         return (0, *cuts, n)
     num_layers = min(option.num_layers, len(spans))
-    trips = node_trips(forward)
+    trips = forward.node_trips()
     flops = np.array([sum(forward.nodes[i].flops * trips[i] for i in range(a, b))
                       for a, b in spans])
     defined = [t.producer if t.kind == TensorKind.INTERMEDIATE else -1 for t in forward.tensors]

@@ -20,7 +20,7 @@ from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..frontend.loops import node_trips, stacked_tensors, stacks_born_early
+from ..frontend.loops import stacked_tensors, stacks_born_early
 from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
@@ -162,7 +162,7 @@ class _Builder:
         self.owners: list[tuple[str, int]] = []
         self._reshard_cache: dict = {}
         self.expanded = expanded_tensors(graph)
-        self.trips = node_trips(graph)     # runs per step: body operators x trip count
+        self.trips = graph.node_trips()     # runs per step: body operators x trip count
         self._scale = 1                    # the trips of the node being connected
 
     def new_group(self, k: int, owner: tuple[str, int]) -> int:

@@ -3,7 +3,7 @@
 
 A body operator is an ordinary ILP node (one variable set per body: a body is solved once);
 its compute and communication costs, and the resharding it causes, are multiplied by the
-trip count (`frontend.loops.node_trips`). The carry-in is a leader over every sharding of the
+trip count (`OpGraph.node_trips`). The carry-in is a leader over every sharding of the
 carry; the carry-out is charged, per iteration, for moving into it (`loop_exit` joins the
 carry-in's group). Slices and stacks follow the value they come from, keeping the iteration
 dimension whole.
