@@ -211,6 +211,14 @@ def test_while_loop_with_dynamic_bound_equivalence():
     assert "dot_general" in [n.primitive for n in graph.nodes]
 
 
+def test_fingerprint_sees_a_while_loops_condition():
+    from autopar.plan import graph_fingerprint
+    x = BATCHES[0]["x"]
+    fp = lambda n: graph_fingerprint(trace(lambda x: jax.lax.while_loop(   # noqa: E731
+        lambda c: jnp.sum(c) < n, lambda c: c * 2.0, x), (x,)))
+    assert fp(10.0) != fp(20.0) and fp(10.0) == fp(10.0)
+
+
 @pytest.mark.parametrize("loop,trips", [
     (lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ W)),
                                   (0, x))[1], 5),

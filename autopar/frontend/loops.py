@@ -39,8 +39,9 @@ from ..primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_C
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PseudoEqn:
-    """The `eqn` of a pseudo-node: plain parameters (read by the fingerprint and the ILP) and
-    the loop equation's source info. Never bound: lowering re-emits the whole region."""
+    """The `eqn` of a pseudo-node: plain parameters (read by the fingerprint and the ILP; a
+    while loop's condition, which is not in the graph, among them) and the loop equation's
+    source info. Never bound: lowering re-emits the whole region."""
     params: dict
     source_info: Any = field(repr=False)
 
@@ -206,7 +207,7 @@ def _pseudo(b, primitive: str, inputs: tuple[int, ...], aval, eqn, env, source, 
     if env is not None and not isinstance(eqn.outvars[index], _compat.DropVar):
         env[eqn.outvars[index]] = tid
     p = eqn.params
-    plain = {k: p[k] for k in ("length", "reverse", "unroll") if k in p}
+    plain = {k: p[k] for k in ("length", "reverse", "unroll", "cond_jaxpr") if k in p}
     b.nodes.append(Node(
         id=node_id, primitive=primitive, inputs=inputs, outputs=(tid,), flops=0.0,
         source=source or "<unknown>", name_stack=_compat.name_stack(eqn.source_info),
