@@ -173,9 +173,9 @@ def test_scanned_gpt_is_planned_inside_the_loop():
     in_body = hlo.summary(hlo.loop_body_collectives(compiled.as_text()))
     assert in_body.get("all-reduce", (0,))[0] >= 2, in_body
     # the plan predicts what compiles (body collectives listed once, as the HLO has them)
-    check = compare(plan.collectives, hlo.collectives(compiled.as_text()),
-                    reduce_scatter_as_all_reduce=True)
-    assert check.ok, check.problems
+    predicted = compare(plan.collectives, hlo.collectives(compiled.as_text()),
+                        reduce_scatter_as_all_reduce=True)
+    assert predicted.ok, predicted.problems
     one = jax.jit(step).lower(state, batches[0]).compile().memory_analysis()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.3 * one.temp_size_in_bytes
 
