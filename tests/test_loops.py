@@ -286,9 +286,10 @@ def test_scanned_stack_under_data_parallel_and_zero3(method):
         assert set(body) <= {"all-reduce"}, body     # only the gradient reduction
 
 
-def test_pipeline_keeps_a_scan_inside_one_stage():
-    """Layer clustering never cuts a loop region: the scanned stack stays in one stage
-    (sub-scans over layer ranges are not implemented), and the pipeline is exact."""
+def test_pipeline_cuts_a_scanned_stack_into_sub_scans():
+    """AutoLayerOption runs a scan as sub-scans over ranges of its layers (frontend/subscans):
+    layer clustering cuts between them (never inside a loop region), so the stack spans both
+    stages, and the pipeline is exact."""
     p = {"w_in": jax.random.normal(KEY, (D, D)) * 0.3, **stacked_params(),
          "w_out": jax.random.normal(jax.random.fold_in(KEY, 7), (D, D)) * 0.3}
 
@@ -308,7 +309,24 @@ def test_pipeline_keeps_a_scan_inside_one_stage():
     assert_equivalent(ref, run_steps(par, (p,), BATCHES), compare_params=True, rtol=2e-5)
     plan = par.get_plan((p,), BATCHES[0])
     assert len(plan.stages) == 2
-    assert [any("stack" in x for x in s.scopes) for s in plan.stages].count(True) == 1
+    assert all(any("stack" in x for x in s.scopes) for s in plan.stages), plan.stages
+
+
+def test_sub_scans_compute_the_scan():
+    from autopar.frontend.subscans import piece_bounds, split_scans
+    assert piece_bounds(10, 4) == [0, 2, 5, 7, 10] and piece_bounds(3, 8) == [0, 1, 2, 3]
+
+    def f(ws, x):
+        body = lambda h, w: (jnp.tanh(h @ w), jnp.sum(h))                   # noqa: E731
+        h, ys = jax.lax.scan(body, x, ws)
+        return (h, ys) + jax.lax.scan(body, h, ws, reverse=True)
+    ws = jax.random.normal(KEY, (6, D, D)) * 0.3
+    x = BATCHES[0]["x"]
+    split = split_scans(jax.make_jaxpr(f)(ws, x), 4)
+    for a, b in zip(f(ws, x), split(ws, x)):
+        np.testing.assert_array_equal(a, b)
+    trips = [r.trips for r in trace(split, (ws, x)).regions]
+    assert len(trips) == 8 and sum(trips) == 12              # 4 pieces of each 6-layer scan
 
 
 def test_scanned_gpt_gets_its_unrolled_twins_plan():

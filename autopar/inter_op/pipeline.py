@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..frontend.loops import atomic_spans
+from ..frontend.subscans import has_scan, split_scans
 from ..grad import VALUE_AND_GRAD
 from ..graph import InputRole, OpGraph, TensorKind
 from ..intra_op.build import cheap_source_tensors
@@ -70,9 +71,13 @@ def _grad_node(step: OpGraph):
     return grads[0]
 
 
-def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGraph:
+def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
+               scan_pieces: int = 1) -> LossGraph:
     """Find the `autopar.value_and_grad` node of `step` and the loss's forward graph at the
-    microbatch size (from `micro`: the same step traced with batch leaves of B / M rows)."""
+    microbatch size (from `micro`: the same step traced with batch leaves of B / M rows).
+    With `scan_pieces` > 1 every scan of the loss runs as that many sub-scans over ranges of
+    its iterations (`frontend.subscans`), so that layer clustering can cut a scanned layer
+    stack between stages."""
     node, micro_node = _grad_node(step), _grad_node(micro)
     params = node.eqn.params
     closed: jcore.ClosedJaxpr = micro_node.eqn.params["jaxpr"]
@@ -102,7 +107,8 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
                 f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
                 "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    forward = trace(jcore.jaxpr_as_fun(closed), avals)
+    forward = trace(split_scans(closed, scan_pieces) if scan_pieces > 1 and has_scan(closed)
+                    else jcore.jaxpr_as_fun(closed), avals)
     for out in forward.outputs:
         if forward.tensors[out].kind != TensorKind.INTERMEDIATE:
             raise UnsupportedError(
