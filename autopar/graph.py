@@ -103,6 +103,34 @@ class Node:
     remat: RematRegion | None = None   # the undifferentiated `remat` this node was inlined from
 
 
+class LoopKind(enum.Enum):
+    SCAN = "scan"
+    WHILE = "while"
+    COND = "cond"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LoopRegion:
+    """A `scan` / `while` / `cond` whose body operators are nodes of the graph (nodes
+    `start` .. `stop - 1`, entry and exit pseudo-nodes included; see `frontend.loops`).
+    `body_inputs` / `body_outputs` are the body's tensors in the body jaxpr's order (one
+    tuple per branch of a `cond`); `trips` is the trip count the body's costs are multiplied
+    by (1 where it is unknown, as for most `while` loops)."""
+    id: int
+    kind: LoopKind
+    eqn: Any = field(repr=False)               # the original equation (params, cond_jaxpr)
+    start: int
+    stop: int
+    trips: int
+    outer_inputs: tuple[int, ...]              # tensor ids of the equation's operands
+    outer_outputs: tuple[int, ...]             # tensor ids of its results
+    entry_nodes: tuple[int, ...]               # per body input: its pseudo-node, -1 if aliased
+    exit_nodes: tuple[int, ...]                # per result: its pseudo-node
+    body_inputs: tuple[tuple[int, ...], ...]
+    body_outputs: tuple[tuple[int, ...], ...]
+    body_nodes: tuple[tuple[int, int], ...]    # per body: its (first, stop) node ids
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class OpGraph:
     nodes: tuple[Node, ...]
@@ -119,6 +147,7 @@ class OpGraph:
                                                # positions, not tensor ids: see carried_tensors
     stage_markers: tuple[StageMarker, ...] = ()  # manual layer boundaries, in order
     trace_time_s: float = 0.0
+    regions: tuple[LoopRegion, ...] = ()       # loops and conds, outer before inner
 
     def carried_tensors(self, carried: dict[OutputPos, InputPos] | None = None,
                         ) -> dict[OutputPos, TensorId]:
@@ -159,8 +188,27 @@ class OpGraph:
         for pos, t in enumerate(self.inputs):
             if pos not in self.donated_inputs:
                 last[t] = end
+        for r in self.regions:       # a value read in a loop lives until the loop ends
+            for node in self.nodes[r.start:r.stop]:
+                for t in node.inputs:
+                    produced = self.tensors[t].producer
+                    if (produced is None or produced < r.start) and 0 <= last[t] < r.stop - 1:
+                        last[t] = r.stop - 1
         return last
+
+    def node_trips(self) -> list[int]:
+        """Per node, how many times it runs per step: the product of the trip counts of the
+        loops around it (a loop's exit pseudo-nodes count as inside: the carry moves back
+        into its sharding every iteration)."""
+        trips = [1] * len(self.nodes)
+        for r in self.regions:
+            if r.trips != 1:
+                inside = [n for first, stop in r.body_nodes for n in range(first, stop)]
+                for n in inside + list(r.exit_nodes):
+                    trips[n] *= r.trips
+        return trips
 
     @property
     def total_flops(self) -> float:
-        return float(sum(n.flops for n in self.nodes))
+        """FLOPs per step (a loop body's operators once per iteration)."""
+        return float(sum(n.flops * k for n, k in zip(self.nodes, self.node_trips())))

@@ -59,6 +59,26 @@ def collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s.*\{\s*$")
+_LOOP_BODY = re.compile(r"\bbody=%([^\s,)}]+)")
+
+
+def loop_body_collectives(hlo_text: str) -> list[Collective]:
+    """The collectives inside `while` bodies (a scan or while loop: they run every
+    iteration), in order. A planned loop body shows its operators' collectives here."""
+    bodies = set(_LOOP_BODY.findall(hlo_text))
+    lines, name = [], None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(1)
+        elif line.startswith("}"):
+            name = None
+        elif name in bodies:
+            lines.append(line)
+    return collectives("\n".join(lines))
+
+
 def summary(found: list[Collective]) -> dict[str, tuple[int, int]]:
     """kind -> (count, total bytes), for the kinds present."""
     out: dict[str, tuple[int, int]] = {}
@@ -68,4 +88,4 @@ def summary(found: list[Collective]) -> dict[str, tuple[int, int]]:
     return out
 
 
-__all__ = ["Collective", "KINDS", "collectives", "summary"]
+__all__ = ["Collective", "KINDS", "collectives", "loop_body_collectives", "summary"]

@@ -68,7 +68,9 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     their source lines, predicted costs, ILP statistics and every fallback applied.
 
     `max_operators` keeps the first heavy operators; `max_rows` clips the state and result
-    tables (an Adam-trained model has three state rows per parameter).
+    tables (an Adam-trained model has three state rows per parameter). An operator inside a
+    loop body is listed once, as it runs, with its runs per step (`dot_general x12`); its
+    compute time is over all of them.
 
     Example:
         >>> print(autopar.dump(plan, max_operators=12, max_rows=14))
@@ -126,7 +128,8 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     lines.append("")
     ops = plan.operators if max_operators is None else plan.operators[:max_operators]
     lines.append(f"heavy operators ({len(plan.operators)}):")
-    rows = [(o.node, o.primitive, "x".join(map(str, o.out_shape)), o.strategy,
+    rows = [(o.node, o.primitive + (f" x{o.trips}" if o.trips > 1 else ""),
+             "x".join(map(str, o.out_shape)), o.strategy,
              format_spec(o.out_spec, names), o.communication or "-", _time(o.compute_s),
              o.name_stack or "-", o.source) for o in ops]
     lines += ["  " + r for r in _table(rows, ("node", "op", "out shape", "strategy", "out",

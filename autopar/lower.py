@@ -9,6 +9,7 @@ replicates a tensor to change its layout and compiles the collectives the plan p
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,9 +18,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _compat
-from .errors import PlanMismatchError
+from .errors import AutoparError, PlanMismatchError
+from .frontend.loops import PSEUDO_PRIMITIVES, region_at
 from .graph import OpGraph
 from .intra_op.predict import RESULT, reshard_path
+from .lowering.loops import run_region
 from .plan import ParallelPlan
 from .spec import Spec, to_names
 
@@ -76,11 +79,13 @@ def _same_layout(a, b) -> bool:
 
 
 def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None = None,
-              reshard: dict[tuple[int, int], tuple] | None = None) -> None:
+              reshard: dict[tuple[int, int], tuple] | None = None, *,
+              entered: frozenset[int] = frozenset()) -> None:
     """Evaluate `nodes` (in order) reading and writing tensor values in `env`; under a trace,
     this re-emits their equations, each with its scope and source line. `reshard` maps
     (node id, operand position) to the layouts that operand passes through on its way to the
-    spec the node's strategy wants (`reshard_paths`)."""
+    spec the node's strategy wants (`reshard_paths`). `entered`: ids of the loop regions
+    whose body this is."""
     constrain, reshard = constrain or {}, reshard or {}
     nodes = list(nodes)
     start = 0
@@ -93,13 +98,13 @@ def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None
             stop += 1
         run = nodes[start:stop]
         if region is None:
-            _run(graph, run, env, constrain, reshard)
+            _run(graph, run, env, constrain, reshard, entered)
         else:
-            _run_remat(graph, run, env, constrain, reshard, region)
+            _run_remat(graph, run, env, constrain, reshard, entered, region)
         start = stop
 
 
-def _run_remat(graph, nodes, env, constrain, reshard, region) -> None:
+def _run_remat(graph, nodes, env, constrain, reshard, entered, region) -> None:
     """`nodes` (one `RematRegion`) under `jax.checkpoint` with the user's policy: the gradient
     taken of this trace recomputes them as the user's `jax.checkpoint` did."""
     produced = [t for n in nodes for t in n.outputs]
@@ -108,7 +113,7 @@ def _run_remat(graph, nodes, env, constrain, reshard, region) -> None:
 
     def body(*values):
         local = dict(zip(reads, values))
-        _run(graph, nodes, local, constrain, reshard)
+        _run(graph, nodes, local, constrain, reshard, entered)
         return [local[t] for t in produced]
 
     outs = jax.checkpoint(body, policy=region.policy, prevent_cse=region.prevent_cse)(
@@ -116,13 +121,29 @@ def _run_remat(graph, nodes, env, constrain, reshard, region) -> None:
     env.update(zip(produced, outs))
 
 
-def _run(graph, nodes, env, constrain, reshard) -> None:
+def _run(graph, nodes, env, constrain, reshard, entered) -> None:
+    """`run_nodes` outside remat regions: loops re-emitted around their bodies, a remat's
+    barrier group as one optimization barrier, annotations as the identity."""
     barriers: dict[int, list] = {}       # a remat's barrier group -> its nodes run here
     for node in nodes:
         if node.barrier is not None:
             barriers.setdefault(node.barrier, []).append(node)
     barred: dict[int, Any] = {}          # node id -> its value behind the group's barrier
+    regions, skip_to = region_at(graph), -1
     for node in nodes:
+        if node.id < skip_to:         # inside a loop region emitted below
+            continue
+        region = next((r for r in regions.get(node.id, ()) if r.id not in entered), None)
+        if region is not None:        # a scan / while / cond: re-emitted around its body
+            run_region(graph, region, env, constrain, reshard,
+                       functools.partial(run_nodes, entered=entered | {region.id}), _resharded)
+            skip_to = region.stop
+            continue
+        if node.primitive in PSEUDO_PRIMITIVES:
+            raise AutoparError(
+                f"node {node.id} '{node.primitive}' belongs to a loop whose first node is not "
+                f"evaluated here: a stage or slice of the graph cut through a loop region (an "
+                f"internal autopar error; please report it).")
         eqn = node.eqn
         with _compat.equation_context(eqn):   # keeps the op's scope and line in HLO metadata
             if node.barrier is not None:     # one barrier for the group, as jax.checkpoint

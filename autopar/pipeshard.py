@@ -125,7 +125,9 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
     step = step_graph if step_graph is not None else trace(fun, args, **kw)
     m = method.num_microbatches
     micro = trace(fun, microbatch_args(args, batch_argnums, m), **kw) if m > 1 else step
-    loss = split_step(step, micro, m)
+    layers = method.layer_option
+    loss = split_step(step, micro, m, scan_pieces=layers.num_layers       # scans can be cut
+                      if isinstance(layers, AutoLayerOption) else 1)
     t_trace = time.perf_counter() - t0
     bounds = layer_boundaries(loss.forward, method.layer_option)
     log.info("autopar: loss cut into %d layers (%d forward operators)", len(bounds) - 1,

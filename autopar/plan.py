@@ -51,8 +51,9 @@ class OperatorPlan:
     out_shape: tuple[int, ...]
     out_spec: Spec
     flops: float
-    compute_s: float
+    compute_s: float                   # over all its runs (x `trips`)
     comm_s: float
+    trips: int = 1                     # runs per step: inside a loop body, its trip count
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -288,12 +289,24 @@ def graph_fingerprint(graph: OpGraph) -> str:
     for tid in graph.inputs:
         t = graph.tensors[tid]
         h.update(f"{t.shape}{t.dtype};".encode())
+    for tid, value in graph.const_values.items():   # literals (loop bodies are inlined)
+        if graph.tensors[tid].rank == 0:
+            h.update(f"c{tid}={_scalar(value, graph.tensors[tid].dtype)};".encode())
     for node in graph.nodes:
         outs = ",".join(f"{graph.tensors[o].shape}{graph.tensors[o].dtype}" for o in node.outputs)
         params = ",".join(f"{k}={_stable(v, memo)}" for k, v in sorted(node.eqn.params.items()))
         h.update(f"{node.primitive}[{params}]({','.join(map(str, node.inputs))})->{outs};"
                  .encode())
     return h.hexdigest()[:16]
+
+
+def _scalar(value, dtype: str) -> str:
+    """A scalar constant's bytes in its tensor's dtype (a literal is a Python number, a
+    numpy scalar or a typed one: the same value must give the same text)."""
+    try:
+        return np.asarray(value, dtype=dtype).tobytes().hex()
+    except (TypeError, ValueError):      # a PRNG key, a token: counted by type only
+        return type(value).__name__
 
 
 def constrained_tensors(graph: OpGraph, constant: Collection[int]) -> list[int]:

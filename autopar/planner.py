@@ -41,7 +41,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     predicted resharding collectives."""
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
-    operators = []
+    operators, trips = [], graph.node_trips()
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:
             continue
@@ -51,7 +51,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
             communication=assignment.node_comm[node.id], source=node.source,
             name_stack=node.name_stack, out_shape=out.shape, out_spec=specs[out.id],
             flops=node.flops, compute_s=assignment.node_compute_s[node.id],
-            comm_s=assignment.node_comm_s[node.id]))
+            comm_s=assignment.node_comm_s[node.id], trips=trips[node.id]))
     collectives = predict_collectives(graph, assignment, cost)
     reshards = tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, assignment))
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,

@@ -44,6 +44,11 @@ MATMUL_LIKE = frozenset({"dot_general", "conv_general_dilated"})   # compute-hea
 HEAVY_OPERATORS = (MATMUL_LIKE | {"gather", "scatter-add", "scatter"} | WINDOW_REDUCTIONS
                    | WINDOW_SELECTS | RANDOM_BITS)
 CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+# Pseudo-nodes joining a loop body to the outside (frontend/loops.py): carry-in, xs slice,
+# ys stack, final carry, a cond's result.
+LOOP_CARRY, LOOP_SLICE, LOOP_STACK = "loop_carry", "loop_slice", "loop_stack"
+LOOP_EXIT, BRANCH_EXIT = "loop_exit", "branch_exit"
+LOOP_PSEUDO = frozenset({LOOP_CARRY, LOOP_SLICE, LOOP_STACK, LOOP_EXIT, BRANCH_EXIT})
 # Results that are not constants even when every operand is.
-NOT_FOLDABLE = CONTROL_FLOW | {"random_bits", "random_seed", "random_wrap", "threefry2x32",
+NOT_FOLDABLE = CONTROL_FLOW | LOOP_PSEUDO | {"random_bits", "random_seed", "random_wrap", "threefry2x32",
                                "rng_bit_generator", "rng_uniform"}

@@ -2,7 +2,8 @@
 
 The function is traced once with `jax.make_jaxpr`; call-like primitives (`jit`,
 `custom_jvp_call`, `custom_vjp_call`, `remat`) are inlined so that every heavy operator is a
-node of one flat graph. Control flow (`scan`, `while`, `cond`) stays a single node.
+node of one flat graph. Control flow (`scan`, `while`, `cond`) becomes a region: its body's
+operators are nodes too, connected by pseudo-nodes (`frontend.loops`).
 
 Example:
     >>> graph = trace(lambda w, x: jnp.tanh(x @ w), (w, x), batch_argnums=(1,))
@@ -25,6 +26,7 @@ from . import _compat
 from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand
 from .graph import InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor, TensorKind
+from .frontend.loops import REGION_PRIMITIVES, trace_region
 from .markers import STAGE_BOUNDARY
 from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
 
@@ -196,6 +198,7 @@ class _Builder:
         self.const_values: dict[int, Any] = {}
         self.markers: list[StageMarker] = []
         self.region: RematRegion | None = None   # the undifferentiated remat being walked
+        self.regions: list = []         # LoopRegion per scan / while / cond (frontend.loops)
 
     def new_tensor(self, aval, kind: TensorKind, **kw) -> int:
         tid = len(self.tensors)
@@ -223,6 +226,9 @@ class _Builder:
                 self.markers.append(StageMarker(
                     position=len(self.nodes), name=eqn.params["name"],
                     backward="transpose(" in _compat.name_stack(eqn.source_info)))
+                continue
+            if name in REGION_PRIMITIVES:
+                trace_region(self, eqn, in_ids, env, outer_source)
                 continue
             body_param = _compat.INLINE_BODY_PARAM.get(name)
             if name == VALUE_AND_GRAD and not self.keep_grad:
@@ -351,7 +357,7 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
                    outputs=tuple(output_ids), const_values=b.const_values, in_tree=in_tree,
                    out_tree=out_tree, arg_of_input=tuple(arg_of_input),
                    donated_inputs=frozenset(donated), carried_outputs=carried,
-                   stage_markers=tuple(b.markers),
+                   stage_markers=tuple(b.markers), regions=tuple(b.regions),
                    trace_time_s=time.perf_counter() - start)
 
 

@@ -103,11 +103,51 @@ def revision_text(start: str | None, end: str | None) -> str:
 # Sections of BENCHMARKS.md that separate scripts own, between HTML-comment markers.
 # ---------------------------------------------------------------------------------------------
 
-SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper")   # in the order they appear
+SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper", "loops")   # in the order they appear
 
 
 def markers(key: str) -> tuple[str, str]:
     return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+
+
+def run_worker(script: str, argv: list[str], timeout_s: float) -> dict:
+    """Run `script --_worker ROWS *argv` (a child that writes its result rows as JSON to the
+    file ROWS) with this Python, plan cache off. Returns {"started", "revision", "cpu",
+    "rows", "finished", "load"} and "error" when the child failed or ran out of time (the
+    rows it wrote are kept)."""
+    res = {"started": utc_now(), "revision": source_revision(), "cpu": cpu_model()}
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        env = {**os.environ, "PYTHONPATH": REPO, "AUTOPAR_PLAN_CACHE": "off"}
+        try:
+            r = subprocess.run([sys.executable, os.path.abspath(script), "--_worker", out,
+                                *argv], env=env, cwd=REPO, timeout=timeout_s)
+            if r.returncode:
+                res["error"] = f"worker exited with status {r.returncode}"
+        except subprocess.TimeoutExpired:
+            res["error"] = f"worker stopped after {timeout_s:.0f} s"
+        res["rows"] = json.load(open(out)) if os.path.exists(out) else []
+    res["finished"], res["load"] = utc_now(), load_avg()
+    return res
+
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+
+
+def collective_kinds(found: dict, *, kib: bool = True) -> str:
+    """`hlo.summary`-like {kind: (count, bytes)} as text: "all-reduce 3 (12 KiB), ..."."""
+    parts = [f"{k} {n}" + (f" ({b / 1024:.0f} KiB)" if kib else "")
+             for k in COLLECTIVE_KINDS if k in found for n, b in [found[k]]]
+    return ", ".join(parts) or "none"
+
+
+def section_head(key: str, title: str, res: dict, cmdline: str) -> list[str]:
+    """The first lines of a section that a `run_worker` result fills: its begin marker, its
+    title, and the command with when, where and on which revision it ran."""
+    return [markers(key)[0], f"## {title}", "",
+            f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
+            f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", ""]
 
 
 def read_section(path: str, key: str) -> str | None:

@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from common import (DEFAULT_OUT, REPO, cpu_model, load_avg, md_row, source_revision, utc_now,
+from common import (DEFAULT_OUT, collective_kinds, md_row, run_worker, section_head,
                     write_section)
 
 MODELS = ("mlp", "bert_layer", "bert_mlm", "gpt")
 METHODS = ("DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel")
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def _case(name: str):
@@ -123,29 +120,11 @@ def _worker(out_path: str) -> None:
 
 
 def run(timeout_s: float = 1800) -> dict:
-    res = {"started": utc_now(), "revision": source_revision(), "cpu": cpu_model()}
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        env = {**os.environ, "PYTHONPATH": REPO, "AUTOPAR_PLAN_CACHE": "off"}
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", out],
-                           env=env, cwd=REPO, timeout=timeout_s)
-        res["rows"] = json.load(open(out)) if os.path.exists(out) else []
-        if r.returncode:
-            res["error"] = f"worker exited with status {r.returncode}"
-    res["finished"], res["load"] = utc_now(), load_avg()
-    return res
-
-
-def _kinds(found: dict) -> str:
-    parts = [f"{k} {n} ({b / 1024:.0f} KiB)" for k in KINDS if k in found
-             for n, b in [found[k]]]
-    return ", ".join(parts) or "none"
+    return run_worker(__file__, [], timeout_s)
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = ["<!-- methods:begin -->", "## Method promises", "",
-           f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
-           f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", "",
+    out = section_head("methods", "Method promises", res, cmdline) + [
            "2 x 4 mesh of simulated CPU devices, Adam. *gathered* = bytes all-gathered per step "
            "/ parameter bytes; *update FLOPs* = the optimizer's elementwise FLOPs per device; "
            "XLA:CPU shows a reduce-scatter as an all-reduce. Predicted counts are before XLA combines "
@@ -159,8 +138,8 @@ def section(res: dict, cmdline: str) -> str:
                                "", "", ""]))
             continue
         gathered = row["compiled"].get("all-gather", (0, 0))[1] / row["param_bytes"]
-        out.append(md_row([row["model"], row["method"], _kinds(row["compiled"]),
-                           _kinds(row["predicted"]), f"{gathered:.2f}x",
+        out.append(md_row([row["model"], row["method"], collective_kinds(row["compiled"]),
+                           collective_kinds(row["predicted"]), f"{gathered:.2f}x",
                            f"{row['update_flops']:,.0f}", f"{row['flops']:,.0f}"]))
     if res.get("error"):
         out += ["", f"The worker did not finish: {res['error']}."]

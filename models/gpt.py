@@ -69,6 +69,7 @@ class GPTConfig:
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     stage_boundaries: bool = False
+    scan_layers: bool = False      # linen GPT: blocks under `nn.scan` with stacked parameters
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "seq_len", "num_layers", "hidden",
@@ -168,6 +169,16 @@ class Block(nn.Module):
         return x
 
 
+class _ScannedBlock(nn.Module):
+    """`Block` as an `nn.scan` step: (carry, unused) -> (carry, None)."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        return Block(self.config, name="block")(x), None
+
+
 class GPT(nn.Module):
     """Linen GPT: ``tokens`` int32[B, S] -> logits float32[B, S, vocab]."""
 
@@ -184,7 +195,11 @@ class GPT(nn.Module):
         )(tokens)
         pos = self.param("pos_embed", _POS_EMBED_INIT, (c.seq_len, c.hidden), c.param_dtype)
         x = x + pos[None, :s].astype(c.dtype)
-        for i in range(c.num_layers):
+        if c.scan_layers:     # MaxText-style: one block, parameters stacked [num_layers, ...]
+            blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=c.num_layers)
+            x, _ = blocks(c, name="blocks")(x, None)
+        for i in range(0 if c.scan_layers else c.num_layers):
             x = Block(c, name=f"block_{i}")(x)
             if c.stage_boundaries and i < c.num_layers - 1:
                 x = mark_stage_boundary(x)

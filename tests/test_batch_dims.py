@@ -82,3 +82,21 @@ def test_sources_seed_other_dimensions():
     dims = batch_dims(g, {g.inputs[0]: 1})
     assert dims[g.outputs[0]] == 0
     assert batch_dims(g)[g.outputs[0]] is None                   # no batch argument
+
+
+def test_the_batch_goes_through_loop_slices_stacks_and_carries():
+    """A scan over time steps of a [T, B, D] batch: the slice's batch is dim 0, the carry
+    keeps the init's, the stacked ys have it at dim 1 again; the weight gradient none."""
+    def loss(w, xs, h0):
+        def cell(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h
+        h, ys = jax.lax.scan(cell, h0, xs)
+        return jnp.mean(ys ** 2) + jnp.mean(h)
+    w, xs, h0 = jnp.ones((8, 8)), jnp.ones((5, 16, 8)), jnp.ones((16, 8))
+    g = trace(jax.grad(loss), (w, xs, h0), batch_argnums=(1, 2))
+    dims = batch_dims(g, {g.inputs[1]: 1, g.inputs[2]: 0})
+    by = lambda p: _dims_by_primitive(g, dims, p)          # noqa: E731
+    assert set(by("loop_slice")) >= {0} and 0 in by("loop_carry")
+    assert 1 in by("loop_stack")
+    assert dims[g.outputs[0]] is None                     # dL/dw

@@ -223,3 +223,10 @@ def test_data_parallel_cnn_with_batchnorm_and_pooling_at_batch_8():
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(ref[0]), jax.tree_util.tree_leaves(got[0])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_zero_spec_keeps_a_layer_stack_dimension_whole():
+    from autopar.intra_op.constraints import zero_spec
+    assert zero_spec((48, 32), (2, 4)) == ((0, 1), ())            # the largest dim
+    assert zero_spec((48, 32), (2, 4), whole=1) == ((), (0, 1))   # a stack: not its layers
+    assert zero_spec((48, 3), (2, 4), whole=1) == ((), ())        # nothing else divides

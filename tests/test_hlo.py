@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from autopar.hlo import collectives, summary
+from autopar.hlo import collectives, loop_body_collectives, summary
 from steps import mesh_of
 
 TEXT = """
@@ -50,3 +50,28 @@ def test_a_tuple_all_to_all_is_one_exchange():
     (found,) = collectives(text)
     assert (found.kind, found.nbytes, found.num_operands) == ("all-to-all", 4 * 4 * 4, 1)
     assert found.op_name == "jit(f)/mul"
+
+
+LOOPS = """
+%region_body.8 (arg: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %ar.1 = f32[4,8]{1,0} all-reduce(%d), channel_id=2, to_apply=%add
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %ar.1)
+}
+
+%region_cond.9 (arg: (s32[], f32[4,8])) -> pred[] {
+  %ag.9 = f32[8]{0} all-gather(%v), channel_id=9, dimensions={0}
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main.1 (p0: f32[4,8]) -> f32[4,8] {
+  %ag.2 = f32[16,8]{1,0} all-gather(%p0), channel_id=3, dimensions={0}
+  %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%region_cond.9, body=%region_body.8
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_loop_body_collectives_are_the_ones_inside_while_bodies():
+    assert summary(collectives(LOOPS)) == {"all-reduce": (1, 128), "all-gather": (2, 544)}
+    assert summary(loop_body_collectives(LOOPS)) == {"all-reduce": (1, 128)}
+    assert loop_body_collectives(TEXT) == []

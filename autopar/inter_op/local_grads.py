@@ -27,8 +27,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _compat
+from ..frontend.loops import region_at
 from ..graph import OpGraph, TensorKind
 from ..intra_op.batch_dims import batch_dims
+from ..lower import run_nodes
 from ..spec import Spec
 from .pipeline import LossGraph
 from .stage_solve import stage_batch_sources, stage_io
@@ -207,7 +209,17 @@ def run_nodes_local(graph: OpGraph, nodes, env: dict, specs: dict[int, Spec],
     over their axes, linear readers of partial values run vmapped over the partial dimension,
     and every pinned value is constrained to its spec (`partial_spec` for a partial one)."""
     names = mesh.axis_names
+    regions, skip_to, constrain = region_at(graph), -1, None
     for node in nodes:
+        if node.id < skip_to:
+            continue
+        if node.id in regions:   # a loop: no partial sums cross it (its pseudo-nodes are
+            region = regions[node.id][0]         # not linear), so it runs as planned
+            if constrain is None:
+                constrain = {t: named(mesh, s) for t, s in specs.items() if s is not None}
+            run_nodes(graph, graph.nodes[region.start:region.stop], env, constrain)
+            skip_to = region.stop
+            continue
         eqn = node.eqn
         prim, params = eqn.primitive, eqn.params
         with _compat.equation_context(eqn):

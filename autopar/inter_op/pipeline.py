@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +22,8 @@ import jax.extend.core as jcore
 import numpy as np
 
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..frontend.loops import atomic_spans
+from ..frontend.subscans import has_scan, split_scans
 from ..grad import VALUE_AND_GRAD
 from ..graph import InputRole, OpGraph, TensorKind
 from ..intra_op.build import cheap_source_tensors
@@ -28,6 +31,8 @@ from ..options import AutoLayerOption, ManualLayerOption
 from ..trace import trace
 from .layers import cluster_layers, cut_bytes_from_liveness
 from .reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -70,9 +75,13 @@ def _grad_node(step: OpGraph):
     return grads[0]
 
 
-def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGraph:
+def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
+               scan_pieces: int = 1) -> LossGraph:
     """Find the `autopar.value_and_grad` node of `step` and the loss's forward graph at the
-    microbatch size (from `micro`: the same step traced with batch leaves of B / M rows)."""
+    microbatch size (from `micro`: the same step traced with batch leaves of B / M rows).
+    With `scan_pieces` > 1 every scan of the loss runs as that many sub-scans over ranges of
+    its iterations (`frontend.subscans`), so that layer clustering can cut a scanned layer
+    stack between stages."""
     node, micro_node = _grad_node(step), _grad_node(micro)
     params = node.eqn.params
     closed: jcore.ClosedJaxpr = micro_node.eqn.params["jaxpr"]
@@ -104,7 +113,8 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int) -> LossGrap
                 f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
                 "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    forward = trace(jcore.jaxpr_as_fun(closed), avals)
+    forward = trace(split_scans(closed, scan_pieces) if scan_pieces > 1 and has_scan(closed)
+                    else jcore.jaxpr_as_fun(closed), avals)
     for out in forward.outputs:
         if forward.tensors[out].kind != TensorKind.INTERMEDIATE:
             raise UnsupportedError(
@@ -128,20 +138,29 @@ def layer_boundaries(forward: OpGraph,
                      option: AutoLayerOption | ManualLayerOption) -> tuple[int, ...]:
     """Node index where each layer starts, plus the end (length L + 1)."""
     n = len(forward.nodes)
+    spans = atomic_spans(forward)          # a loop region is one unit: never cut inside
     if isinstance(option, ManualLayerOption):
-        cuts = sorted({m.position for m in forward.stage_markers if not m.backward} - {0, n})
+        marked = {m.position for m in forward.stage_markers if not m.backward} - {0, n}
+        cuts = sorted(marked & {a for a, _ in spans})
+        if len(cuts) < len(marked):
+            log.warning("autopar: %d stage marker(s) inside a loop body (scan/while/cond) are "
+                        "ignored: a loop stays in one pipeline stage", len(marked) - len(cuts))
         if not cuts:
             raise InvalidArgumentError(
                 "ManualLayerOption: the loss has no autopar.mark_stage_boundary(...) call, so it "
                 "is one layer. Fix: mark the values between layers, e.g. `x = "
                 "autopar.mark_stage_boundary(x)` after each block, or use AutoLayerOption.")
         return (0, *cuts, n)
-    num_layers = min(option.num_layers, n)
-    flops = np.array([nd.flops for nd in forward.nodes])
+    num_layers = min(option.num_layers, len(spans))
+    trips = forward.node_trips()
+    flops = np.array([sum(forward.nodes[i].flops * trips[i] for i in range(a, b))
+                      for a, b in spans])
     defined = [t.producer if t.kind == TensorKind.INTERMEDIATE else -1 for t in forward.tensors]
     last = forward.last_use()
     cut = cut_bytes_from_liveness(defined, last, [t.nbytes for t in forward.tensors], n)
-    return cluster_layers(flops, cut, num_layers, imbalance=option.imbalance).boundaries
+    starts = [a for a, _ in spans] + [n]
+    units = cluster_layers(flops, cut[starts], num_layers, imbalance=option.imbalance)
+    return tuple(starts[u] for u in units.boundaries)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ..cluster import ClusterSpec, LogicalMesh
 from ..cost import CostModel
+from ..frontend.loops import atomic_spans
 from ..graph import OpGraph, TensorKind
 from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, build_intra_op,
                               least_memory, solve_built)
@@ -154,16 +155,19 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
     late = set(graph.inputs[len(graph.inputs) - num_cts:])
     const_only = {t.id for t in graph.tensors if t.kind == TensorKind.CONST}
     forward, backward = [], []
-    for node in graph.nodes:
-        if any(t in late for t in node.inputs):
-            late.update(node.outputs)
-            backward.append(node.id)
-        elif all(t in const_only for t in node.inputs):
-            const_only.update(node.outputs)
-            forward.append(node.id)
-            backward.append(node.id)
+    for start, stop in atomic_spans(graph):      # a loop region goes to one side whole
+        ids = range(start, stop)
+        made = {t for n in ids for t in graph.nodes[n].outputs}
+        reads = [t for n in ids for t in graph.nodes[n].inputs if t not in made]
+        if any(t in late for t in reads):
+            late.update(made)
+            backward.extend(ids)
+        elif all(t in const_only for t in reads):
+            const_only.update(made)
+            forward.extend(ids)
+            backward.extend(ids)
         else:
-            forward.append(node.id)
+            forward.extend(ids)
     made_late = set(backward)
     read = [t for n in backward for t in graph.nodes[n].inputs] + list(graph.outputs[n_out:])
     residuals = dict.fromkeys(

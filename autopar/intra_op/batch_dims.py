@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..graph import InputRole, Node, OpGraph
-from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
+from ..primitives import AXIS_OPS, ELEMENTWISE, LOOP_SLICE, LOOP_STACK, REDUCTIONS
 
 BatchDims = tuple[int | None, ...]
 
@@ -238,6 +238,18 @@ def _scatter(graph, node, dims):
     return [None]
 
 
+def _loop_slice(graph: OpGraph, node: Node, dims: list) -> list[int | None]:
+    """A loop's xs [T, ...] -> its body's slice: the batch moves one dimension down."""
+    d = dims[node.inputs[0]]
+    return [d - 1 if d is not None and d > 0 else None]
+
+
+def _loop_stack(graph: OpGraph, node: Node, dims: list) -> list[int | None]:
+    """A body's y -> the loop's stacked ys [T, ...]: the batch moves one dimension up."""
+    d = dims[node.inputs[0]]
+    return [None if d is None else d + 1]
+
+
 _RULES = {
     "dot_general": _dot_general, "conv_general_dilated": _conv, "transpose": _transpose,
     "broadcast_in_dim": _broadcast_in_dim, "squeeze": _squeeze, "reshape": _reshape,
@@ -245,6 +257,7 @@ _RULES = {
     "rev": _unchanged_extent, "dynamic_update_slice": _unchanged_extent,
     "concatenate": _concatenate, "split": _split, "gather": _gather,
     "scatter": _scatter, "scatter-add": _scatter,
+    LOOP_SLICE: _loop_slice, LOOP_STACK: _loop_stack,   # carries keep their position
 }
 
 __all__ = ["BatchDims", "batch_dims", "batch_sources"]

@@ -20,7 +20,9 @@ from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..primitives import CONTROL_FLOW, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
+from ..frontend.loops import stacked_tensors, stacks_born_early
+from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
+from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,6 +162,8 @@ class _Builder:
         self.owners: list[tuple[str, int]] = []
         self._reshard_cache: dict = {}
         self.expanded = expanded_tensors(graph)
+        self.trips = graph.node_trips()     # runs per step: body operators x trip count
+        self._scale = 1                    # the trips of the node being connected
 
     def new_group(self, k: int, owner: tuple[str, int]) -> int:
         self.owners.append(owner)
@@ -184,10 +188,10 @@ class _Builder:
         gu = self.tensor_group[tid]
         specs = self.tensor_specs[tid]
         if gu == group:
-            self.diag[group] += np.array([self.reshard(tid, specs[a], w)
-                                          for a, w in enumerate(wanted)])
+            self.diag[group] += self._scale * np.array([self.reshard(tid, specs[a], w)
+                                                        for a, w in enumerate(wanted)])
             return
-        mat = np.array([[self.reshard(tid, s, w) for w in wanted] for s in specs])
+        mat = self._scale * np.array([[self.reshard(tid, s, w) for w in wanted] for s in specs])
         if not mat.any():
             return
         key = (gu, group)
@@ -213,6 +217,10 @@ class _Builder:
     # --------------------------------------------------------------------------- nodes
     def add_node(self, node, cheap: list[bool]) -> None:
         name = node.primitive
+        if name == LOOP_EXIT:        # joins its carry-in's group (frontend/loops.py)
+            carry_in = node.eqn.params["carry_in"]
+            return self._finish(node, self.tensor_group[carry_in],
+                                exit_strategies(self.tensor_specs[carry_in]))
         follow = FOLLOW_RULES.get(name)
         if follow is not None and node.inputs and node.outputs:
             biggest = max(self.g.tensors[t].size for t in node.inputs)
@@ -221,7 +229,7 @@ class _Builder:
                 len(self.tensor_specs[t]) > 1, not cheap[t], not self.expanded[t]))
             if pos is not None:
                 return self._add_follower(node, follow, pos)
-        rule = LEADER_RULES.get(name)
+        rule = LEADER_RULES.get(name) or LOOP_LEADER_RULES.get(name)
         strategies = rule(self.ctx, node) if rule is not None else []
         if not strategies:
             strategies = replicated_rule(self.ctx, node)
@@ -252,6 +260,7 @@ class _Builder:
         return s.compute_s + s.comm_s
 
     def _add_leader(self, node, strategies: list[Strategy]) -> None:
+        strategies = scaled(strategies, self.trips[node.id])
         g = self.new_group(len(strategies), ("node", node.id))
         self.costs[g] += [self._objective(node, s) for s in strategies]
         self._finish(node, g, strategies)
@@ -263,15 +272,18 @@ class _Builder:
         for spec in self.tensor_specs[tid]:
             if spec not in by_spec:
                 by_spec[spec] = follow(self.ctx, node, pos, spec)
-        strategies = [by_spec[spec] for spec in self.tensor_specs[tid]]
+        strategies = scaled([by_spec[spec] for spec in self.tensor_specs[tid]],
+                            self.trips[node.id])
         self.costs[g] += [self._objective(node, s) for s in strategies]
         self._finish(node, g, strategies)
 
     def _finish(self, node, g: int, strategies: list[Strategy]) -> None:
         self.node_group[node.id] = g
         self.node_strategies[node.id] = strategies
+        self._scale = self.trips[node.id]      # a body operand is moved every iteration
         for i, tid in enumerate(node.inputs):
             self.connect(tid, g, [s.in_specs[i] for s in strategies])
+        self._scale = 1
         for j, tid in enumerate(node.outputs):
             self.tensor_group[tid] = g
             self.tensor_specs[tid] = [s.out_specs[j] for s in strategies]
@@ -336,10 +348,13 @@ class _Builder:
         for t in g.inputs:
             if last[t] >= 0:
                 tracker.add(t)
+        early: dict[int, list[int]] = {}      # a loop's stacked ys exist from its start
+        for t, at in stacks_born_early(g).items():
+            early.setdefault(at, []).append(t)
         points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                for o in g.nodes[i].outputs:
+                for o in (*early.get(i, ()), *g.nodes[i].outputs):
                     if last[o] >= 0:
                         tracker.add(o)
                         grown = True
@@ -447,6 +462,12 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     for tid, spec in (hints or {}).items():
         g = b.tensor_group[tid]
         b.diag[g] += np.array([b.reshard(tid, s, spec) for s in b.tensor_specs[tid]])
+    stacked = stacked_tensors(graph)
+    if stacked:      # a loop's iteration dimension (dim 0 of its xs and ys) is never split
+        method_allowed = allowed
+        allowed = lambda tid, spec, wanted=False: (
+            not (tid in stacked and spec and spec[0])
+            and (method_allowed is None or method_allowed(tid, spec, wanted)))
     unmet = b.restrict(allowed) if allowed is not None else []
     node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
     edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]

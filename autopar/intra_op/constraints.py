@@ -12,7 +12,8 @@ import re
 from typing import Callable, Sequence
 
 from ..errors import InvalidArgumentError
-from ..graph import InputRole, OpGraph
+from ..frontend.loops import stacked_tensors
+from ..graph import InputRole, OpGraph, TensorKind
 from ..options import MethodKind, ShardParallel
 from ..spec import Spec, enumerate_specs, is_valid, num_shards, replicated
 from .batch_dims import batch_dims
@@ -37,13 +38,16 @@ def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int], path: str, metho
     return ((axes),) + ((),) * (len(shape) - 1)
 
 
-def zero_spec(shape: Sequence[int], mesh_shape: Sequence[int]) -> Spec:
+def zero_spec(shape: Sequence[int], mesh_shape: Sequence[int], whole: int = 0) -> Spec:
     """The spec that cuts a state leaf into the most pieces, preferring a single split dim
-    (the largest) so that updates stay local."""
+    (the largest) so that updates stay local; its first `whole` dims stay unsplit (a layer
+    stack that a loop scans over)."""
     if len(shape) == 0:
         return ()
     best = None
     for spec in enumerate_specs(shape, mesh_shape):
+        if any(spec[:whole]):
+            continue
         split_dims = sum(1 for d in spec if d)
         key = (num_shards(spec, mesh_shape), -split_dims,
                max((shape[i] for i, d in enumerate(spec) if d), default=0))
@@ -172,14 +176,19 @@ def _kind_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[in
         return free
     label = type(method).__name__
     axes = batch_axes(method, mesh_shape, axis_names)
+    # Layer stacks a loop scans over keep their layer dim whole; so does the state of a
+    # parameter of that shape (its moments are updated with it).
+    stacks = {graph.tensors[t].shape for t in stacked_tensors(graph)
+              if graph.tensors[t].kind == TensorKind.INPUT}
 
     def options(tid: int) -> list[Spec]:
         t = graph.tensors[tid]
+        whole = int(t.shape in stacks)
         if t.role == InputRole.BATCH:
             return [batch_spec(t.shape, mesh_shape, t.path, label, axes)]
         if t.role == InputRole.OPT_STATE and kind in (MethodKind.ZERO2, MethodKind.ZERO3):
-            return [zero_spec(t.shape, mesh_shape)]
+            return [zero_spec(t.shape, mesh_shape, whole)]
         if t.role == InputRole.PARAM and kind == MethodKind.ZERO3:
-            return [zero_spec(t.shape, mesh_shape)]
+            return [zero_spec(t.shape, mesh_shape, whole)]
         return [replicated(t.rank)]
     return options

@@ -14,6 +14,7 @@ from ..graph import Node
 from ..spec import Spec, num_shards, replicated, without_axes
 from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
 from .layer_rules import LAYER_FOLLOW_RULES
+from .loops import LOOP_FOLLOW_RULES
 from .rules import RuleContext, Strategy
 
 
@@ -221,6 +222,7 @@ FOLLOW_RULES.update({
     "concatenate": concatenate, "split": split, "bitcast_convert_type": bitcast_convert_type,
 })
 FOLLOW_RULES.update(LAYER_FOLLOW_RULES)   # pooling, max-pool gradients, PRNG keys
+FOLLOW_RULES.update(LOOP_FOLLOW_RULES)    # a loop's xs slices and ys stacks
 
 
 def main_operand(ctx: RuleContext, node: Node, preference) -> int | None:

@@ -11,6 +11,7 @@ import numpy as np
 from ..cluster import LogicalMesh
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
+from ..frontend.loops import stacks_born_early
 from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
@@ -74,8 +75,13 @@ def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
             dies[last[t.id]] = dies.get(last[t.id], 0.0) + per[t.id]
     live = sum(per[t] for t in set(graph.inputs) if last[t] >= 0)
     peak = live
+    early = stacks_born_early(graph)      # a loop's stacked ys exist from its first node
+    born: dict[int, list[int]] = {}
+    for t, at in early.items():
+        born.setdefault(at, []).append(t)
     for node in graph.nodes:
-        live += sum(per[o] for o in node.outputs if last[o] >= 0)
+        made = [o for o in node.outputs if o not in early] + born.get(node.id, [])
+        live += sum(per[o] for o in made if last[o] >= 0)
         peak = max(peak, live)
         live -= dies.get(node.id, 0.0)
     return peak

@@ -1,0 +1,1 @@
+"""Lowering: a plan and its graph -> JAX programs with shardings."""
