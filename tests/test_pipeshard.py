@@ -453,7 +453,8 @@ def test_lm1b_with_jax_value_and_grad_names_the_fix():
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
                               method=autopar.ShardParallel(num_microbatches=4))
     with pytest.raises(autopar.InvalidArgumentError,
-                       match=r"jax.value_and_grad does not count.*autopar.value_and_grad"):
+                       match=r"jax.value_and_grad and nnx.value_and_grad do not count"
+                             r".*autopar.value_and_grad"):
         par(state, batches[0], rng)
 
 
