@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from common import (DEFAULT_OUT, REPO, cpu_model, load_avg, md_row, source_revision, utc_now,
-                    write_section)
+from common import DEFAULT_OUT, REPO, md_row, run_worker, section_head, write_section
 
 
 def _functional(step, args, batch_argnums):
@@ -207,8 +204,8 @@ def _annotated():
     args = ({"w1": jax.random.normal(k[0], (1024, 4096)) * 0.02,
              "w2": jax.random.normal(k[1], (4096, 1024)) * 0.02},
             jax.random.normal(k[2], (64, 1024)))
-    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
-    with jax.set_mesh(mesh):
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+    with jax.set_mesh(one):       # the one-device figure: the same annotations, a 1 x 1 mesh
         return _functional(step, args, (1,))
 
 
@@ -258,17 +255,7 @@ def _worker(out_path: str) -> None:
 
 
 def run(timeout_s: float = 1800) -> dict:
-    res = {"started": utc_now(), "revision": source_revision(), "cpu": cpu_model()}
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        env = {**os.environ, "PYTHONPATH": REPO, "AUTOPAR_PLAN_CACHE": "off"}
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", out],
-                           env=env, cwd=REPO, timeout=timeout_s)
-        res["rows"] = json.load(open(out)) if os.path.exists(out) else []
-        if r.returncode:
-            res["error"] = f"worker exited with status {r.returncode}"
-    res["finished"], res["load"] = utc_now(), load_avg()
-    return res
+    return run_worker(__file__, [], timeout_s)
 
 
 def _mib(b: float) -> str:
@@ -276,9 +263,7 @@ def _mib(b: float) -> str:
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = ["<!-- real_world:begin -->", "## Real-world steps: memory per device", "",
-           f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
-           f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", "",
+    out = section_head("real_world", "Real-world steps: memory per device", res, cmdline) + [
            "Each step as its users write it, with the decorator swapped for "
            "`autopar.parallelize` (ShardParallel, 2 x 4 mesh of simulated CPU devices). *temp* = "
            "compiled temporary bytes per device; *one device* = the same step under jax.jit on "

@@ -26,8 +26,9 @@ pipeline` rewrites just that section of the output file, keeping the rest. The `
 and plan cache` section comes from `benchmarks/multihost.py` (a cached plan lookup against a
 fresh search; the step time of 2 processes x 4 devices next to 1 process x 8), then the `##
 Method promises` section from `benchmarks/methods.py` (each method's compiled collectives next
-to its plan's) and the `## Loops` section from `benchmarks/loops.py` (a scanned GPT next to its
-unrolled twin), run last; the
+to its plan's), the `## Loops` section from `benchmarks/loops.py` (a scanned GPT next to its
+unrolled twin) and the `## Real-world steps` section from `benchmarks/real_world.py` (memory
+per device of Flax/JAX-doc-style steps), run last; the
 `## GPU` section (`benchmarks/gpu.py`, on a GPU machine) is kept as it is.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
@@ -44,6 +45,7 @@ import time
 
 import loops as loops_bench               # benchmarks/loops.py (this script's folder)
 import methods as methods_bench           # benchmarks/methods.py (this script's folder)
+import real_world as real_world_bench     # benchmarks/real_world.py (this script's folder)
 import multihost as multihost_bench       # benchmarks/multihost.py (this script's folder)
 import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
 import pipeline_report
@@ -502,6 +504,8 @@ def main(argv=None) -> int:
         _save(text, args.out, others)
         _progress("loops section ...")
         others["loops"] = loops_bench.section(loops_bench.run(), args.cmdline)
+        _progress("real-world section ...")
+        others["real_world"] = real_world_bench.section(real_world_bench.run(), args.cmdline)
         _save(text, args.out, others)
     _progress(f"wrote {args.out}")
     print(text)

@@ -60,6 +60,8 @@ def annotation_specs(graph: OpGraph, axis_names: Sequence[str], mesh_shape: Sequ
     skipped and logged."""
     out: dict[int, Spec] = {}
     for node in graph.nodes:
+        if not hasattr(node.eqn, "primitive"):      # a loop's boundary pseudo-node
+            continue
         sharding = _compat.annotation_of(node.eqn)
         if sharding is None:
             continue
