@@ -153,3 +153,24 @@ def test_flax_logical_constraints_are_pinned_on_an_auto_mesh():
     with jax.set_mesh(mesh):
         constraints = dict(par.get_plan(params, _batch(0)).constraints)
     assert all(constraints.get(t, s) == s for t, s in pins.items())
+
+
+@pytest.mark.parametrize("method", [
+    autopar.ShardParallel(num_microbatches=4),
+    autopar.PipeshardParallel(num_microbatches=2,
+                              layer_option=autopar.AutoLayerOption(num_layers=2),
+                              stage_option=autopar.UniformStageOption(num_stages=2))],
+    ids=["accumulation", "pipeline"])
+def test_annotated_step_under_microbatches_and_stages_equals_jax_jit(method):
+    """The explicit-sharding MLP with the loss taken by autopar.value_and_grad, under
+    gradient accumulation and a 2-stage pipeline on the user's Explicit mesh."""
+    def step(p, x):
+        loss, g = autopar.value_and_grad(annotated_loss)(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    mesh = _explicit_mesh()
+    with jax.set_mesh(mesh):
+        ref = _run(jax.jit(step), _params())[1]
+        got = _run(autopar.parallelize(step, mesh=mesh, method=method, plan_cache=False),
+                   _params())[1]
+    _assert_same(ref, got)
