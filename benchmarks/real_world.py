@@ -203,7 +203,7 @@ def _annotated():
     k = jax.random.split(jax.random.key(0), 3)
     args = ({"w1": jax.random.normal(k[0], (1024, 4096)) * 0.02,
              "w2": jax.random.normal(k[1], (4096, 1024)) * 0.02},
-            jax.random.normal(k[2], (64, 1024)))
+            jax.random.normal(k[2], (1024, 1024)))
     one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
     with jax.set_mesh(one):       # the one-device figure: the same annotations, a 1 x 1 mesh
         return _functional(step, args, (1,))
