@@ -43,10 +43,11 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # A representative part of the suite (about 6 minutes on 2 cores; the whole suite takes 10+):
 # tracing of the newest primitives/params (trace), the equivalence sweeps against jax.jit
 # (equivalence: ShardParallel/DataParallel/Zero2/Zero3, linen and NNX, Adam family), the
-# intra-op ILP and its HLO collectives (intra_op, constraints, hlo), sharding rules of layers
+# intra-op ILP and its HLO collectives (intra_op, constraints, hlo), both ILP backends on the
+# newest PuLP (ilp: PuLP 4 bundles no CBC: `pulp[cbc]` brings it), sharding rules of layers
 # (layer_rules), NNX/Flax models (models), and the pipeline passes and runtime (stages,
 # inter_op_pipeline, pipeshard). Override with `make test-latest LATEST_TESTS="tests/..."`.
-LATEST_TESTS ?= tests/test_trace.py tests/test_equivalence.py tests/test_intra_op.py \
+LATEST_TESTS ?= tests/test_trace.py tests/test_equivalence.py tests/test_intra_op.py tests/test_ilp.py \
 	tests/test_constraints.py tests/test_hlo.py tests/test_layer_rules.py tests/test_models.py \
 	tests/test_stages.py tests/test_inter_op_pipeline.py tests/test_pipeshard.py
 
@@ -55,8 +56,8 @@ $(STAMP_LATEST): pyproject.toml
 	  "(python3.12, pyenv's 3.12/3.13); set PYTHON_LATEST=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
 	$(PY_LATEST) -m pip install --upgrade pip
-	$(PY_LATEST) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" jax jaxlib flax optax
-	$(PY_LATEST) -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|optax|numpy) '
+	$(PY_LATEST) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" jax jaxlib flax optax "pulp[cbc]"
+	$(PY_LATEST) -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|optax|numpy|pulp) '
 	touch $(STAMP_LATEST)
 
 python-latest:   # prints the Python test-latest would use (empty: none found)
