@@ -1,4 +1,5 @@
-"""The one place autopar reaches into JAX internals or version-dependent names."""
+"""The one place autopar reaches into JAX internals or version-dependent names (of JAX, and of
+PuLP: its 4.x release changed the CBC backend)."""
 from __future__ import annotations
 
 import warnings
