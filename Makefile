@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-paper clean
+.PHONY: demo test test-latest python-latest bench bench-paper clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +28,48 @@ bench-paper: $(STAMP) $(VENV)/.bench-installed
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/paper.py
 
+# --- The newest JAX/Flax/optax: a second venv beside .venv, which stays as it is. ---
+# JAX 0.11+ needs Python >= 3.12. PYTHON_LATEST is the first of python3.12, pyenv's 3.12.x,
+# python3.13, pyenv's 3.13.x that actually runs (a pyenv shim for a version that is not
+# selected is on PATH but fails); override with `make test-latest PYTHON_LATEST=/path/python`.
+PYTHON_LATEST ?= $(shell root=$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}"); \
+	for p in python3.12 $$root/versions/3.12*/bin/python3.12 \
+	         python3.13 $$root/versions/3.13*/bin/python3.13; do \
+	  "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 \
+	    && { command -v "$$p"; break; }; done)
+VENV_LATEST := .venv-latest
+PY_LATEST := $(VENV_LATEST)/bin/python
+STAMP_LATEST := $(VENV_LATEST)/.installed
+# A representative part of the suite (about 5 minutes on 2 cores, plus 2 for the first install;
+# the whole suite takes 10+): tracing of the newest primitives/params (trace), the equivalence
+# sweeps against jax.jit (equivalence: ShardParallel/DataParallel/Zero2/Zero3, linen and NNX,
+# Adam family), the intra-op ILP and its HLO collectives (intra_op, constraints, hlo), both ILP
+# backends on the newest PuLP (ilp: PuLP 4 bundles no CBC: `pulp[cbc]` brings it), sharding
+# rules of layers (layer_rules), NNX/Flax models (models), and the pipeline passes and runtime
+# (stages, inter_op_pipeline, pipeshard). LATEST_K leaves out the slowest repeats: the 1x4 and
+# 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
+# pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
+LATEST_TESTS ?= tests/test_trace.py tests/test_equivalence.py tests/test_intra_op.py tests/test_ilp.py \
+	tests/test_constraints.py tests/test_hlo.py tests/test_layer_rules.py tests/test_models.py \
+	tests/test_stages.py tests/test_inter_op_pipeline.py tests/test_pipeshard.py
+LATEST_K ?= not (1x4 or 8x1 or test_moe_and_wide_resnet_pipelines)
+
+$(STAMP_LATEST): pyproject.toml
+	@test -n "$(PYTHON_LATEST)" || { echo "make test-latest: no Python >= 3.12 found" \
+	  "(python3.12, pyenv's 3.12/3.13); set PYTHON_LATEST=/path/to/python3.12" >&2; exit 1; }
+	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
+	$(PY_LATEST) -m pip install --upgrade pip
+	$(PY_LATEST) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" jax jaxlib flax optax "pulp[cbc]"
+	$(PY_LATEST) -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|optax|numpy|pulp) '
+	touch $(STAMP_LATEST)
+
+python-latest:   # prints the Python test-latest would use (empty: none found)
+	@echo "$(PYTHON_LATEST)"
+
+# Delete .venv-latest (or `make clean`) to take newer releases again.
+test-latest: $(STAMP_LATEST)
+	$(PY_LATEST) -c 'import sys, jax, flax, optax; print("test-latest: Python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__)'
+	$(PY_LATEST) -m pytest -q $(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_LATEST)

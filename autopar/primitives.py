@@ -8,6 +8,9 @@ ARITHMETIC = frozenset({
     "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
     "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "select_n", "clamp", "add_any",
     "rem", "floor", "ceil", "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
+    # New in jax 0.11/0.12: tanh's derivative 1 - t**2, log2, Horner's rule (x, *coeffs:
+    # broadcasting operands, as add's).
+    "one_minus_square", "log2", "polynomial",
 })
 # Every primitive that maps equal-shaped operands element by element (sharding follows).
 ELEMENTWISE = ARITHMETIC | frozenset({

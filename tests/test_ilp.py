@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopar.errors import InvalidArgumentError
+from autopar.errors import InvalidArgumentError, UnsupportedError
 from autopar.intra_op import ilp, mip
 from autopar.intra_op.mip import MipResult
 from autopar.intra_op.ilp import (IlpEdge, IlpProblem, MemoryPoint, SolveStatus, SolverBackend,
@@ -262,6 +262,17 @@ def test_solver_exception_falls_back_to_greedy(monkeypatch):
     sol = solve_ilp(problem)
     assert sol.status is SolveStatus.FALLBACK and "greedy" in sol.message
     assert "solver exploded" in sol.message and sol.objective == evaluate(problem, sol.choice)
+
+
+def test_cbc_without_a_binary_is_a_clear_error(monkeypatch):
+    """PuLP 4 bundles no CBC (PuLP 3's PULP_CBC_CMD): asking for CBC where no binary is found
+    raises, naming the fix, instead of falling back to a greedy plan."""
+    import pulp
+    monkeypatch.delattr(pulp, "PULP_CBC_CMD", raising=False)      # as PuLP 4
+    monkeypatch.setattr(pulp.COIN_CMD, "available", lambda self: False)
+    with pytest.raises(UnsupportedError, match=r"(?s)SolverBackend\.CBC.*pulp\[cbc\]"):
+        solve_ilp(_random_big(10, 3, 20), backend=SolverBackend.CBC)
+    assert solve_ilp(_random_big(10, 3, 20)).status is SolveStatus.OPTIMAL   # HiGHS unaffected
 
 
 def test_incumbent_path_rounds_and_improves(monkeypatch):

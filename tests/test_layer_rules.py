@@ -293,9 +293,14 @@ def test_dropout_masks_sharded_and_bits_identical():
     mesh = mesh_of((2, 4))
     kw = dict(batch_size=512, features=512, hidden=512)
     temps = {}
+    # The middle kernel's layout is pinned: (model, None) and (None, model) cost the planner
+    # the same, and which one wins the tie moves XLA's temporaries by a [512, 512] / 8 buffer
+    # (jax 0.12 broke it the other way for one of the two plans: the check below compares
+    # plans that differ only by dropout).
+    method = autopar.ShardParallel(sharding_rules=((r"Dense_1'\]\['kernel'\]", ("model", None)),))
     for deterministic in (True, False):
         step, state, batches = dropout_case(deterministic=deterministic, **kw)
-        par = autopar.parallelize(step, mesh=mesh, batch_argnums=(1,))
+        par = autopar.parallelize(step, mesh=mesh, batch_argnums=(1,), method=method)
         plan = par.get_plan(state, batches[0])
         compiled = par.get_compiled(state, batches[0])
         temps[deterministic] = compiled.memory_analysis().temp_size_in_bytes

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..errors import UnsupportedError
 
 if TYPE_CHECKING:
     from .ilp import _Reduced
@@ -160,41 +161,42 @@ def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
 
 def solve_cbc(mip: Mip, time_limit_s: float) -> MipResult:
     import pulp
+
+    from .._compat import cbc_solve   # PuLP 3 or 4 (imported here: no JAX at module level)
     prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
     xs = [prob.add_variable(f"x{i}", None if lo == -np.inf else lo, None if hi == np.inf else hi,
                             cat=pulp.LpInteger if integer else pulp.LpContinuous)
           for i, (lo, hi, integer) in enumerate(zip(mip.lower, mip.upper, mip.integer))]
-    prob += pulp.LpAffineExpression([(xs[i], float(mip.cost[i])) for i in np.flatnonzero(mip.cost)])
+    nz = np.flatnonzero(mip.cost)   # lpDot: PuLP 4 builds expressions differently from 3
+    prob += pulp.lpDot([float(c) for c in mip.cost[nz]], [xs[i] for i in nz])
     order = np.argsort(mip.rows, kind="stable")
     bounds = np.cumsum(np.bincount(mip.rows, minlength=mip.row_lower.size))[:-1]
     for r, (cols, vals) in enumerate(zip(np.split(mip.cols[order], bounds),
                                          np.split(mip.vals[order], bounds))):
-        expr = pulp.LpAffineExpression([(xs[c], float(v)) for c, v in zip(cols, vals)])
-        eq = mip.row_lower[r] == mip.row_upper[r]
-        prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ if eq else pulp.LpConstraintLE,
-                                  rhs=float(mip.row_upper[r]))
-    with warnings.catch_warnings():   # PuLP 3.3 deprecates PULP_CBC_CMD (its bundled CBC) for 4.0
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=_MIP_REL_GAP,
-                                gapAbs=_MIP_ABS_GAP)
-    prob.solve(cmd)
-    x = lambda: np.array([v.varValue or 0.0 for v in xs])  # noqa: E731
-    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
-        return MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
-    if prob.sol_status == pulp.LpSolutionOptimal:
-        return MipResult(kind=SolveStatus.OPTIMAL, x=x(), reason="")
+        expr = pulp.lpDot([float(v) for v in vals], [xs[c] for c in cols])
+        rhs = float(mip.row_upper[r])
+        prob += (expr == rhs) if mip.row_lower[r] == mip.row_upper[r] else (expr <= rhs)
+    status, words = cbc_solve(prob, msg=False, timeLimit=time_limit_s, gapRel=_MIP_REL_GAP,
+                              gapAbs=_MIP_ABS_GAP)
+    if status is SolveStatus.INFEASIBLE:
+        return MipResult(kind=status, x=None, reason="infeasible")
+    x = np.array([v.varValue or 0.0 for v in xs])
+    if status is SolveStatus.OPTIMAL:
+        return MipResult(kind=status, x=x, reason="")
     reason = f"time limit {time_limit_s:g} s hit"
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return MipResult(kind=SolveStatus.FEASIBLE, x=x(), reason=reason)
-    return MipResult(kind=SolveStatus.FALLBACK, x=None,
-                      reason=f"{reason} (CBC status {pulp.LpStatus.get(prob.status, prob.status)})")
+    if status is SolveStatus.FEASIBLE:
+        return MipResult(kind=status, x=x, reason=reason)
+    return MipResult(kind=status, x=None, reason=f"{reason} (CBC status {words})")
 
 
 def run_mip(mip: Mip, backend: SolverBackend, time_limit_s: float) -> MipResult:
-    """Run a backend; any exception becomes a FALLBACK result (logged), never propagates."""
+    """Run a backend; any exception becomes a FALLBACK result (logged), never propagates, but
+    an UnsupportedError (the backend asked for is not installed)."""
     try:
         solve = solve_highs if backend is SolverBackend.HIGHS else solve_cbc
         return solve(mip, time_limit_s)
+    except UnsupportedError:
+        raise
     except Exception as exc:  # noqa: BLE001 -- a solver failure must not kill the compile
         logger.warning("%s solver failed (%s: %s); using a greedy plan", backend.value,
                        type(exc).__name__, exc)
