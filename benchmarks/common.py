@@ -299,3 +299,21 @@ def ms(x, digits=1) -> str:
 
 def md_row(cells) -> str:
     return "| " + " | ".join(cells) + " |"
+
+
+def section_main(argv, *, doc: str, key: str, script: str, worker, run, section) -> int:
+    """The command line of a one-section benchmark script (`--out`, and the internal
+    `--_worker ROWS` its `run` starts): run it, write its `key` section, print it."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._worker:
+        worker(args._worker)
+        return 0
+    text = section(run(), f"python benchmarks/{script}" + (
+        f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
+    write_section(text, args.out, key)
+    print(text)
+    return 0

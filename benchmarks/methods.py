@@ -14,14 +14,12 @@ says so in its row.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from common import (DEFAULT_OUT, collective_kinds, md_row, run_worker, section_head,
-                    write_section)
+from common import collective_kinds, md_row, run_worker, section_head, section_main
 
 MODELS = ("mlp", "bert_layer", "bert_mlm", "gpt")
 METHODS = ("DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel")
@@ -147,18 +145,8 @@ def section(res: dict, cmdline: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args._worker:
-        _worker(args._worker)
-        return 0
-    text = section(run(), "python benchmarks/methods.py" + (
-        f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
-    write_section(text, args.out, "methods")
-    print(text)
-    return 0
+    return section_main(argv, doc=__doc__, key="methods", script="methods.py", worker=_worker,
+                        run=run, section=section)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ says so in its row.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from common import DEFAULT_OUT, REPO, md_row, run_worker, section_head, write_section
+from common import REPO, md_row, run_worker, section_head, section_main
 
 
 def _functional(step, args, batch_argnums):
@@ -293,18 +292,8 @@ def section(res: dict, cmdline: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args._worker:
-        _worker(args._worker)
-        return 0
-    text = section(run(), "python benchmarks/real_world.py" + (
-        f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
-    write_section(text, args.out, "real_world")
-    print(text)
-    return 0
+    return section_main(argv, doc=__doc__, key="real_world", script="real_world.py", worker=_worker,
+                        run=run, section=section)
 
 
 if __name__ == "__main__":
