@@ -5,7 +5,8 @@
     >>> state, loss = step(state, batch)
     >>> print(autopar.dump(step.get_plan(state, batch)))
 """
-from .api import ParallelizedFunction, parallelize, plan
+from .api import ParallelizedFunction, parallelize
+from .passes import plan
 from .calibrate import Calibration, calibrate
 from .checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from .cluster import ClusterSpec, LogicalMesh

@@ -1,4 +1,5 @@
-"""The driver: `parallelize` and `plan`. It reads like a table of contents: one call per pass.
+"""`parallelize`: the decorated step, which runs the passes (`passes.py`) once per argument
+signature and then the compiled executables.
 
 Example:
     >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -24,150 +25,26 @@ import jax
 import numpy as np
 
 from .cluster import ClusterSpec
-from .cost import CostModel
 from .distributed import check_agreement
 from . import _compat
-from .errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from .errors import InvalidArgumentError, UnsupportedError
 from .frontend.jit_options import PinnedShardings, argnums_for_names
 from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
 from .frontend.nnx import PureStep, as_state
 from .frontend.step import StepFrontend
-from .graph import InputRole, OpGraph
-from .intra_op import solve_intra_op
+from .graph import OpGraph
 from .lower import Lowered, lower, named, put
 from .lower_pipeline import lower_pipeline
-from .options import PipeshardParallel, ShardParallel
-from .pipeshard import accumulation_method, plan_pipeline
+from .options import ShardParallel
+from .pipeshard import plan_pipeline
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
-from .plan_cache import PlanCache, cache_key, find_plan
-from .planner import build_plan
+from .plan_cache import cache_key, find_plan
+from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
+                     plan_cache_of, plan_graph)
 from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
-
-
-def _plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
-                device_ids, perturb=None, output_pins=None) -> ParallelPlan:
-    t0 = time.perf_counter()
-    log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
-             len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
-             dict(zip(axis_names, mesh_shape)))
-    logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
-    cost = CostModel(mesh=logical)
-    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb,
-                                output_pins=output_pins)
-    ilp = assignment.ilp
-    log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
-             "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
-             ilp.build_time_s, ilp.solve_time_s,
-             f"; {ilp.layer_reuse}" if ilp.layer_reuse else "")
-    budget = method.memory_budget_bytes or logical.memory_bytes
-    timings = {"trace": graph.trace_time_s, "intra_op": time.perf_counter() - t0}
-    return build_plan(graph, assignment, method=method.kind.value, cluster=cluster.name,
-                      device_ids=tuple(device_ids), memory_budget_bytes=budget,
-                      timings_s=timings, call_overhead_s=logical.call_overhead_s, cost=cost)
-
-
-def _check_batch(graph: OpGraph) -> None:
-    """Every leaf of a batch argument must share one leading (batch) dimension."""
-    sizes = {}
-    for tid in graph.inputs:
-        t = graph.tensors[tid]
-        if t.role == InputRole.BATCH:
-            if t.rank == 0:
-                raise InvalidArgumentError(
-                    f"batch_argnums: leaf `{t.path}` is a scalar, so it has no batch dimension. "
-                    f"Fix: list only arguments whose leaves are [batch, ...] arrays in "
-                    f"batch_argnums (static or scalar arguments belong elsewhere).")
-            sizes[t.path] = t.shape[0]
-    if len(set(sizes.values())) > 1:
-        raise InvalidArgumentError(
-            f"batch_argnums: the leaves of the batch argument(s) disagree on the batch "
-            f"(leading) dimension: {sizes}. Fix: pass in batch_argnums only arguments whose "
-            f"leaves all start with the same batch size.")
-
-
-def _pipelined(method: ShardParallel) -> bool:
-    """Pipelines and gradient accumulation run on the pipeline machinery."""
-    return isinstance(method, PipeshardParallel) or method.num_microbatches > 1
-
-
-def _pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,
-                      ) -> tuple[PipeshardParallel, ShardParallel | None]:
-    """(the pipeline to run, the method its stage ILPs follow: None for a real pipeline)."""
-    if isinstance(method, PipeshardParallel):
-        return method, None
-    return accumulation_method(method, mesh_shape, cluster), method
-
-
-def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
-         mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
-         batch_argnums: Sequence[int] = (1,), static_argnums: Sequence[int] = (),
-         donate_argnums: Sequence[int] = ()) -> ParallelPlan:
-    """Plan `fun(*args)` for a cluster this machine need not have.
-
-    `args` may be abstract (`jax.ShapeDtypeStruct`, e.g. from `jax.eval_shape`), so a large
-    model is planned without allocating it. The logical mesh defaults to
-    (num_hosts, devices_per_host).
-
-    Example:
-        >>> cluster = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
-        >>> abstract_state = jax.eval_shape(create_state)
-        >>> p = autopar.plan(train_step, abstract_state, batch_spec, cluster=cluster)
-    """
-    method = method or ShardParallel()
-    if mesh_shape is None:
-        mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
-    axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
-    if _pipelined(method):
-        pipe, stage_method = _pipeline_methods(method, mesh_shape, cluster)
-        return plan_pipeline(fun, tuple(args), cluster=cluster,
-                             device_ids=tuple(range(cluster.num_devices)),
-                             mesh_shape=tuple(mesh_shape), method=pipe,
-                             static_argnums=static_argnums, batch_argnums=batch_argnums,
-                             donate_argnums=donate_argnums, stage_method=stage_method)[0]
-    graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
-                  donate_argnums=donate_argnums)
-    _check_batch(graph)
-    return _plan_graph(graph, cluster, mesh_shape, axis_names, method,
-                       tuple(range(cluster.num_devices)))
-
-
-def _plan_cache(option) -> PlanCache | None:
-    """`parallelize(plan_cache=...)`: True = the default directory (`AUTOPAR_PLAN_CACHE=off`
-    turns it off, a path there moves it), a path = that directory, False / None = off."""
-    if option is True:
-        env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
-        if env.lower() in ("0", "off", "false", "no"):
-            return None
-        return PlanCache(env or None)
-    if option is False or option is None:
-        return None
-    if isinstance(option, (str, os.PathLike)):
-        return PlanCache(option)
-    raise InvalidArgumentError(
-        f"plan_cache={option!r} must be True (the default cache directory), a directory path, "
-        "or False (no plan cache).")
-
-
-def _matching(plan_: ParallelPlan, fingerprint: str) -> ParallelPlan:
-    """`plan_` if it was made for the traced step with this fingerprint, else a clear error."""
-    if plan_.graph_fingerprint != fingerprint:
-        raise PlanMismatchError(
-            "the saved plan was made for a different function or argument shapes (plan "
-            f"fingerprint {plan_.graph_fingerprint}, this call {fingerprint}). Fix: re-plan, or "
-            "call with the shapes the plan was made for.")
-    return plan_
-
-
-def _layout_text(program) -> str:
-    """Every sharding a pipeline program places values on, as text (to compare processes)."""
-    parts = [repr(s) for s in program.in_shardings]
-    for st in program.stages:
-        parts += [repr(s) for s in (*st.param_shardings, *st.data_shardings,
-                                    *st.act_shardings.values(), *st.out_shardings.values())]
-    return "\n".join(parts)
 
 
 @dataclass(slots=True, eq=False)
@@ -194,11 +71,11 @@ class ParallelizedFunction:
         self._batch = tuple(batch_argnums)
         self._saved_plan = plan
         self._cluster = cluster
-        self._plan_cache = plan_cache
+        self.plan_cache_of = plan_cache
         self._pins = pins or PinnedShardings()
         self._front = StepFrontend(fun=self._fun, static=self._static, donate=self._donate,
                                    batch=self._batch, pins=self._pins)
-        self._plans = _plan_cache(plan_cache)
+        self._plans = plan_cache_of(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
     @property
@@ -255,15 +132,15 @@ class ParallelizedFunction:
 
     def _new_entry(self, args) -> _Entry:
         mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
-        if _pipelined(method):
+        if pipelined(method):
             return self._pipeline_entry(args, mesh, method)
         graph = trace(self._fun, args, static_argnums=self._static,
                       batch_argnums=self._batch, donate_argnums=self._front.donated(args))
-        _check_batch(graph)
+        check_batch(graph)
         if self._saved_plan is not None:
-            plan_ = _matching(self._saved_plan, graph_fingerprint(graph))
+            plan_ = matching(self._saved_plan, graph_fingerprint(graph))
         else:
-            plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: _plan_graph(
+            plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: plan_graph(
                 graph, self.cluster, mesh.devices.shape, mesh.axis_names, method,
                 tuple(int(d.id) for d in mesh.devices.flat),
                 output_pins=self._front.out_pins(graph, args, self.mesh)), method)
@@ -274,7 +151,7 @@ class ParallelizedFunction:
 
     def _pipeline_entry(self, args, mesh, method) -> _Entry:
         cluster = self.cluster
-        method, stage_method = _pipeline_methods(method, mesh.devices.shape, cluster)
+        method, stage_method = pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
                   donate_argnums=self._front.donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
@@ -297,7 +174,7 @@ class ParallelizedFunction:
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages and their solutions
-            _matching(replay, fingerprint)
+            matching(replay, fingerprint)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), replay.stage_solutions)
@@ -313,7 +190,7 @@ class ParallelizedFunction:
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
-        check_agreement(fingerprint, _layout_text(program), "pipeline layouts")
+        check_agreement(fingerprint, layout_text(program), "pipeline layouts")
         pins = {pos: named(_compat.auto_mesh(mesh), spec)
                 for pos, spec in self._front.out_pins(graph, args, self.mesh).items()}
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
@@ -428,7 +305,7 @@ class ParallelizedFunction:
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,
-                                    plan_cache=self._plan_cache, pins=self._pins)
+                                    plan_cache=self.plan_cache_of, pins=self._pins)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -450,7 +327,7 @@ class ParallelizedFunction:
             >>> p = step.sample_plan(state, batch, seed=3, fraction=0.3)
             >>> rand = autopar.parallelize(train_step, mesh=mesh, plan=p)
         """
-        if _pipelined(self._method):
+        if pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
         with self._front.bind(args) as call:
@@ -458,9 +335,9 @@ class ParallelizedFunction:
             graph = under_mesh_if_needed(self._mesh, lambda: trace(
                 self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
                 donate_argnums=self._front.donated(args)))
-        _check_batch(graph)
+        check_batch(graph)
         mesh = self.mesh
-        return _plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
+        return plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
                            self._front.method(args, self._method, mesh),
                            tuple(int(d.id) for d in mesh.devices.flat),
                            perturb=(int(seed), float(fraction)),

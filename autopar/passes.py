@@ -1,0 +1,151 @@
+"""The passes in order for one step: trace -> intra-op ILP -> plan (or the pipeline search),
+with the checks between them; `parallelize` (api.py) and `autopar.plan` call these.
+
+Example:
+    >>> graph = trace(step, (state, batch), batch_argnums=(1,))
+    >>> check_batch(graph)
+    >>> plan = plan_graph(graph, cluster, (2, 4), ("data", "model"), ShardParallel(), range(8))
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+from .cluster import ClusterSpec
+from .cost import CostModel
+from .errors import InvalidArgumentError, PlanMismatchError
+from .graph import InputRole, OpGraph
+from .intra_op import solve_intra_op
+from .options import PipeshardParallel, ShardParallel
+from .pipeshard import accumulation_method, plan_pipeline
+from .plan import ParallelPlan
+from .plan_cache import PlanCache
+from .planner import build_plan
+from .trace import trace
+
+log = logging.getLogger(__name__)
+
+
+def plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
+                device_ids, perturb=None, output_pins=None) -> ParallelPlan:
+    t0 = time.perf_counter()
+    log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
+             len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
+             dict(zip(axis_names, mesh_shape)))
+    logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
+    cost = CostModel(mesh=logical)
+    assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb,
+                                output_pins=output_pins)
+    ilp = assignment.ilp
+    log.info("autopar: intra-op ILP %s: %d variables, %d constraints, built in %.2f s, solved "
+             "in %.2f s%s", ilp.status, ilp.num_variables, ilp.num_constraints,
+             ilp.build_time_s, ilp.solve_time_s,
+             f"; {ilp.layer_reuse}" if ilp.layer_reuse else "")
+    budget = method.memory_budget_bytes or logical.memory_bytes
+    timings = {"trace": graph.trace_time_s, "intra_op": time.perf_counter() - t0}
+    return build_plan(graph, assignment, method=method.kind.value, cluster=cluster.name,
+                      device_ids=tuple(device_ids), memory_budget_bytes=budget,
+                      timings_s=timings, call_overhead_s=logical.call_overhead_s, cost=cost)
+
+
+def check_batch(graph: OpGraph) -> None:
+    """Every leaf of a batch argument must share one leading (batch) dimension."""
+    sizes = {}
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        if t.role == InputRole.BATCH:
+            if t.rank == 0:
+                raise InvalidArgumentError(
+                    f"batch_argnums: leaf `{t.path}` is a scalar, so it has no batch dimension. "
+                    f"Fix: list only arguments whose leaves are [batch, ...] arrays in "
+                    f"batch_argnums (static or scalar arguments belong elsewhere).")
+            sizes[t.path] = t.shape[0]
+    if len(set(sizes.values())) > 1:
+        raise InvalidArgumentError(
+            f"batch_argnums: the leaves of the batch argument(s) disagree on the batch "
+            f"(leading) dimension: {sizes}. Fix: pass in batch_argnums only arguments whose "
+            f"leaves all start with the same batch size.")
+
+
+def pipelined(method: ShardParallel) -> bool:
+    """Pipelines and gradient accumulation run on the pipeline machinery."""
+    return isinstance(method, PipeshardParallel) or method.num_microbatches > 1
+
+
+def pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,
+                      ) -> tuple[PipeshardParallel, ShardParallel | None]:
+    """(the pipeline to run, the method its stage ILPs follow: None for a real pipeline)."""
+    if isinstance(method, PipeshardParallel):
+        return method, None
+    return accumulation_method(method, mesh_shape, cluster), method
+
+
+def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
+         mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
+         batch_argnums: Sequence[int] = (1,), static_argnums: Sequence[int] = (),
+         donate_argnums: Sequence[int] = ()) -> ParallelPlan:
+    """Plan `fun(*args)` for a cluster this machine need not have.
+
+    `args` may be abstract (`jax.ShapeDtypeStruct`, e.g. from `jax.eval_shape`), so a large
+    model is planned without allocating it. The logical mesh defaults to
+    (num_hosts, devices_per_host).
+
+    Example:
+        >>> cluster = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
+        >>> abstract_state = jax.eval_shape(create_state)
+        >>> p = autopar.plan(train_step, abstract_state, batch_spec, cluster=cluster)
+    """
+    method = method or ShardParallel()
+    if mesh_shape is None:
+        mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
+    axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
+    if pipelined(method):
+        pipe, stage_method = pipeline_methods(method, mesh_shape, cluster)
+        return plan_pipeline(fun, tuple(args), cluster=cluster,
+                             device_ids=tuple(range(cluster.num_devices)),
+                             mesh_shape=tuple(mesh_shape), method=pipe,
+                             static_argnums=static_argnums, batch_argnums=batch_argnums,
+                             donate_argnums=donate_argnums, stage_method=stage_method)[0]
+    graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                  donate_argnums=donate_argnums)
+    check_batch(graph)
+    return plan_graph(graph, cluster, mesh_shape, axis_names, method,
+                       tuple(range(cluster.num_devices)))
+
+
+def plan_cache_of(option) -> PlanCache | None:
+    """`parallelize(plan_cache=...)`: True = the default directory (`AUTOPAR_PLAN_CACHE=off`
+    turns it off, a path there moves it), a path = that directory, False / None = off."""
+    if option is True:
+        env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
+        if env.lower() in ("0", "off", "false", "no"):
+            return None
+        return PlanCache(env or None)
+    if option is False or option is None:
+        return None
+    if isinstance(option, (str, os.PathLike)):
+        return PlanCache(option)
+    raise InvalidArgumentError(
+        f"plan_cache={option!r} must be True (the default cache directory), a directory path, "
+        "or False (no plan cache).")
+
+
+def matching(plan_: ParallelPlan, fingerprint: str) -> ParallelPlan:
+    """`plan_` if it was made for the traced step with this fingerprint, else a clear error."""
+    if plan_.graph_fingerprint != fingerprint:
+        raise PlanMismatchError(
+            "the saved plan was made for a different function or argument shapes (plan "
+            f"fingerprint {plan_.graph_fingerprint}, this call {fingerprint}). Fix: re-plan, or "
+            "call with the shapes the plan was made for.")
+    return plan_
+
+
+def layout_text(program) -> str:
+    """Every sharding a pipeline program places values on, as text (to compare processes)."""
+    parts = [repr(s) for s in program.in_shardings]
+    for st in program.stages:
+        parts += [repr(s) for s in (*st.param_shardings, *st.data_shardings,
+                                    *st.act_shardings.values(), *st.out_shardings.values())]
+    return "\n".join(parts)
