@@ -8,8 +8,8 @@ ARITHMETIC = frozenset({
     "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "abs", "sign",
     "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "select_n", "clamp", "add_any",
     "rem", "floor", "ceil", "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
-    # New in jax 0.11/0.12: tanh's derivative 1 - t**2, log2, Horner's rule (x, *coeffs:
-    # broadcasting operands, as add's).
+    # Newer than jax 0.10 (seen in 0.12): tanh's derivative 1 - t**2, log2, and Horner's rule
+    # (jnp.polyval; x and coefficients broadcast as add's operands do).
     "one_minus_square", "log2", "polynomial",
 })
 # Every primitive that maps equal-shaped operands element by element (sharding follows).

@@ -1,6 +1,7 @@
 """Textbook plans, memory infeasibility, solver time-outs and repeated-layer reuse, checked on
 the plan and in the compiled HLO (8 simulated CPU devices)."""
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -222,3 +223,32 @@ def test_carried_outputs_keep_their_inputs_sharding_behind_a_constant():
         assert np.array_equal(np.asarray(got[k]), np.asarray(want[k]))
     assert got["a"].sharding.spec == jax.sharding.PartitionSpec("data", None)
     assert got["b"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_tanh_derivative_log2_and_polyval_are_elementwise():
+    """Newer JAX (0.12) writes tanh's derivative as `one_minus_square`, log2 as `log2` and
+    jnp.polyval as `polynomial` (x and scalar coefficients): each follows its operand's
+    sharding (no replicated fallback), and the step matches jax.jit on one device."""
+    import jax.numpy as jnp
+
+    # before `polynomial` (jax < 0.12), jnp.polyval is a scan, which autopar replicates
+    polyval = (jnp.polyval if hasattr(jax.lax, "polynomial")
+               else lambda c, t: (c[0] * t + c[1]) * t + c[2])
+
+    def step(w, x):
+        def loss_fn(w):
+            h = polyval(jnp.array([0.1, -0.2, 1.0]), jnp.tanh(x @ w))
+            return jnp.mean(jnp.log2(1.0 + h ** 2))
+        loss, g = jax.value_and_grad(loss_fn)(w)
+        return w - 0.1 * g, loss
+
+    w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.FallbackWarning)
+        plan = par.get_plan(w, x)
+    assert not plan.fallbacks
+    (w_ref, loss_ref), (w_got, loss_got) = jax.jit(step)(w, x), par(w, x)
+    np.testing.assert_allclose(loss_got, loss_ref, rtol=1e-5)
+    np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-6)
