@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import autopar
-from test_nnx import BnDropNet, assert_same_state, mse, mse_step, regression_batches
+from test_nnx import (BnDropNet, assert_same_state, mnist_batches, mnist_loss, mnist_objects,
+                      mnist_train_step, mse, mse_step, regression_batches)
 
 
 class Mlp(nnx.Module):
@@ -117,3 +118,24 @@ def test_batch_shaped_aux_under_microbatches_comes_back_full_batch():
                                    atol=1e-6)
         np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_same_state(ref[0], par[0])
+
+
+@microbatch_methods(2)
+def test_mnist_tutorial_step_with_microbatches_matches_nnx_jit(method):
+    """The MNIST tutorial step with its loss taken by autopar.value_and_grad: the metrics get
+    the whole batch's logits back, so accuracy and loss equal nnx.jit's."""
+    def step_fn(model, optimizer, metrics, batch):
+        (loss, logits), grads = autopar.value_and_grad(mnist_loss, has_aux=True)(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    ref, par = mnist_objects(), mnist_objects()
+    step = autopar.parallelize(step_fn, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                               batch_argnums=(3,), method=method)
+    for batch in mnist_batches():
+        nnx.jit(mnist_train_step)(*ref, batch)
+        step(*par, batch)
+    for name, value in ref[2].compute().items():
+        np.testing.assert_allclose(par[2].compute()[name], value, rtol=1e-5, atol=1e-6)
+    for r, p in zip(ref, par):
+        assert_same_state(r, p)
