@@ -28,6 +28,16 @@ INLINE_BODY_PARAM = {
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 REMAT = prims.remat_p.name
 
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(consts, carries) among a `scan` equation's operands: `num_consts` / `num_carry` up to
+    jax 0.11, the lengths of the first two groups of `ft_in` (consts, carry, xs) in 0.12."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()     # a flat tree of three groups
+    return len(consts.vals) if hasattr(consts, "vals") else len(consts), \
+        len(carry.vals) if hasattr(carry, "vals") else len(carry)
+
 # Primitives that only say where a value lives (the param naming it): lowering re-emits them
 # as the identity, the plan's constraints placing every value.
 _PLACEMENT_PARAM = {SHARDING_CONSTRAINT: "sharding", "reshard": "dst_sharding",

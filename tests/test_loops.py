@@ -113,16 +113,16 @@ def test_lax_scan_mlp_equivalence_and_per_iteration_costs():
     for t in plan.inputs:                          # the layer dimension is never split
         if t.shape[:1] == (L,):
             assert t.spec[0] == (), (t.path, t.spec)
-    # The body's operators are solved once and costed x L: the unrolled twin's compute, plus
-    # the input gradient of the first layer, which the unrolled step skips (3 x 3 matmuls
-    # against 3 + 3 + 2).
+    # The body's operators are solved once and costed x L: about the unrolled twin's compute
+    # (jax 0.10 also computes the first layer's input gradient, which the unrolled step skips:
+    # 9/8 of it; jax 0.12 drops one matmul of the scanned backward: 15/16), never 1/L of it.
     unrolled = {f"w{i}": stacked_params()["ws"][i] for i in range(L)}
     unrolled.update({f"b{i}": stacked_params()["bs"][i] for i in range(L)})
     u_state = (unrolled, TX.init(unrolled))
     u_plan = autopar.parallelize(make_step(unrolled_mlp), mesh=mesh_of((2, 4)),
                                  batch_argnums=(1,)).get_plan(u_state, BATCHES[0])
     matmuls = lambda pl: sum(o.compute_s for o in pl.operators if o.primitive == "dot_general")
-    assert matmuls(plan) == pytest.approx(matmuls(u_plan) * 9 / 8, rel=0.02)
+    assert 0.9 * matmuls(u_plan) <= matmuls(plan) <= 1.15 * matmuls(u_plan)
 
 
 class _Block(nnx.Module):

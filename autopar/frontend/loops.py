@@ -70,7 +70,7 @@ def trace_region(b, eqn, in_ids: list[int], env: dict, outer_source: str | None)
         trips = 1
     else:
         if kind is LoopKind.SCAN:
-            closed, n_const, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+            closed, (n_const, n_carry) = p["jaxpr"], _compat.scan_counts(p)
             outer_of = list(in_ids)
             trips = int(p["length"])
         else:

@@ -68,7 +68,7 @@ def piece_bounds(length: int, pieces: int) -> list[int]:
 
 
 def _sub_scans(params: dict, ins: list, pieces: int) -> list:
-    n_const, n_carry = params["num_consts"], params["num_carry"]
+    n_const, n_carry = _compat.scan_counts(params)
     consts, carry, xs = ins[:n_const], ins[n_const:n_const + n_carry], ins[n_const + n_carry:]
     bounds = piece_bounds(params["length"], pieces)
     ranges = list(zip(bounds, bounds[1:]))

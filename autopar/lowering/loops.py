@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.extend.core as jcore
 
+from .. import _compat
 from ..graph import LoopKind, LoopRegion, OpGraph
 
 
@@ -59,7 +60,7 @@ def run_region(graph: OpGraph, r: LoopRegion, env: dict, constrain: dict[int, An
     else:
         body_in = r.body_inputs[0]
         if r.kind is LoopKind.SCAN:
-            n_const, n_carry, outer = p["num_consts"], p["num_carry"], r.outer_inputs
+            (n_const, n_carry), outer = _compat.scan_counts(p), r.outer_inputs
         else:
             n_const, outer = p["body_nconsts"], r.outer_inputs[p["cond_nconsts"]:]
             n_carry = len(body_in) - n_const
