@@ -151,6 +151,14 @@ def section_head(key: str, title: str, res: dict, cmdline: str) -> list[str]:
             f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", ""]
 
 
+def section_tail(out: list[str], key: str, res: dict) -> str:
+    """The section's lines joined, with a line saying the worker did not finish (if it did
+    not) and the end marker: the counterpart of `section_head`."""
+    if res.get("error"):
+        out = out + ["", f"The worker did not finish: {res['error']}."]
+    return "\n".join(out + [markers(key)[1]])
+
+
 def read_section(path: str, key: str) -> str | None:
     """The `key` section of `path` (markers included), or None."""
     begin, end = markers(key)

@@ -20,7 +20,7 @@ import sys
 import time
 
 from common import (DEFAULT_OUT, collective_kinds, md_row, run_worker, section_head,
-                    write_section)
+                    section_tail, write_section)
 
 COMPILED_LAYERS, PLAN_LAYERS = (4, 12), (48,)
 
@@ -112,9 +112,7 @@ def section(res: dict, cmdline: str) -> str:
             f"{temp / row['temp_one_device']:.2f}" if temp is not None else "",
             collective_kinds(row["compiled"], kib=False) if temp is not None else "",
             collective_kinds(row["in_loops"], kib=False) if temp is not None else ""]))
-    if res.get("error"):
-        out += ["", f"The worker did not finish: {res['error']}."]
-    return "\n".join(out + ["<!-- loops:end -->"])
+    return section_tail(out, "loops", res)
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from common import collective_kinds, md_row, run_worker, section_head, section_main
+from common import collective_kinds, md_row, run_worker, section_head, section_main, section_tail
 
 MODELS = ("mlp", "bert_layer", "bert_mlm", "gpt")
 METHODS = ("DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel")
@@ -139,9 +139,7 @@ def section(res: dict, cmdline: str) -> str:
         out.append(md_row([row["model"], row["method"], collective_kinds(row["compiled"]),
                            collective_kinds(row["predicted"]), f"{gathered:.2f}x",
                            f"{row['update_flops']:,.0f}", f"{row['flops']:,.0f}"]))
-    if res.get("error"):
-        out += ["", f"The worker did not finish: {res['error']}."]
-    return "\n".join(out + ["<!-- methods:end -->"])
+    return section_tail(out, "methods", res)
 
 
 def main(argv=None) -> int:

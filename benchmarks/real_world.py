@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from common import REPO, md_row, run_worker, section_head, section_main
+from common import REPO, md_row, run_worker, section_head, section_main, section_tail
 
 
 def _functional(step, args, batch_argnums):
@@ -286,9 +286,7 @@ def section(res: dict, cmdline: str) -> str:
     if scan and unrolled:
         out += ["", f"Scanned / unrolled temp per device under autopar: "
                     f"{scan[0] / max(unrolled[0], 1):.2f}x."]
-    if res.get("error"):
-        out += ["", f"The worker did not finish: {res['error']}."]
-    return "\n".join(out + ["<!-- real_world:end -->"])
+    return section_tail(out, "real_world", res)
 
 
 def main(argv=None) -> int:
