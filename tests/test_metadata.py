@@ -95,3 +95,14 @@ def test_linen_logical_partitioning_boxes_are_pinned_under_the_rules():
     spec = {t.path: t.spec for t in plan.inputs}
     kernels = {p: s for p, s in spec.items() if p.startswith("state.params") and "kernel" in p}
     assert sorted(kernels.values()) == sorted([KERNEL, ((1,), ())]), kernels
+
+
+def test_metadata_that_does_not_fit_the_mesh_is_not_pinned():
+    from autopar.frontend.metadata import metadata_rules
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tree = {"fits": nn.Partitioned(jnp.ones((3, 8)), names=(None, "model")),
+            "does_not_divide": nn.Partitioned(jnp.ones((3, 6)), names=(None, "model")),
+            "unknown_axis": nn.Partitioned(jnp.ones((3, 8)), names=(None, "tensor"))}
+    rules = metadata_rules((tree,), (), ("p",), mesh)
+    assert [(pattern, entries) for pattern, entries in rules] == [
+        (r"^p\['fits'\]\.value$", (None, "model"))]

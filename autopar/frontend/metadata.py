@@ -19,7 +19,10 @@ import sys
 from typing import Any, Sequence
 
 import jax
+from jax.sharding import PartitionSpec
 
+from ..errors import InvalidArgumentError
+from .jit_options import check_pin
 from .nnx import NnxState
 
 log = logging.getLogger(__name__)
@@ -52,14 +55,16 @@ def _linen_entries(box) -> tuple:
     return names
 
 
-def _usable(entries: tuple, shape, axis_names: Sequence[str], where: str) -> bool:
-    used = [a for e in entries if e is not None
-            for a in ((e,) if isinstance(e, str) else tuple(e))]
-    if len(entries) <= len(shape) and all(a in axis_names for a in used):
-        return True
-    log.info("autopar: the sharding metadata %r of `%s` (shape %s) does not fit the mesh axes "
-             "%s; not pinned", entries, where, tuple(shape), tuple(axis_names))
-    return False
+def _pin(entries: tuple, shape, mesh, where: str) -> bool:
+    """Whether `entries` are a valid pin of a leaf of `shape` on `mesh` (`check_pin`: known
+    axes, each once, splits that divide); if not, logged: metadata made for another mesh
+    or logical names without rules are not the user's pins for this one."""
+    try:
+        check_pin(PartitionSpec(*entries), shape, mesh, f"the sharding metadata of `{where}`")
+    except InvalidArgumentError as e:
+        log.info("autopar: %s; not pinned", e)
+        return False
+    return True
 
 
 def metadata_rules(args: Sequence[Any], static: Sequence[int], names: Sequence[str],
@@ -67,7 +72,6 @@ def metadata_rules(args: Sequence[Any], static: Sequence[int], names: Sequence[s
     """One exact-path `sharding_rules` entry per argument leaf whose sharding metadata fits
     `mesh` (paths as the trace names them: the argument's name and the leaf's key path)."""
     rules = []
-    axis_names = tuple(mesh.axis_names)
     boxes = _linen_boxes()
     for i, arg in enumerate(args):
         if i in static:
@@ -82,7 +86,7 @@ def metadata_rules(args: Sequence[Any], static: Sequence[int], names: Sequence[s
                     value, key = next(values), next(keys)
                     where = names[i] + key.text
                     if entries is not None and len(leaves) == 1 \
-                            and _usable(entries, jax.numpy.shape(value), axis_names, where):
+                            and _pin(entries, jax.numpy.shape(value), mesh, where):
                         rules.append((f"^{re.escape(where)}$", entries))
             continue
         if not boxes:
@@ -96,7 +100,7 @@ def metadata_rules(args: Sequence[Any], static: Sequence[int], names: Sequence[s
                 continue
             where = names[i] + jax.tree_util.keystr(path) + jax.tree_util.keystr(inner[0][0])
             entries = _linen_entries(box)
-            if _usable(entries, jax.numpy.shape(inner[0][1]), axis_names, where):
+            if _pin(entries, jax.numpy.shape(inner[0][1]), mesh, where):
                 rules.append((f"^{re.escape(where)}$", entries))
     return tuple(rules)
 
