@@ -10,6 +10,7 @@ replicates a tensor to change its layout and compiles the collectives the plan p
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,21 +88,12 @@ def run_nodes(graph: OpGraph, nodes, env: dict, constrain: dict[int, Any] | None
     spec the node's strategy wants (`reshard_paths`). `entered`: ids of the loop regions
     whose body this is."""
     constrain, reshard = constrain or {}, reshard or {}
-    nodes = list(nodes)
-    start = 0
-    while start < len(nodes):      # runs of nodes, each inside one remat region or outside
-        region = nodes[start].remat
-        stop = start + 1
-        while stop < len(nodes) and (nodes[stop].remat is region if region is None else
-                                     nodes[stop].remat is not None
-                                     and nodes[stop].remat.id == region.id):
-            stop += 1
-        run = nodes[start:stop]
-        if region is None:
+    for _, run in itertools.groupby(nodes, lambda n: n.remat.id if n.remat else None):
+        run = list(run)            # nodes of one remat region, or outside any
+        if run[0].remat is None:
             _run(graph, run, env, constrain, reshard, entered)
         else:
-            _run_remat(graph, run, env, constrain, reshard, entered, region)
-        start = stop
+            _run_remat(graph, run, env, constrain, reshard, entered, run[0].remat)
 
 
 def _run_remat(graph, nodes, env, constrain, reshard, entered, region) -> None:
