@@ -22,7 +22,7 @@ from .markers import mark_stage_boundary
 from .measure import profile
 from .options import (Annotations, AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
                       ManualLayerOption, ManualStageOption, MethodKind, PipeshardParallel,
-                      Schedule, ShardParallel, SolverBackend, UniformStageOption, Zero2Parallel,
+                      Remat, Schedule, ShardParallel, SolverBackend, UniformStageOption, Zero2Parallel,
                       Zero3Parallel)
 from .plan import ParallelPlan
 from .profile import DeviceProfile
@@ -37,4 +37,5 @@ __all__ = [
     "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps", "init_sharded",
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError", "FallbackWarning", "Annotations", "MicrobatchReductionWarning",
+    "Remat",
 ]

@@ -57,7 +57,12 @@ VALUE_AND_GRAD = value_and_grad_p.name
 def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool):
     """What the marker computes: (loss, *aux leaves, *gradient leaves) of `jaxpr` with
     respect to its first `num_diff` inputs."""
-    fun = jcore.jaxpr_as_fun(jaxpr)
+    return value_and_grad_of(jcore.jaxpr_as_fun(jaxpr), flat_args, num_diff)
+
+
+def value_and_grad_of(fun: Callable, flat_args, num_diff: int) -> tuple:
+    """(loss, *aux, *gradient leaves) of `fun(*flat_args)` (loss first, then aux) with respect
+    to its first `num_diff` arguments."""
     rest = flat_args[num_diff:]
 
     def loss_of(*diff):

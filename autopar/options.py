@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .errors import InvalidArgumentError
 from .intra_op.annotations import Annotations
 from .intra_op.ilp import SolverBackend
+from .inter_op.remat import Remat
 from .runtime.schedule import Schedule
 
 
@@ -86,10 +87,21 @@ class ShardParallel:
         move into it), "ignore" plans as if there were none. Replicated annotations and the
         backward pass's transposed ones are not taken as the user's. In a pipeline an
         annotation applies in a stage whose logical mesh has its axis names and sizes.
+      remat: rematerialization (`Remat`; plain strings accepted). "auto" (default): when the
+        fastest plan does not fit the memory budget, the search recomputes activations in
+        the backward pass instead of keeping them, per layer (per stage in a pipeline), as
+        little as fits: "selective" keeps matmul outputs and recomputes the elementwise work
+        (`jax.checkpoint_policies.dots_saveable`), "full" keeps only each layer's input. "none"
+        never recomputes (the plan and its `InfeasiblePlanError` as without the search);
+        "selective" / "full" apply to every layer. On one mesh autopar rematerializes only
+        the loss of an `autopar.value_and_grad` / `autopar.grad` (with `jax.grad` it cannot
+        see where the loss is); the user's own `jax.checkpoint` is always kept as written.
+        The plan records the choice per layer (`dump` shows it).
 
     Example:
         >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
         >>> autopar.Zero3Parallel(num_microbatches=2)
+        >>> autopar.ShardParallel(remat="none")             # never recompute activations
         >>> autopar.ShardParallel(batch_axis="data")        # data parallel on "data", ILP on the rest
         >>> autopar.ShardParallel(sharding_rules=(         # Megatron-style MLP, batch on data
         ...     (r"\['fc'\]\['kernel'\]", (None, "model")),
@@ -104,8 +116,10 @@ class ShardParallel:
     sharding_rules: tuple[tuple[str, tuple], ...] = ()
     batch_axis: str | tuple[str, ...] | None = None
     annotations: Annotations = Annotations.PIN
+    remat: Remat = Remat.AUTO
 
     def __post_init__(self):
+        object.__setattr__(self, "remat", Remat.of(self.remat, f"{type(self).__name__}.remat"))
         try:
             object.__setattr__(self, "annotations", Annotations(self.annotations))
         except ValueError:
@@ -294,8 +308,9 @@ class UniformStageOption:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ManualStageOption:
     """Pin the stage choice exactly: per stage its (first, last) layer, its submesh as
-    (hosts, devices per host) and its logical mesh shape. A plan's `stage_option()` gives the
-    one it chose, so a dumped plan can be replayed.
+    (hosts, devices per host), its logical mesh shape and optionally its rematerialization
+    (`Remat`; default: the method's `remat`, "auto" searching it per stage). A plan's
+    `stage_option()` gives the one it chose, so a dumped plan can be replayed.
 
     Example:
         >>> autopar.ManualStageOption(layer_spans=((0, 1), (2, 3)),
@@ -305,10 +320,17 @@ class ManualStageOption:
     layer_spans: tuple[tuple[int, int], ...]
     submesh_shapes: tuple[tuple[int, int], ...]
     logical_shapes: tuple[tuple[int, ...], ...]
+    remat: tuple[Remat, ...] = ()
 
     def __post_init__(self):
         spans = _check_shape_tuple("ManualStageOption", "layer_spans", self.layer_spans)
         n = len(spans)
+        remat = tuple(Remat.of(r, "ManualStageOption.remat") for r in self.remat)
+        if remat and len(remat) != n:
+            raise InvalidArgumentError(
+                f"ManualStageOption.remat={self.remat!r} has {len(remat)} entries for {n} "
+                "stage(s): give one per stage, or none (the method's remat for every stage).")
+        object.__setattr__(self, "remat", remat)
         object.__setattr__(self, "layer_spans", spans)
         object.__setattr__(self, "submesh_shapes", _check_shape_tuple(
             "ManualStageOption", "submesh_shapes", self.submesh_shapes, n))
@@ -388,4 +410,4 @@ class PipeshardParallel(ShardParallel):
 __all__ = ["LayerReuse", "MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
            "SolverBackend",
            "PipeshardParallel", "AutoLayerOption", "ManualLayerOption", "AutoStageOption",
-           "UniformStageOption", "ManualStageOption", "Schedule"]
+           "UniformStageOption", "ManualStageOption", "Schedule", "Remat"]

@@ -94,6 +94,7 @@ def accumulation_method(method: ShardParallel, mesh_shape: Sequence[int],
         memory_budget_bytes=method.memory_budget_bytes, solver=method.solver,
         solver_time_limit_s=method.solver_time_limit_s, layer_reuse=method.layer_reuse,
         num_microbatches=method.num_microbatches, layer_option=AutoLayerOption(num_layers=1),
+        remat=method.remat,
         stage_option=ManualStageOption(layer_spans=((0, 0),), submesh_shapes=(submesh,),
                                        logical_shapes=(shape,)))
 
@@ -197,7 +198,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             peak_memory_bytes=st.peak_bytes,
             layers=st.layers, submesh=st.submesh, latency_s=sol.latency_s,
             activation_bytes=sol.activation_bytes,
-            scopes=_scopes(loss, st.slice.start, st.slice.stop)))
+            scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value))
     schedule = make_schedule(method.schedule, len(stages), m)
     in_flight = schedule.in_flight()
     peak = max(s.peak_memory_bytes for s in stages)

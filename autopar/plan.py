@@ -105,6 +105,7 @@ class StagePlan:
     latency_s: float = 0.0                     # forward + backward of one microbatch
     activation_bytes: float = 0.0              # per device, per in-flight microbatch
     scopes: tuple[str, ...] = ()               # model code in the stage (name scopes)
+    remat: str = "none"                        # what its layers keep for the backward (Remat)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +136,9 @@ class ParallelPlan:
     ilp: dict = field(default_factory=dict)    # IlpStats as a dict
     timings_s: dict = field(default_factory=dict)
     pipeline: dict = field(default_factory=dict)  # schedule, microbatches, layers, DP stats
+    remat: dict = field(default_factory=dict)  # single mesh: the loss's layer boundaries and
+                                               # per-layer Remat choices, and the fingerprint
+                                               # of the step traced with them (empty: none)
     measured: dict = field(default_factory=dict)  # from autopar.calibrate: step_s, peak_bytes
     origin: str = "search"   # "search", "plan cache", "saved plan", or "process 0 (...)"
     # Pipeline plans: each stage's ILP solution as JSON data (`inter_op.stage_solve.
@@ -146,7 +150,8 @@ class ParallelPlan:
         from .options import ManualStageOption
         return ManualStageOption(layer_spans=tuple(s.layers for s in self.stages),
                                  submesh_shapes=tuple(s.submesh for s in self.stages),
-                                 logical_shapes=tuple(s.logical_mesh_shape for s in self.stages))
+                                 logical_shapes=tuple(s.logical_mesh_shape for s in self.stages),
+                                 remat=tuple(s.remat for s in self.stages))
 
     @property
     def predicted_step_s(self) -> float:

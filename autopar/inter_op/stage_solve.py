@@ -148,8 +148,10 @@ class TrainSplit:
 
 def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
     """The backward is every node that depends on the cotangent inputs (one per float output
-    of the stage, the graph's last inputs); nodes computed from constants alone go to both
-    parts (each recomputes what it needs, so they are never kept)."""
+    of the stage, the graph's last inputs) or on a rematerialization's barrier (the
+    recomputation of a `jax.checkpoint`, which the backward runs from the checkpoint's saved
+    inputs); nodes computed from constants alone go to both parts (each recomputes what it
+    needs, so they are never kept)."""
     n_out = len(sl.outputs)            # graph outputs: stage outputs, then the gradients
     num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
     late = set(graph.inputs[len(graph.inputs) - num_cts:])
@@ -159,7 +161,8 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
         ids = range(start, stop)
         made = {t for n in ids for t in graph.nodes[n].outputs}
         reads = [t for n in ids for t in graph.nodes[n].inputs if t not in made]
-        if any(t in late for t in reads):
+        if any(t in late for t in reads) or any(graph.nodes[n].barrier is not None
+                                                for n in ids):
             late.update(made)
             backward.extend(ids)
         elif all(t in const_only for t in reads):
@@ -226,9 +229,10 @@ class StageProblem:
     ilp: IntraOpProblem
     logical: LogicalMesh
 
-    def least_bytes(self) -> float:
-        """The least peak bytes per device of any plan of the stage (one microbatch)."""
-        return least_memory(self.ilp)
+    def least_bytes(self, *, in_flight: int | None = None, opt_ratio: float = 0.0) -> float:
+        """The least peak bytes per device of any plan of the stage: of one microbatch, or
+        with `in_flight` the pipeline's peak as `solve` counts it."""
+        return least_memory(self.ilp, self._held(in_flight, opt_ratio))
 
     def solve(self, budget: float | None = None, *, in_flight: int | None = None,
               opt_ratio: float = 0.0) -> StageSolution:
@@ -240,6 +244,11 @@ class StageProblem:
         Raises:
           InfeasiblePlanError: the stage cannot fit the budget on this logical mesh.
         """
+        return _stage_solution(self.graph, self.slice, self.logical,
+                               solve_built(self.ilp, budget,
+                                           held=self._held(in_flight, opt_ratio)))
+
+    def _held(self, in_flight: int | None, opt_ratio: float) -> dict[int, float]:
         held = {}
         if in_flight is not None:
             graph, n_params = self.graph, len(self.slice.param_inputs)
@@ -247,8 +256,7 @@ class StageProblem:
             for t in split_train_graph(graph, self.slice).residuals:
                 if graph.tensors[t].kind == TensorKind.INTERMEDIATE:
                     held[t] = held.get(t, 0.0) + in_flight - 1
-        return _stage_solution(self.graph, self.slice, self.logical,
-                               solve_built(self.ilp, budget, held=held))
+        return held
 
 
 def stage_problem(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,

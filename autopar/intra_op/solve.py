@@ -183,10 +183,14 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
                 " ..." if len(unmet) > 4 else "")
 
 
-def least_memory(p: IntraOpProblem) -> float:
+def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
     """The least peak bytes per device any plan of the problem needs (a min-peak MIP; exact
-    where the problem was built with `points_above=0`)."""
-    return min_peak_memory(p.built.problem, backend=p.method.solver,
+    where the problem was built with `points_above=0`), with `held` counted as `solve_built`
+    counts it."""
+    problem = p.built.problem
+    if held:
+        problem = with_extra_bytes(problem, _held_bytes(p.graph, p.built, p.mesh.shape, held))
+    return min_peak_memory(problem, backend=p.method.solver,
                            time_limit_s=p.method.solver_time_limit_s)[0]
 
 
