@@ -40,6 +40,7 @@ from .pipeshard import plan_pipeline
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import cache_key, find_plan
+from .remat_plan import plan_step, traced_for
 from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
                      plan_cache_of, plan_graph)
 from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
@@ -134,16 +135,25 @@ class ParallelizedFunction:
         mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
         if pipelined(method):
             return self._pipeline_entry(args, mesh, method)
-        graph = trace(self._fun, args, static_argnums=self._static,
-                      batch_argnums=self._batch, donate_argnums=self._front.donated(args))
+        retrace = functools.partial(trace, self._fun, args, static_argnums=self._static,
+                                    batch_argnums=self._batch,
+                                    donate_argnums=self._front.donated(args))
+        graph = retrace()
         check_batch(graph)
+        searched = []
+
+        def search():
+            found, traced = plan_step(graph, retrace, lambda g: plan_graph(
+                g, self.cluster, mesh.devices.shape, mesh.axis_names, method,
+                tuple(int(d.id) for d in mesh.devices.flat),
+                output_pins=self._front.out_pins(g, args, self.mesh)), method)
+            searched.append(traced)
+            return found
         if self._saved_plan is not None:
             plan_ = matching(self._saved_plan, graph_fingerprint(graph))
         else:
-            plan_ = self._find(args, graph_fingerprint(graph), mesh, lambda: plan_graph(
-                graph, self.cluster, mesh.devices.shape, mesh.axis_names, method,
-                tuple(int(d.id) for d in mesh.devices.flat),
-                output_pins=self._front.out_pins(graph, args, self.mesh)), method)
+            plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
+        graph = searched[0] if searched else traced_for(plan_, graph, retrace)
         entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))

@@ -37,7 +37,7 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
                 f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
                 f"then the update; predicted step {_time(p['predicted_latency_s'])}, peak "
-                f"memory {_bytes(s.peak_memory_bytes)} per device{reduced}"]
+                f"memory {_bytes(s.peak_memory_bytes)} per device; remat {s.remat}{reduced}"]
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
@@ -49,12 +49,12 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
         rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", devs,
                      "x".join(map(str, s.submesh)),
                      " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
-                     _time(s.latency_s), str(q),
+                     _time(s.latency_s), str(q), s.remat,
                      _bytes(s.peak_memory_bytes),
                      ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
     lines += ["  " + r for r in _table(rows, ("stage", "layers", "devices", "submesh",
                                                "logical mesh", "fwd+bwd/mb", "in flight",
-                                               "peak mem", "model code"))]
+                                               "remat", "peak mem", "model code"))]
     lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
                  f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
                  f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "
@@ -90,6 +90,10 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
                  + f"   total {_time(plan.predicted_step_s)}")
     lines.append(f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
                  f"{_bytes(plan.memory_budget_bytes)}")
+    if plan.remat:
+        bounds, layers = plan.remat["layer_boundaries"], plan.remat["layers"]
+        lines.append("  rematerialization (loss layers, forward operators): " + ", ".join(
+            f"{a}..{b - 1} {c}" for a, b, c in zip(bounds, bounds[1:], layers)))
     if plan.measured:
         m = plan.measured
         peak = m.get("peak_bytes")

@@ -8,6 +8,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from .pipeshard import accumulation_method, plan_pipeline
 from .plan import ParallelPlan
 from .plan_cache import PlanCache
 from .planner import build_plan
+from .remat_plan import plan_step
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -108,11 +110,13 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
                              mesh_shape=tuple(mesh_shape), method=pipe,
                              static_argnums=static_argnums, batch_argnums=batch_argnums,
                              donate_argnums=donate_argnums, stage_method=stage_method)[0]
-    graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
-                  donate_argnums=donate_argnums)
+    retrace = functools.partial(trace, fun, args, static_argnums=static_argnums,
+                                batch_argnums=batch_argnums, donate_argnums=donate_argnums)
+    graph = retrace()
     check_batch(graph)
-    return plan_graph(graph, cluster, mesh_shape, axis_names, method,
-                       tuple(range(cluster.num_devices)))
+    return plan_step(graph, retrace, lambda g: plan_graph(
+        g, cluster, mesh_shape, axis_names, method, tuple(range(cluster.num_devices))),
+        method)[0]
 
 
 def plan_cache_of(option) -> PlanCache | None:
