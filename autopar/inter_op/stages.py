@@ -3,9 +3,11 @@ intra-op plan (Alpa §5.2).
 
 `AutoStageOption` solves the intra-op ILP once per (layer, submesh, logical mesh), reusing
 the result for layers whose training graphs are identical; a span's cost is the sum of its
-layers' costs on one logical mesh (boundary resharding inside a stage is not priced); the DP
-in `stage_dp` picks the spans and submeshes. The chosen stages are then solved whole for their
-shardings. `UniformStageOption` and `ManualStageOption` skip the DP.
+layers' costs on one logical mesh plus the reshards between consecutive layers whose plans
+disagree on what one hands the next (`_boundary_costs`); the DP in `stage_dp` picks the spans,
+submeshes and (where memory binds) each stage's rematerialization. The DP's choice and its
+best alternatives with fewer stages are then solved whole, and the fastest solved layout wins
+(`_reranked`). `UniformStageOption` and `ManualStageOption` skip the DP.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cluster import ClusterSpec
+from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import InputRole, OpGraph
 from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, ShardParallel,
@@ -27,8 +30,8 @@ from ..runtime.schedule import make_schedule
 from .pipeline import LossGraph, StageSlice, slice_range
 from .remat import Remat, choices_of, with_remat
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
-from .stage_solve import (StageSolution, stage_batch_sources, stage_input_paths, stage_problem,
-                          trace_stage)
+from .stage_solve import (StageSolution, is_float, stage_batch_sources, stage_input_paths,
+                          stage_io, stage_problem, trace_stage)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -405,11 +408,16 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     # memory-lean plans of every layer if still nothing fits.
     kinds, options = [], []
 
+    meshes = [CostModel(mesh=cluster.with_(
+        num_hosts=submeshes[k].num_hosts, devices_per_host=submeshes[k].devices_per_host,
+    ).logical_mesh(tuple(shapes_per_k[k][v]), AXIS_NAMES)) for k, v in pairs]
+
     def add(remat: Remat, lean: bool):
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
         kinds.append((remat, lean))
-        options.append(_layer_options(loss, boundaries, submeshes, shapes_per_k, pairs,
-                                      solve, solver.opt_ratio))
+        lat, static, act, sols = _layer_options(loss, boundaries, submeshes, shapes_per_k,
+                                                pairs, solve, solver.opt_ratio)
+        options.append((lat, static, act, _boundary_costs(loss, boundaries, sols, meshes)))
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
@@ -437,21 +445,85 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         check_layers()
         choice = dp(options, budget=budget)      # raises the DP's InfeasiblePlanError
     n = len(pairs)
-    subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
-            for p in choice.submeshes]
-    shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
-    stage_kinds = [kinds[p // n] for p in choice.submeshes]
-    stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes, device_ids,
-                              solver, method, budget, [(r,) for r, _ in stage_kinds],
-                              [lean for _, lean in stage_kinds])
+
+    def solved(choice):
+        """The stages of a DP choice, each solved whole on its submesh and view."""
+        subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
+                for p in choice.submeshes]
+        shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
+        stage_kinds = [kinds[p // n] for p in choice.submeshes]
+        return _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
+                                device_ids, solver, method, budget,
+                                [(r,) for r, _ in stage_kinds],
+                                [lean for _, lean in stage_kinds])
+    stages = _reranked(choice, dp, options, budget, solved, method.num_microbatches,
+                       option.max_stages)
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
 
 
-def _try_dp(dp, options, budget):
+RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
+
+
+def _reranked(choice, dp, options, budget, solved, num_microbatches, max_stages):
+    """The DP's choice and its best alternatives with fewer stages (the DP rerun with
+    `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
+    one whose solved stages give the shortest pipeline wins (the DP sums separately solved
+    layers; a stage solved whole shares shardings across them). Ties keep the DP's order."""
+    cands = {(choice.layer_spans, choice.submeshes): choice}
+    for k in range(1, choice.num_stages):
+        alt = _try_dp(dp, options, budget, max_stages=k)
+        if alt is not None:
+            cands.setdefault((alt.layer_spans, alt.submeshes), alt)
+    ranked = sorted(cands.values(), key=lambda c: c.total_latency_s)[:RERANK]
+    best, best_t, error = None, np.inf, None
+    for cand in ranked:
+        try:
+            stages = solved(cand)
+        except InfeasiblePlanError as e:
+            error = error or e
+            continue
+        lat = [st.solution.latency_s for st in stages]
+        t = sum(lat) + (num_microbatches - 1) * max(lat)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = stages, t
+    if best is None:
+        raise error
+    if len(ranked) > 1:
+        log.info("autopar: %d stage layouts re-ranked by whole-stage solves; %d stage(s) "
+                 "chosen (%.4g s per step predicted)", len(ranked), len(best), best_t)
+    return best
+
+
+def _boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
+    """[L, P]: per microbatch, the seconds to reshard what layer l hands layer l + 1 when both
+    sit in one stage on option p: each tensor from layer l's output spec to layer l + 1's
+    input spec, and its cotangent back (what the DP's summed layer plans leave unpriced)."""
+    num, width = len(sols), len(meshes)
+    out = np.zeros((num, width))
+    fwd = loss.forward
+    ios = [stage_io(loss, slice_range(loss, boundaries[l], boundaries[l + 1], l))
+           for l in range(num)]
+    for l in range(num - 1):
+        made, used = ios[l], ios[l + 1]
+        for p in range(width):
+            a, b = sols[l][p], sols[l + 1][p]
+            if a is None or b is None:
+                continue
+            outs = dict(zip((*made.float_outputs, *made.int_outputs), a.out_specs))
+            acts = dict(zip((*used.float_acts, *used.int_acts), b.act_specs))
+            for t in sorted(outs.keys() & acts.keys()):
+                ten, cost = fwd.tensors[t], meshes[p]
+                out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, outs[t], acts[t])
+                if is_float(ten.dtype):
+                    out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, acts[t], outs[t])
+    return out
+
+
+def _try_dp(dp, options, budget, **kw):
     """The DP's choice, or None where no assignment fits `budget` (or a layer has no plan of
     this kind at all, which the DP reports as an invalid cost array)."""
     try:
-        return dp(options, budget=budget)
+        return dp(options, budget=budget, **kw)
     except (InfeasiblePlanError, InvalidArgumentError):
         return None
 
@@ -462,29 +534,31 @@ def _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_
     under one rematerialization); inf latency where it gives none."""
     shape = (len(boundaries) - 1, len(pairs))
     lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    sols = [[None] * shape[1] for _ in range(shape[0])]
     for l in range(shape[0]):
         sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
         for p, (k, v) in enumerate(pairs):
             sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            sol = solve(sl, sub, shapes_per_k[k][v])
+            sol = sols[l][p] = solve(sl, sub, shapes_per_k[k][v])
             if sol is not None:
                 lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
                 act[l, p] = sol.activation_bytes
-    return lat, static, act
+    return lat, static, act, sols
 
 
-def _run_dp(options, *, submeshes, ks, device_ids, method, option, budget):
+def _run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization); span costs are the summed layer
     costs."""
-    lat = np.concatenate([o[0] for o in options], axis=1)
-    static = np.concatenate([o[1] for o in options], axis=1)
-    act = np.concatenate([o[2] for o in options], axis=1)
+    lat, static, act, bound = (np.concatenate([o[i] for o in options], axis=1)
+                               for i in range(4))
     num_layers = lat.shape[0]
     span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
     span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
     for i in range(num_layers):
-        span_lat[i, i:] = np.cumsum(lat[i:], axis=0)
+        # layers i..j: their latencies, and the reshards between consecutive ones
+        inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
+        span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
         span_static[i, i:] = np.cumsum(static[i:], axis=0)
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
     finite = np.isfinite(span_lat)
@@ -492,5 +566,6 @@ def _run_dp(options, *, submeshes, ks, device_ids, method, option, budget):
                        activation_bytes=np.where(finite, span_act, 0.0),
                        memory_budget_bytes=budget)
     subs = [submeshes[k] for k in ks] * len(options)
+    caps = [c for c in (option.max_stages, max_stages) if c is not None]
     return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
-                          max_stages=option.max_stages)
+                          max_stages=min(caps) if caps else None)
