@@ -49,12 +49,12 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
         rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", devs,
                      "x".join(map(str, s.submesh)),
                      " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
-                     _time(s.latency_s), str(q), s.remat,
+                     _time(s.latency_s), str(q), s.remat + (" +zero" if s.zero else ""),
                      _bytes(s.peak_memory_bytes),
                      ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
     lines += ["  " + r for r in _table(rows, ("stage", "layers", "devices", "submesh",
                                                "logical mesh", "fwd+bwd/mb", "in flight",
-                                               "remat", "peak mem", "model code"))]
+                                               "remat/zero", "peak mem", "model code"))]
     lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
                  f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
                  f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "

@@ -309,7 +309,8 @@ class UniformStageOption:
 class ManualStageOption:
     """Pin the stage choice exactly: per stage its (first, last) layer, its submesh as
     (hosts, devices per host), its logical mesh shape and optionally its rematerialization
-    (`Remat`; default: the method's `remat`, "auto" searching it per stage). A plan's
+    (`Remat`; default: the method's `remat`, "auto" searching it per stage) and whether ZeRO
+    splits its optimizer state over its data axis (default: where memory needs it). A plan's
     `stage_option()` gives the one it chose, so a dumped plan can be replayed.
 
     Example:
@@ -321,10 +322,18 @@ class ManualStageOption:
     submesh_shapes: tuple[tuple[int, int], ...]
     logical_shapes: tuple[tuple[int, ...], ...]
     remat: tuple[Remat, ...] = ()
+    zero: tuple[bool, ...] = ()
 
     def __post_init__(self):
         spans = _check_shape_tuple("ManualStageOption", "layer_spans", self.layer_spans)
         n = len(spans)
+        zero = tuple(self.zero)
+        if zero and (len(zero) != n or not all(isinstance(z, bool) for z in zero)):
+            raise InvalidArgumentError(
+                f"ManualStageOption.zero={self.zero!r}: give one bool per stage ({n}), or none "
+                "(the search splits a stage's optimizer state over its data axis where memory "
+                "needs it).")
+        object.__setattr__(self, "zero", zero)
         remat = tuple(Remat.of(r, "ManualStageOption.remat") for r in self.remat)
         if remat and len(remat) != n:
             raise InvalidArgumentError(

@@ -106,6 +106,7 @@ class StagePlan:
     activation_bytes: float = 0.0              # per device, per in-flight microbatch
     scopes: tuple[str, ...] = ()               # model code in the stage (name scopes)
     remat: str = "none"                        # what its layers keep for the backward (Remat)
+    zero: bool = False                         # optimizer state split over its data axis
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,7 +152,8 @@ class ParallelPlan:
         return ManualStageOption(layer_spans=tuple(s.layers for s in self.stages),
                                  submesh_shapes=tuple(s.submesh for s in self.stages),
                                  logical_shapes=tuple(s.logical_mesh_shape for s in self.stages),
-                                 remat=tuple(s.remat for s in self.stages))
+                                 remat=tuple(s.remat for s in self.stages),
+                                 zero=tuple(s.zero for s in self.stages))
 
     @property
     def predicted_step_s(self) -> float:

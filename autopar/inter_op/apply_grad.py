@@ -8,17 +8,19 @@ are then grouped into segments: one segment is a run of operators of one stage w
 are all ready, so a global value such as the gradient norm of `clip_by_global_norm` costs one
 extra segment per stage (each stage's partial sums, then the norm, then the updates) and stays
 exact. Optimizer-state leaves take the sharding of the parameter they are updated with (they
-are joined through elementwise operators of equal shape).
+are joined through elementwise operators of equal shape), split over the data axis as well on
+a stage with ZeRO (`ChosenStage.zero`; XLA then gathers the updated parameters).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from ..graph import OpGraph, TensorKind
+from ..graph import InputRole, OpGraph, TensorKind
 from ..primitives import ELEMENTWISE
 from ..spec import Spec, replicated
 from .pipeline import LossGraph
+from .stage_solve import zero_spec
 from .stages import ChosenStage
 
 PIPELINE = -1     # Segment.stage of the pipelined loss
@@ -185,8 +187,11 @@ def place(loss: LossGraph, stages: tuple[ChosenStage, ...],
             users = [color[c] for c in consumers[tid] if color[c] >= 0]
             s = users[0] if users else 0
         in_stage.append(s)
-        in_spec.append(spec.get(tid) or (pinned and pinned(tid, s))
-                       or class_spec.get(uf.find(tid)) or replicated(t.rank))
+        sp = spec.get(tid) or (pinned and pinned(tid, s)) or class_spec.get(
+            uf.find(tid)) or replicated(t.rank)
+        if t.role == InputRole.OPT_STATE and stages[s].zero:   # ZeRO on this stage
+            sp = zero_spec(sp, t.shape, stages[s].solution.logical_shape) or sp
+        in_spec.append(sp)
     out_stage, out_spec = [], []
     for pos, tid in enumerate(step.outputs):
         src = step.carried_outputs.get(pos)

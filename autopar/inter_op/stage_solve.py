@@ -27,7 +27,7 @@ from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
 from ..intra_op.batch_dims import batch_dims
 from ..plan import constrained_tensors, spec_from_json
-from ..spec import Spec, num_shards
+from ..spec import Spec, dim_shards, num_shards
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
 
@@ -135,6 +135,18 @@ class StageSolution:
     grad_specs: tuple[Spec, ...]
     constraints: tuple[tuple[int, Spec], ...] = ()   # (stage-graph tensor, spec) pinned inside
     ilp: IlpStats
+    # ZeRO on this stage (its optimizer state split over the data axis, axis 0): the
+    # parameter bytes per device whose state it splits, and the all-gather of the updated
+    # parameters it then costs once per step.
+    zero_split_bytes: float = 0.0
+    zero_gather_s: float = 0.0
+
+    def optimizer_bytes(self, opt_ratio: float, zero: bool = False) -> float:
+        """Per device: the optimizer state (`opt_ratio` bytes per parameter byte), with ZeRO
+        split over the data axis."""
+        d = self.logical_shape[0]
+        saved = self.zero_split_bytes * (1 - 1 / d) if zero else 0.0
+        return opt_ratio * (self.param_bytes - saved)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,6 +303,18 @@ def solve_stage(graph: OpGraph, sl: StageSlice, cluster: ClusterSpec,
                          input_paths).solve()
 
 
+def zero_spec(spec: Spec, shape, mesh_shape, axis: int = 0) -> Spec | None:
+    """`spec` with the data axis added to the first dimension it divides (ZeRO's split of a
+    parameter's optimizer state), or None where the axis is trivial, already used, or
+    divides no dimension."""
+    if mesh_shape[axis] <= 1 or any(axis in dim for dim in spec):
+        return None
+    for d, (size, dim) in enumerate(zip(shape, spec)):
+        if size % (dim_shards(spec, d, mesh_shape) * mesh_shape[axis]) == 0:
+            return spec[:d] + ((*dim, axis),) + spec[d + 1:]
+    return None
+
+
 def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
                     a: ShardingAssignment) -> StageSolution:
     logical_shape = logical.shape
@@ -301,6 +325,9 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
     n_act, n_out = len(sl.act_inputs), len(sl.outputs)
     param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
                       for t in graph.inputs[:p])
+    zero_split = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
+                     for t in graph.inputs[:p]
+                     if zero_spec(specs[t], graph.tensors[t].shape, logical_shape) is not None)
     split = split_train_graph(graph, sl)
     return StageSolution(
         logical_shape=tuple(logical_shape),
@@ -312,6 +339,8 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         param_bytes=param_bytes,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
-        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,
+        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp, zero_split_bytes=zero_split,
+        zero_gather_s=CostModel(mesh=logical).all_gather_s(zero_split, (0,))
+        if zero_split else 0.0,
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph,
                                                                         a.constant_tensors)))

@@ -48,6 +48,7 @@ class ChosenStage:
     peak_bytes: float = 0.0              # per device: state, accumulator, working memory and
                                          # the schedule's in-flight activations
     remat: Remat = Remat.NONE            # what its layers keep for the backward
+    zero: bool = False                   # its optimizer state split over its data axis
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,15 +125,21 @@ class _Solver:
         return self._cached(sl, (key, budget), lambda: prob.solve(budget))
 
     def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-                in_flight: int, remat: Remat = Remat.NONE) -> StageSolution | None:
+                in_flight: int, remat: Remat = Remat.NONE,
+                zero: bool = False) -> StageSolution | None:
         """The fastest plan whose pipeline peak (one microbatch's peak, the optimizer state of
         its parameters, and `in_flight - 1` more microbatches' activations) fits the budget:
-        the DP's memory formula, as an ILP constraint."""
+        the DP's memory formula, as an ILP constraint. With `zero`, the optimizer state counts
+        split over the data axis (ZeRO; see `StageSolution.optimizer_bytes`)."""
         if self.floor(sl, submesh) > self.budget:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
         prob, key = self.problem(sl, submesh, shape, remat)
-        return self._cached(sl, (key, "fitting", in_flight), lambda: prob.solve(
-            self.budget, opt_ratio=self.opt_ratio, in_flight=in_flight))
+        return self._cached(sl, (key, "fitting", in_flight, zero), lambda: prob.solve(
+            self.budget, opt_ratio=self._opt_ratio(shape, zero), in_flight=in_flight))
+
+    def _opt_ratio(self, shape: tuple[int, int], zero: bool) -> float:
+        """Optimizer bytes per parameter byte as the ILP counts them (ZeRO: all split)."""
+        return self.opt_ratio / shape[0] if zero else self.opt_ratio
 
     def _cached(self, sl: StageSlice, key, solve) -> StageSolution | None:
         if key in self.cache:
@@ -189,37 +196,41 @@ class _Solver:
         return min(sols, key=lambda s: s.latency_s) if sols else None
 
     def stage(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
-              remats: tuple[Remat, ...], lean: bool = False) -> tuple[StageSolution | None,
-                                                                      Remat]:
-        """The fastest plan of the stage on any of `shapes` and `remats` whose peak under the
-        pipeline (`in_flight` microbatches, see `fitting`) fits the budget; the fastest plan
-        of the least recomputation when it fits already (recomputing only adds time). None
-        when no plan fits."""
-        def fits(sol):
-            return sol is not None and _static_bytes(sol, self.opt_ratio) \
+              remats: tuple[Remat, ...], lean: bool = False, zeros: tuple[bool, ...] = (False,),
+              ) -> tuple[StageSolution | None, Remat, bool]:
+        """(solution, remat, zero): the fastest plan of the stage on any of `shapes`, `remats`
+        and `zeros` (ZeRO on its data axis or not) whose peak under the pipeline (`in_flight`
+        microbatches, see `fitting`) fits the budget, its ZeRO all-gather counted per
+        microbatch (`_latency`); the fastest plan of the first choices when it fits already
+        (recomputing or gathering only adds time). None when no plan fits."""
+        def fits(sol, zero):
+            return sol is not None and _static_bytes(sol, self.opt_ratio, zero) \
                 + in_flight * sol.activation_bytes <= self.budget * (1 + 1e-9)
         found = []
         for n, remat in enumerate(remats):
-            sol = None if lean else self.best(sl, submesh, shapes, remat)
-            if fits(sol) and n == 0:
-                return sol, remat      # the fastest plan of the least recomputation fits
-            if not fits(sol):
-                sol = min((f for f in (self.fitting(sl, submesh, v, in_flight, remat)
-                                       for v in shapes) if f is not None),
-                          key=lambda f: f.latency_s, default=None)
-            if sol is not None:
-                found.append((sol.latency_s, n, sol))
+            best = None if lean else self.best(sl, submesh, shapes, remat)
+            if n == 0 and fits(best, zeros[0]):
+                return best, remat, zeros[0]
+            for zero in zeros:
+                sol = best if fits(best, zero) else min(
+                    (f for f in (self.fitting(sl, submesh, v, in_flight, remat, zero)
+                                 for v in shapes) if f is not None),
+                    key=lambda f: f.latency_s, default=None)
+                if sol is not None:
+                    found.append((_latency(sol, zero, self.method.num_microbatches), n, zero,
+                                  sol))
         if found:
-            _, n, sol = min(found, key=lambda f: f[:2])
-            return sol, remats[n]
-        return None, remats[0]
+            _, n, zero, sol = min(found, key=lambda f: f[:3])
+            return sol, remats[n], zero
+        return None, remats[0], zeros[0]
 
     def least(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
-              remats: tuple[Remat, ...]) -> float:
+              remats: tuple[Remat, ...], zeros: tuple[bool, ...] = (False,)) -> float:
         """The least pipeline peak per device (as `stage` counts it) of any plan of the stage
-        on `shapes` under `remats`."""
+        on `shapes` under `remats` and `zeros`."""
         return min(self.problem(sl, submesh, v, r)[0].least_bytes(
-            in_flight=in_flight, opt_ratio=self.opt_ratio) for v in shapes for r in remats)
+            in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
+            for v in shapes for r in remats for z in zeros)
 
 
 def _opt_ratio(step: OpGraph) -> float:
@@ -230,11 +241,17 @@ def _opt_ratio(step: OpGraph) -> float:
     return by_role[InputRole.OPT_STATE] / max(by_role[InputRole.PARAM], 1)
 
 
-def _static_bytes(sol: StageSolution, opt_ratio: float) -> float:
-    """Params, gradient accumulator and optimizer state, plus the working memory of one
-    microbatch beyond its kept activations."""
+def _static_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
+    """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO),
+    plus the working memory of one microbatch beyond its kept activations."""
     working = max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
-    return working + sol.param_bytes * (1 + opt_ratio)
+    return working + sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
+
+
+def _latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
+    """A stage's microbatch latency as the DP counts it: ZeRO's per-step all-gather of the
+    updated parameters is spread over the step's microbatches."""
+    return sol.latency_s + (sol.zero_gather_s / num_microbatches if zero else 0.0)
 
 
 def _infeasible(what: str, budget: float, needed: float, *, any_mesh: bool = True,
@@ -261,11 +278,12 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
 
 
 def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, method,
-                     budget, remats, lean=None, given=()):
-    """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try
-    and `remats[p]` the rematerializations (`_Solver.stage`: the fastest plan that fits with
-    its optimizer state and the activations its schedule keeps in flight; `lean[p]`: the DP
-    chose it from memory-lean layer plans, so only plans solved to fit are taken).
+                     budget, remats, zeros, lean=None, given=()):
+    """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try,
+    `remats[p]` the rematerializations and `zeros[p]` whether ZeRO may split its optimizer
+    state (`_Solver.stage`: the fastest plan that fits with its optimizer state and the
+    activations its schedule keeps in flight; `lean[p]`: the DP chose it from memory-lean
+    layer plans, so only plans solved to fit are taken).
     `given[p]`, (stage graph fingerprint, solution) from a saved plan, is taken as stage p's
     solution when the stage's graph and logical shape are the ones it was solved for."""
     stages = []
@@ -274,37 +292,40 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
     for p, ((i, j), sub, shape, devs) in enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
-        chosen = lambda sol, r: ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub),
-                                            device_ids=devs, solution=sol,
-                                            graph=solver.graph(sl, r)[0], remat=r)
+        chosen = lambda sol, r, z: ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub),
+                                               device_ids=devs, solution=sol,
+                                               graph=solver.graph(sl, r)[0], remat=r, zero=z)
         if p < len(given):
             replay = next((r for r in remats[p] if given[p][1] is not None
                            and given[p][0] == solver.graph(sl, r)[1]
                            and tuple(given[p][1].logical_shape) in map(tuple, shape)), None)
             if replay is not None:
                 solver.num_replayed += 1
-                stages.append(chosen(given[p][1], replay))
+                stages.append(chosen(given[p][1], replay, zeros[p][0]))
                 continue
             log.warning("autopar: stage %d of the saved plan was solved for another stage "
                         "graph or logical mesh; solving it again", p)
-        sol, remat = solver.stage(sl, sub, shape, in_flight[p], remats[p], lean[p])
+        sol, remat, zero = solver.stage(sl, sub, shape, in_flight[p], remats[p], lean[p],
+                                        zeros[p])
         if sol is None:
             raise _infeasible(
                 f"stage {p} (layers {i}..{j}) on submesh {sub} with its optimizer state and "
                 f"{in_flight[p]} microbatch(es) of activations in flight "
-                f"(rematerialization tried: {', '.join(r.value for r in remats[p])})", budget,
+                f"(rematerialization tried: {', '.join(r.value for r in remats[p])}; ZeRO "
+                f"tried: {'yes' if True in zeros[p] else 'no'})", budget,
                 _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
-                                remats), what_needs="every stage of this layout needs at least")
-        stages.append(chosen(sol, remat))
+                                remats, zeros),
+                what_needs="every stage of this layout needs at least")
+        stages.append(chosen(sol, remat, zero))
     return stages
 
 
 def _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
-                    remats) -> float:
+                    remats, zeros) -> float:
     """The least per-device peak any plan of these stages needs: the max over stages of the
     least each can take on its submesh (exact ILP memory minima)."""
     return max(solver.least(slice_range(loss, boundaries[i], boundaries[j + 1], p), sub,
-                            shape, in_flight[p], remats[p])
+                            shape, in_flight[p], remats[p], zeros[p])
                for p, ((i, j), sub, shape) in enumerate(zip(spans, submeshes, shapes)))
 
 
@@ -313,6 +334,17 @@ def _stage_remats(method: ShardParallel, option, num_stages: int) -> list[tuple[
     method's (all of them for "auto")."""
     given = getattr(option, "remat", ()) or (method.remat,) * num_stages
     return [choices_of(r) for r in given]
+
+
+def _stage_zeros(option, num_stages: int, pipeline: bool) -> list[tuple[bool, ...]]:
+    """Per stage, whether ZeRO may split its optimizer state: a `ManualStageOption`'s own
+    choice, else the search's (without first, with where memory needs it) in a pipeline;
+    gradient accumulation keeps its method's state placement (DataParallel's replicated
+    state, ZeRO-2's split)."""
+    given = getattr(option, "zero", ())
+    if given:
+        return [(bool(z),) for z in given]
+    return [(False, True) if pipeline else (False,)] * num_stages
 
 
 def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: ClusterSpec,
@@ -333,6 +365,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     n = len(device_ids)
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
     solver = _Solver(loss, cluster, stage_method or method, tuple(boundaries))
+    pipeline = stage_method is None          # not gradient accumulation
     dp = (0, 0, 0.0)
     dph = cluster.devices_per_host
     if isinstance(option, ManualStageOption):
@@ -345,6 +378,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   [[tuple(v)] for v in option.logical_shapes], device_ids,
                                   solver, method, budget,
                                   _stage_remats(method, option, len(option.layer_spans)),
+                                  _stage_zeros(option, len(option.layer_spans), pipeline),
                                   given=solutions)
     elif isinstance(option, UniformStageOption):
         s = option.num_stages
@@ -359,9 +393,11 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         spans = [(int(c[0]), int(c[-1])) for c in cuts]
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
                                   [logical_shapes(per)] * s, device_ids, solver, method,
-                                  budget, _stage_remats(method, option, s))
+                                  budget, _stage_remats(method, option, s),
+                                  _stage_zeros(option, s, pipeline))
     else:
-        stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
+        stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget,
+                           pipeline)
     stages = _with_peaks(stages, loss, method, budget)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
@@ -380,7 +416,7 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
     opt_ratio = _opt_ratio(loss.step)
     out = []
     for st, q in zip(stages, in_flight):
-        peak = _static_bytes(st.solution, opt_ratio) + q * st.solution.activation_bytes
+        peak = _static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes
         if peak > budget * (1 + 1e-9):
             raise _infeasible(
                 f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
@@ -391,7 +427,7 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
 
 
 def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption, solver,
-          budget):
+          budget, pipeline: bool):
     hosts = max(1, len(device_ids) // cluster.devices_per_host)
     dph = min(cluster.devices_per_host, len(device_ids))
     submeshes = candidate_submeshes(hosts, dph)
@@ -402,10 +438,11 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     pairs = [(k, v) for k in range(len(submeshes)) for v in range(len(shapes_per_k[k]))]
     ks, vs = np.array([k for k, _ in pairs]), np.array([v for _, v in pairs])
     remats = choices_of(solver.method.remat)
-    # The DP's options: per (remat, lean) kind, every layer on every (k, v) pair. The fastest
-    # plans of the least recomputation first; the other rematerializations join when memory
-    # binds (no assignment fits, or one would be faster with more memory), then the
-    # memory-lean plans of every layer if still nothing fits.
+    # The DP's options: per (remat, lean, zero) kind, every layer on every (k, v) pair. The
+    # fastest plans of the least recomputation first, each also with ZeRO in a pipeline (no
+    # new ILP: the same plans with the optimizer state split over the data axis); the other
+    # rematerializations join when memory binds (no assignment fits, or one would be faster
+    # with more memory), then the memory-lean plans of every layer if still nothing fits.
     kinds, options = [], []
 
     meshes = [CostModel(mesh=cluster.with_(
@@ -414,10 +451,15 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
 
     def add(remat: Remat, lean: bool):
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
-        kinds.append((remat, lean))
         lat, static, act, sols = _layer_options(loss, boundaries, submeshes, shapes_per_k,
                                                 pairs, solve, solver.opt_ratio)
-        options.append((lat, static, act, _boundary_costs(loss, boundaries, sols, meshes)))
+        bound = _boundary_costs(loss, boundaries, sols, meshes)
+        kinds.append((remat, lean, False))
+        options.append((lat, static, act, bound))
+        zero = _zero_variant(sols, lat, static, solver.opt_ratio, method.num_microbatches)
+        if pipeline and zero is not None:
+            kinds.append((remat, lean, True))
+            options.append((*zero, act, bound))
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
@@ -454,8 +496,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         stage_kinds = [kinds[p // n] for p in choice.submeshes]
         return _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
                                 device_ids, solver, method, budget,
-                                [(r,) for r, _ in stage_kinds],
-                                [lean for _, lean in stage_kinds])
+                                [(r,) for r, _, _ in stage_kinds],
+                                [(z,) for _, _, z in stage_kinds],
+                                [lean for _, lean, _ in stage_kinds])
     stages = _reranked(choice, dp, options, budget, solved, method.num_microbatches,
                        option.max_stages)
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
@@ -482,7 +525,7 @@ def _reranked(choice, dp, options, budget, solved, num_microbatches, max_stages)
         except InfeasiblePlanError as e:
             error = error or e
             continue
-        lat = [st.solution.latency_s for st in stages]
+        lat = [_latency(st.solution, st.zero, num_microbatches) for st in stages]
         t = sum(lat) + (num_microbatches - 1) * max(lat)
         if t < best_t * (1 - 1e-9):
             best, best_t = stages, t
@@ -492,6 +535,19 @@ def _reranked(choice, dp, options, budget, solved, num_microbatches, max_stages)
         log.info("autopar: %d stage layouts re-ranked by whole-stage solves; %d stage(s) "
                  "chosen (%.4g s per step predicted)", len(ranked), len(best), best_t)
     return best
+
+
+def _zero_variant(sols, lat, static, opt_ratio: float, num_microbatches: int):
+    """(latency, static bytes) of the layer plans `sols` with ZeRO (see `_static_bytes`,
+    `_latency`), or None where ZeRO would split nothing."""
+    zlat, zstatic, split = lat.copy(), static.copy(), False
+    for l, row in enumerate(sols):
+        for p, sol in enumerate(row):
+            if sol is not None and sol.zero_split_bytes > 0:
+                split = True
+                zlat[l, p] = _latency(sol, True, num_microbatches)
+                zstatic[l, p] = _static_bytes(sol, opt_ratio, True)
+    return (zlat, zstatic) if split else None
 
 
 def _boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
