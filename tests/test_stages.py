@@ -496,3 +496,54 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
             raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
         return whole[1]
     assert len(_reranked(two, dp, [], 1.0, infeasible, 4, None)) == 1
+
+
+# -- ZeRO per stage -------------------------------------------------------------------------
+
+def _zero_case():
+    from steps import make_case, sgd_momentum_clip
+    return make_case("mlp", "linen", sgd_momentum_clip(), value_and_grad=autopar.value_and_grad,
+                     num_layers=4, hidden=64, batch_size=16)
+
+
+def _pipe(stage_option, budget=None):
+    return autopar.PipeshardParallel(num_microbatches=2, stage_option=stage_option,
+                                     layer_option=autopar.AutoLayerOption(num_layers=2),
+                                     memory_budget_bytes=budget, remat="none")
+
+
+def _manual(zero=()):
+    return autopar.ManualStageOption(
+        layer_spans=((0, 0), (1, 1)), submesh_shapes=((1, 4), (1, 4)),
+        logical_shapes=((4, 1), (4, 1)), zero=zero)
+
+
+def test_zero_stage_splits_its_optimizer_state_and_trains_like_jit():
+    import jax
+    from steps import assert_equivalent, mesh_of, run_steps
+    step, state, batches = _zero_case()
+    plain = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(_manual((False,) * 2)))
+    zero = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(_manual((True,) * 2)))
+    p0, p1 = plain.get_plan(state, batches[0]), zero.get_plan(state, batches[0])
+    assert [s.zero for s in p1.stages] == [True, True] and p1.stage_option().zero == (True,) * 2
+    for a, b in zip(p0.stages, p1.stages):
+        assert b.peak_memory_bytes < a.peak_memory_bytes          # the state is split 4 ways
+    momentum = [t for t in p1.inputs if t.role == "opt_state" and len(t.shape) == 2]
+    assert momentum and all(any(0 in dim for dim in t.spec) for t in momentum)
+    assert not any(any(0 in dim for dim in t.spec) for t in p0.inputs if t.role == "opt_state")
+    ref = run_steps(jax.jit(step), state, batches)
+    assert_equivalent(ref, run_steps(zero, state, batches), compare_params=True, rtol=2e-5)
+
+
+def test_stage_search_takes_zero_exactly_where_memory_needs_it():
+    from steps import mesh_of
+    step, state, batches = _zero_case()
+    peaks = {z: autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(_manual(
+        (z, z)))).get_plan(state, batches[0]).peak_memory_bytes for z in (False, True)}
+    free = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(_manual())).get_plan(
+        state, batches[0])
+    assert not any(s.zero for s in free.stages)              # no memory pressure: no ZeRO
+    budget = int((peaks[False] + peaks[True]) / 2)
+    tight = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(
+        _manual(), budget)).get_plan(state, batches[0])
+    assert tight.peak_memory_bytes <= budget and any(s.zero for s in tight.stages)
