@@ -401,7 +401,7 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
     (the stage DP's formula: one microbatch's peak, a gradient accumulator, the parameters'
     optimizer state, and the activations of the other microbatches in flight) fits."""
     from autopar.inter_op.stage_solve import stage_problem
-    from autopar.inter_op.stages import _static_bytes
+    from autopar.inter_op.stage_costs import static_bytes
     sl = slice_range(loss, bounds[0], bounds[4], 0)
     prob = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
         num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
@@ -409,7 +409,7 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
     q, opt = 3, 2.0
 
     def dp(s):
-        return _static_bytes(s, opt) + q * s.activation_bytes
+        return static_bytes(s, opt) + q * s.activation_bytes
     fast, lean = prob.solve(), prob.solve(prob.least_bytes())
     assert dp(lean) < dp(fast)
     budget = (dp(fast) + dp(lean)) / 2
@@ -450,52 +450,6 @@ def test_stage_graph_keeps_the_users_remat(policy):
     for first, last, blocks in [(0, 2, 2), (2, 4, 2), (0, 4, 4)]:
         g = trace_stage(loss, slice_range(loss, b[first], b[last], 0))
         assert len({n.barrier for n in g.nodes if n.barrier is not None}) == blocks
-
-
-# -- the DP prices what it builds: boundary reshards, and re-ranking by whole-stage solves ---
-
-def test_boundary_costs_price_layers_that_disagree_on_the_handed_over_tensor(loss, bounds,
-                                                                              cluster):
-    import dataclasses
-    from autopar.cost import CostModel
-    from autopar.inter_op.stages import _boundary_costs
-    shape = (1, 8)
-    sols = [[solve_stage(trace_stage(loss, sl), sl, cluster, shape, AXIS_NAMES,
-                         autopar.ShardParallel())]
-            for sl in (slice_range(loss, bounds[l], bounds[l + 1], l) for l in range(4))]
-    meshes = [CostModel(mesh=cluster.logical_mesh(shape, AXIS_NAMES))]
-    agree = [[dataclasses.replace(s, out_specs=tuple(((), ()) for _ in s.out_specs),
-                                  act_specs=tuple(((), ()) for _ in s.act_specs))]
-             for (s,) in sols]
-    assert (_boundary_costs(loss, bounds, agree, meshes) == 0).all()
-    # Layer 1 takes its input split on the feature dimension where layer 0 hands it over
-    # replicated: free forward (each device slices), an all-gather for the cotangent.
-    differ = [row[:] for row in agree]
-    (s1,) = differ[1]
-    differ[1] = [dataclasses.replace(s1, act_specs=tuple(((), (1,))
-                                                         for _ in s1.act_specs))]
-    cost = _boundary_costs(loss, bounds, differ, meshes)
-    assert cost[0, 0] > 0 and cost[1:].sum() == 0 and cost[-1, 0] == 0
-
-
-def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
-    from types import SimpleNamespace as NS
-    from autopar.inter_op.stages import _reranked
-    two = NS(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0), total_latency_s=1.0, num_stages=2)
-    one = NS(layer_spans=((0, 1),), submeshes=(1,), total_latency_s=1.1, num_stages=1)
-    stage = lambda t: NS(solution=NS(latency_s=t, zero_gather_s=0.0), zero=False)
-    dp = lambda options, budget, max_stages: one if max_stages == 1 else two
-    whole = {2: [stage(0.3), stage(0.3)], 1: [stage(0.35)]}   # per stage count, solved whole
-    got = _reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)
-    assert len(got) == 1                     # 4 x 0.35 beats 0.6 + 3 x 0.3
-    whole[1] = [stage(0.5)]                  # now the DP's choice is right after all
-    assert len(_reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)) == 2
-
-    def infeasible(c):
-        if c.num_stages == 2:
-            raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
-        return whole[1]
-    assert len(_reranked(two, dp, [], 1.0, infeasible, 4, None)) == 1
 
 
 # -- ZeRO per stage -------------------------------------------------------------------------

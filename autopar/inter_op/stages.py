@@ -4,10 +4,10 @@ intra-op plan (Alpa §5.2).
 `AutoStageOption` solves the intra-op ILP once per (layer, submesh, logical mesh), reusing
 the result for layers whose training graphs are identical; a span's cost is the sum of its
 layers' costs on one logical mesh plus the reshards between consecutive layers whose plans
-disagree on what one hands the next (`_boundary_costs`); the DP in `stage_dp` picks the spans,
+disagree on what one hands the next (`boundary_costs`); the DP in `stage_dp` picks the spans,
 submeshes and (where memory binds) each stage's rematerialization. The DP's choice and its
 best alternatives with fewer stages are then solved whole, and the fastest solved layout wins
-(`_reranked`). `UniformStageOption` and `ManualStageOption` skip the DP.
+(`reranked`). `UniformStageOption` and `ManualStageOption` skip the DP.
 """
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
 from .pipeline import LossGraph, StageSlice, slice_range
 from .remat import Remat, choices_of, with_remat
-from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
-from .stage_solve import (StageSolution, is_float, stage_batch_sources, stage_input_paths,
-                          stage_io, stage_problem, trace_stage)
+from .stage_costs import (boundary_costs, latency, layer_options, reranked, run_dp,
+                          static_bytes, try_dp, zero_variant)
+from .stage_dp import candidate_submeshes
+from .stage_solve import (StageSolution, stage_batch_sources, stage_input_paths, stage_problem,
+                          trace_stage)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -204,7 +206,7 @@ class _Solver:
         microbatch (`_latency`); the fastest plan of the first choices when it fits already
         (recomputing or gathering only adds time). None when no plan fits."""
         def fits(sol, zero):
-            return sol is not None and _static_bytes(sol, self.opt_ratio, zero) \
+            return sol is not None and static_bytes(sol, self.opt_ratio, zero) \
                 + in_flight * sol.activation_bytes <= self.budget * (1 + 1e-9)
         found = []
         for n, remat in enumerate(remats):
@@ -217,7 +219,7 @@ class _Solver:
                                  for v in shapes) if f is not None),
                     key=lambda f: f.latency_s, default=None)
                 if sol is not None:
-                    found.append((_latency(sol, zero, self.method.num_microbatches), n, zero,
+                    found.append((latency(sol, zero, self.method.num_microbatches), n, zero,
                                   sol))
         if found:
             _, n, zero, sol = min(found, key=lambda f: f[:3])
@@ -239,19 +241,6 @@ def _opt_ratio(step: OpGraph) -> float:
     for t in step.inputs:
         by_role[step.tensors[t].role] += step.tensors[t].nbytes
     return by_role[InputRole.OPT_STATE] / max(by_role[InputRole.PARAM], 1)
-
-
-def _static_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
-    """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO),
-    plus the working memory of one microbatch beyond its kept activations."""
-    working = max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
-    return working + sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
-
-
-def _latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
-    """A stage's microbatch latency as the DP counts it: ZeRO's per-step all-gather of the
-    updated parameters is spread over the step's microbatches."""
-    return sol.latency_s + (sol.zero_gather_s / num_microbatches if zero else 0.0)
 
 
 def _infeasible(what: str, budget: float, needed: float, *, any_mesh: bool = True,
@@ -416,7 +405,7 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
     opt_ratio = _opt_ratio(loss.step)
     out = []
     for st, q in zip(stages, in_flight):
-        peak = _static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes
+        peak = static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes
         if peak > budget * (1 + 1e-9):
             raise _infeasible(
                 f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
@@ -451,12 +440,12 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
 
     def add(remat: Remat, lean: bool):
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
-        lat, static, act, sols = _layer_options(loss, boundaries, submeshes, shapes_per_k,
+        lat, static, act, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
                                                 pairs, solve, solver.opt_ratio)
-        bound = _boundary_costs(loss, boundaries, sols, meshes)
+        bound = boundary_costs(loss, boundaries, sols, meshes)
         kinds.append((remat, lean, False))
         options.append((lat, static, act, bound))
-        zero = _zero_variant(sols, lat, static, solver.opt_ratio, method.num_microbatches)
+        zero = zero_variant(sols, lat, static, solver.opt_ratio, method.num_microbatches)
         if pipeline and zero is not None:
             kinds.append((remat, lean, True))
             options.append((*zero, act, bound))
@@ -472,15 +461,15 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     add(remats[0], False)
     if len(remats) == 1:
         check_layers()
-    dp = functools.partial(_run_dp, submeshes=submeshes, ks=ks, device_ids=device_ids,
+    dp = functools.partial(run_dp, submeshes=submeshes, ks=ks, device_ids=device_ids,
                            method=method, option=option)
-    choice = _try_dp(dp, options, budget)
-    free = _try_dp(dp, options, np.inf) if choice is not None and len(remats) > 1 else None
+    choice = try_dp(dp, options, budget)
+    free = try_dp(dp, options, np.inf) if choice is not None and len(remats) > 1 else None
     if len(remats) > 1 and (choice is None or (
             free is not None and choice.total_latency_s > free.total_latency_s * (1 + 1e-9))):
         for remat in remats[1:]:
             add(remat, False)
-        choice = _try_dp(dp, options, budget)
+        choice = try_dp(dp, options, budget)
     if choice is None:
         for remat in remats:
             add(remat, True)
@@ -499,129 +488,6 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                                 [(r,) for r, _, _ in stage_kinds],
                                 [(z,) for _, _, z in stage_kinds],
                                 [lean for _, lean, _ in stage_kinds])
-    stages = _reranked(choice, dp, options, budget, solved, method.num_microbatches,
+    stages = reranked(choice, dp, options, budget, solved, method.num_microbatches,
                        option.max_stages)
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
-
-
-RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
-
-
-def _reranked(choice, dp, options, budget, solved, num_microbatches, max_stages):
-    """The DP's choice and its best alternatives with fewer stages (the DP rerun with
-    `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
-    one whose solved stages give the shortest pipeline wins (the DP sums separately solved
-    layers; a stage solved whole shares shardings across them). Ties keep the DP's order."""
-    cands = {(choice.layer_spans, choice.submeshes): choice}
-    for k in range(1, choice.num_stages):
-        alt = _try_dp(dp, options, budget, max_stages=k)
-        if alt is not None:
-            cands.setdefault((alt.layer_spans, alt.submeshes), alt)
-    ranked = sorted(cands.values(), key=lambda c: c.total_latency_s)[:RERANK]
-    best, best_t, error = None, np.inf, None
-    for cand in ranked:
-        try:
-            stages = solved(cand)
-        except InfeasiblePlanError as e:
-            error = error or e
-            continue
-        lat = [_latency(st.solution, st.zero, num_microbatches) for st in stages]
-        t = sum(lat) + (num_microbatches - 1) * max(lat)
-        if t < best_t * (1 - 1e-9):
-            best, best_t = stages, t
-    if best is None:
-        raise error
-    if len(ranked) > 1:
-        log.info("autopar: %d stage layouts re-ranked by whole-stage solves; %d stage(s) "
-                 "chosen (%.4g s per step predicted)", len(ranked), len(best), best_t)
-    return best
-
-
-def _zero_variant(sols, lat, static, opt_ratio: float, num_microbatches: int):
-    """(latency, static bytes) of the layer plans `sols` with ZeRO (see `_static_bytes`,
-    `_latency`), or None where ZeRO would split nothing."""
-    zlat, zstatic, split = lat.copy(), static.copy(), False
-    for l, row in enumerate(sols):
-        for p, sol in enumerate(row):
-            if sol is not None and sol.zero_split_bytes > 0:
-                split = True
-                zlat[l, p] = _latency(sol, True, num_microbatches)
-                zstatic[l, p] = _static_bytes(sol, opt_ratio, True)
-    return (zlat, zstatic) if split else None
-
-
-def _boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
-    """[L, P]: per microbatch, the seconds to reshard what layer l hands layer l + 1 when both
-    sit in one stage on option p: each tensor from layer l's output spec to layer l + 1's
-    input spec, and its cotangent back (what the DP's summed layer plans leave unpriced)."""
-    num, width = len(sols), len(meshes)
-    out = np.zeros((num, width))
-    fwd = loss.forward
-    ios = [stage_io(loss, slice_range(loss, boundaries[l], boundaries[l + 1], l))
-           for l in range(num)]
-    for l in range(num - 1):
-        made, used = ios[l], ios[l + 1]
-        for p in range(width):
-            a, b = sols[l][p], sols[l + 1][p]
-            if a is None or b is None:
-                continue
-            outs = dict(zip((*made.float_outputs, *made.int_outputs), a.out_specs))
-            acts = dict(zip((*used.float_acts, *used.int_acts), b.act_specs))
-            for t in sorted(outs.keys() & acts.keys()):
-                ten, cost = fwd.tensors[t], meshes[p]
-                out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, outs[t], acts[t])
-                if is_float(ten.dtype):
-                    out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, acts[t], outs[t])
-    return out
-
-
-def _try_dp(dp, options, budget, **kw):
-    """The DP's choice, or None where no assignment fits `budget` (or a layer has no plan of
-    this kind at all, which the DP reports as an invalid cost array)."""
-    try:
-        return dp(options, budget=budget, **kw)
-    except (InfeasiblePlanError, InvalidArgumentError):
-        return None
-
-
-def _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio):
-    """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
-    plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean;
-    under one rematerialization); inf latency where it gives none."""
-    shape = (len(boundaries) - 1, len(pairs))
-    lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
-    sols = [[None] * shape[1] for _ in range(shape[0])]
-    for l in range(shape[0]):
-        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
-        for p, (k, v) in enumerate(pairs):
-            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            sol = sols[l][p] = solve(sl, sub, shapes_per_k[k][v])
-            if sol is not None:
-                lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
-                act[l, p] = sol.activation_bytes
-    return lat, static, act, sols
-
-
-def _run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
-    """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
-    layer plan: fast or lean, under one rematerialization); span costs are the summed layer
-    costs."""
-    lat, static, act, bound = (np.concatenate([o[i] for o in options], axis=1)
-                               for i in range(4))
-    num_layers = lat.shape[0]
-    span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
-    span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
-    for i in range(num_layers):
-        # layers i..j: their latencies, and the reshards between consecutive ones
-        inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
-        span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
-        span_static[i, i:] = np.cumsum(static[i:], axis=0)
-        span_act[i, i:] = np.cumsum(act[i:], axis=0)
-    finite = np.isfinite(span_lat)
-    costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
-                       activation_bytes=np.where(finite, span_act, 0.0),
-                       memory_budget_bytes=budget)
-    subs = [submeshes[k] for k in ks] * len(options)
-    caps = [c for c in (option.max_stages, max_stages) if c is not None]
-    return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
-                          max_stages=min(caps) if caps else None)

@@ -1,0 +1,154 @@
+"""The costs the stage search weighs: a stage's static memory and latency as the DP counts
+them (optimizer state with or without ZeRO, its per-step all-gather), the per-layer option
+arrays, the reshards between consecutive layers of a stage, and the DP over them with the
+re-ranking of its best layouts by whole-stage solves. Pure functions of stage solutions and
+numpy arrays; `stages._auto` drives them.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import InfeasiblePlanError, InvalidArgumentError
+from .pipeline import slice_range
+from .stage_dp import StageCosts, solve_stage_dp
+from .stage_solve import StageSolution, is_float, stage_io
+
+log = logging.getLogger(__name__)
+
+
+def static_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
+    """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO),
+    plus the working memory of one microbatch beyond its kept activations."""
+    working = max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
+    return working + sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
+
+
+def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
+    """A stage's microbatch latency as the DP counts it: ZeRO's per-step all-gather of the
+    updated parameters is spread over the step's microbatches."""
+    return sol.latency_s + (sol.zero_gather_s / num_microbatches if zero else 0.0)
+
+
+RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
+
+
+def reranked(choice, dp, options, budget, solved, num_microbatches, max_stages):
+    """The DP's choice and its best alternatives with fewer stages (the DP rerun with
+    `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
+    one whose solved stages give the shortest pipeline wins (the DP sums separately solved
+    layers; a stage solved whole shares shardings across them). Ties keep the DP's order."""
+    cands = {(choice.layer_spans, choice.submeshes): choice}
+    for k in range(1, choice.num_stages):
+        alt = try_dp(dp, options, budget, max_stages=k)
+        if alt is not None:
+            cands.setdefault((alt.layer_spans, alt.submeshes), alt)
+    ranked = sorted(cands.values(), key=lambda c: c.total_latency_s)[:RERANK]
+    best, best_t, error = None, np.inf, None
+    for cand in ranked:
+        try:
+            stages = solved(cand)
+        except InfeasiblePlanError as e:
+            error = error or e
+            continue
+        lat = [latency(st.solution, st.zero, num_microbatches) for st in stages]
+        t = sum(lat) + (num_microbatches - 1) * max(lat)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = stages, t
+    if best is None:
+        raise error
+    if len(ranked) > 1:
+        log.info("autopar: %d stage layouts re-ranked by whole-stage solves; %d stage(s) "
+                 "chosen (%.4g s per step predicted)", len(ranked), len(best), best_t)
+    return best
+
+
+def zero_variant(sols, lat, static, opt_ratio: float, num_microbatches: int):
+    """(latency, static bytes) of the layer plans `sols` with ZeRO (see `static_bytes`,
+    `latency`), or None where ZeRO would split nothing."""
+    zlat, zstatic, split = lat.copy(), static.copy(), False
+    for l, row in enumerate(sols):
+        for p, sol in enumerate(row):
+            if sol is not None and sol.zero_split_bytes > 0:
+                split = True
+                zlat[l, p] = latency(sol, True, num_microbatches)
+                zstatic[l, p] = static_bytes(sol, opt_ratio, True)
+    return (zlat, zstatic) if split else None
+
+
+def boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
+    """[L, P]: per microbatch, the seconds to reshard what layer l hands layer l + 1 when both
+    sit in one stage on option p: each tensor from layer l's output spec to layer l + 1's
+    input spec, and its cotangent back (what the DP's summed layer plans leave unpriced)."""
+    num, width = len(sols), len(meshes)
+    out = np.zeros((num, width))
+    fwd = loss.forward
+    ios = [stage_io(loss, slice_range(loss, boundaries[l], boundaries[l + 1], l))
+           for l in range(num)]
+    for l in range(num - 1):
+        made, used = ios[l], ios[l + 1]
+        for p in range(width):
+            a, b = sols[l][p], sols[l + 1][p]
+            if a is None or b is None:
+                continue
+            outs = dict(zip((*made.float_outputs, *made.int_outputs), a.out_specs))
+            acts = dict(zip((*used.float_acts, *used.int_acts), b.act_specs))
+            for t in sorted(outs.keys() & acts.keys()):
+                ten, cost = fwd.tensors[t], meshes[p]
+                out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, outs[t], acts[t])
+                if is_float(ten.dtype):
+                    out[l, p] += cost.reshard_s(ten.shape, ten.itemsize, acts[t], outs[t])
+    return out
+
+
+def try_dp(dp, options, budget, **kw):
+    """The DP's choice, or None where no assignment fits `budget` (or a layer has no plan of
+    this kind at all, which the DP reports as an invalid cost array)."""
+    try:
+        return dp(options, budget=budget, **kw)
+    except (InfeasiblePlanError, InvalidArgumentError):
+        return None
+
+
+def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio):
+    """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
+    plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean;
+    under one rematerialization); inf latency where it gives none."""
+    shape = (len(boundaries) - 1, len(pairs))
+    lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    sols = [[None] * shape[1] for _ in range(shape[0])]
+    for l in range(shape[0]):
+        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
+        for p, (k, v) in enumerate(pairs):
+            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
+            sol = sols[l][p] = solve(sl, sub, shapes_per_k[k][v])
+            if sol is not None:
+                lat[l, p], static[l, p] = sol.latency_s, static_bytes(sol, opt_ratio)
+                act[l, p] = sol.activation_bytes
+    return lat, static, act, sols
+
+
+def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
+    """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
+    layer plan: fast or lean, under one rematerialization); span costs are the summed layer
+    costs."""
+    lat, static, act, bound = (np.concatenate([o[i] for o in options], axis=1)
+                               for i in range(4))
+    num_layers = lat.shape[0]
+    span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
+    span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
+    for i in range(num_layers):
+        # layers i..j: their latencies, and the reshards between consecutive ones
+        inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
+        span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
+        span_static[i, i:] = np.cumsum(static[i:], axis=0)
+        span_act[i, i:] = np.cumsum(act[i:], axis=0)
+    finite = np.isfinite(span_lat)
+    costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
+                       activation_bytes=np.where(finite, span_act, 0.0),
+                       memory_budget_bytes=budget)
+    subs = [submeshes[k] for k in ks] * len(options)
+    caps = [c for c in (option.max_stages, max_stages) if c is not None]
+    return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
+                          max_stages=min(caps) if caps else None)

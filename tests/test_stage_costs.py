@@ -1,0 +1,54 @@
+"""The stage search's costs (`inter_op.stage_costs`): the reshards between consecutive layers
+of a stage, and the re-ranking of the DP's best layouts by whole-stage solves."""
+import autopar
+from autopar.inter_op.pipeline import slice_range
+from autopar.inter_op.stage_solve import solve_stage, trace_stage
+from autopar.inter_op.stages import AXIS_NAMES
+
+from test_stages import bounds, cluster, loss  # noqa: F401  (fixtures: a four-layer MLP loss)
+
+
+# -- the DP prices what it builds: boundary reshards, and re-ranking by whole-stage solves ---
+
+def test_boundary_costs_price_layers_that_disagree_on_the_handed_over_tensor(loss, bounds,
+                                                                              cluster):
+    import dataclasses
+    from autopar.cost import CostModel
+    from autopar.inter_op.stage_costs import boundary_costs
+    shape = (1, 8)
+    sols = [[solve_stage(trace_stage(loss, sl), sl, cluster, shape, AXIS_NAMES,
+                         autopar.ShardParallel())]
+            for sl in (slice_range(loss, bounds[l], bounds[l + 1], l) for l in range(4))]
+    meshes = [CostModel(mesh=cluster.logical_mesh(shape, AXIS_NAMES))]
+    agree = [[dataclasses.replace(s, out_specs=tuple(((), ()) for _ in s.out_specs),
+                                  act_specs=tuple(((), ()) for _ in s.act_specs))]
+             for (s,) in sols]
+    assert (boundary_costs(loss, bounds, agree, meshes) == 0).all()
+    # Layer 1 takes its input split on the feature dimension where layer 0 hands it over
+    # replicated: free forward (each device slices), an all-gather for the cotangent.
+    differ = [row[:] for row in agree]
+    (s1,) = differ[1]
+    differ[1] = [dataclasses.replace(s1, act_specs=tuple(((), (1,))
+                                                         for _ in s1.act_specs))]
+    cost = boundary_costs(loss, bounds, differ, meshes)
+    assert cost[0, 0] > 0 and cost[1:].sum() == 0 and cost[-1, 0] == 0
+
+
+def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
+    from types import SimpleNamespace as NS
+    from autopar.inter_op.stage_costs import reranked
+    two = NS(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0), total_latency_s=1.0, num_stages=2)
+    one = NS(layer_spans=((0, 1),), submeshes=(1,), total_latency_s=1.1, num_stages=1)
+    stage = lambda t: NS(solution=NS(latency_s=t, zero_gather_s=0.0), zero=False)
+    dp = lambda options, budget, max_stages: one if max_stages == 1 else two
+    whole = {2: [stage(0.3), stage(0.3)], 1: [stage(0.35)]}   # per stage count, solved whole
+    got = reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)
+    assert len(got) == 1                     # 4 x 0.35 beats 0.6 + 3 x 0.3
+    whole[1] = [stage(0.5)]                  # now the DP's choice is right after all
+    assert len(reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)) == 2
+
+    def infeasible(c):
+        if c.num_stages == 2:
+            raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
+        return whole[1]
+    assert len(reranked(two, dp, [], 1.0, infeasible, 4, None)) == 1
