@@ -150,7 +150,8 @@ def plan_once(step, state, spec, cluster, method, flops: float, gpus: int) -> di
             "tflops": flops / p.predicted_step_s / gpus / 1e12,
             "peak_memory_bytes": p.peak_memory_bytes,
             "stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
-                        "logical": list(s.logical_mesh_shape)} for s in p.stages]}
+                        "logical": list(s.logical_mesh_shape), "remat": s.remat,
+                        "zero": s.zero} for s in p.stages]}
 
 
 # ---------------------------------------------------------------------------------------------

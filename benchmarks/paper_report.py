@@ -44,9 +44,20 @@ def _stages(st) -> str:
     parts = []
     for s in st:
         a, b = s["layers"]
+        memory = [s["remat"]] if s.get("remat", "none") != "none" else []
+        memory += ["zero"] if s.get("zero") else []
         parts.append(f"L{a}" + (f"-{b}" if b != a else "") +
-                     f" {s['submesh'][0]}x{s['submesh'][1]} ({s['logical'][0]}x{s['logical'][1]})")
+                     f" {s['submesh'][0]}x{s['submesh'][1]} ({s['logical'][0]}x{s['logical'][1]})"
+                     + (f" {'+'.join(memory)}" if memory else ""))
     return "; ".join(parts)
+
+
+def _memory(stages) -> str:
+    """" remat full/none, zero 1/2" (per stage) where a stage recomputes or splits its state."""
+    remat = [s.get("remat", "none") for s in stages]
+    zero = [s.get("zero", False) for s in stages]
+    out = f" remat {'/'.join(remat)}" if any(r != "none" for r in remat) else ""
+    return out + (f", zero {'/'.join(str(int(z)) for z in zero)}" if any(zero) else "")
 
 
 def _fail(e) -> str:
@@ -134,15 +145,18 @@ def _setup(res) -> list[str]:
         f"time reaches {a['auto_budget_s']:.0f} s (`--auto-budget-s`) or a try does not fit "
         "(a larger microbatch needs more memory, so the rest are not tried); the best "
         "predicted plan is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches with "
-        "rematerialization; autopar does not rematerialize, so without it only the smallest "
-        "microbatches fit 16 GB.", "",
+        "rematerialization; autopar searches it too (`remat=\"auto\"`: per stage none, selective "
+        "or full recomputation, and ZeRO on a stage's data axis, where memory needs it; the plan "
+        "column names a stage's choice when it is not \"none\").", "",
         "**Best manual plan** (Megatron-LM style) under the same cost model: every (d, t, p) "
         "with d x t x p = GPUs, tensor degree t <= 8 (inside a host), p dividing the number of "
         "transformer layers (Wide-ResNet: residual blocks), and M = batch / (d x b) for "
         f"b in {a['manual_mb']} examples per microbatch per replica; `PipeshardParallel("
         "num_microbatches=M, layer_option=AutoLayerOption(num_layers=p), stage_option="
         "ManualStageOption(layer_spans=one layer per stage, submesh_shapes=(d*t devices),)*p, "
-        "logical_shapes=((d, t),)*p), sharding_rules=R)` (p = 1 is the same with one stage). R "
+        "logical_shapes=((d, t),)*p), sharding_rules=R)` (p = 1 is the same with one stage), "
+        "with the same per-stage rematerialization (full or selective) and ZeRO choice where "
+        "memory needs them (the manual column names them). R "
         "is `megatron_rules()` (GPT) / `megatron_moe_rules()` (MoE: Megatron's split inside "
         "every expert, no expert parallelism): column/row-parallel attention and MLP, "
         "vocabulary-parallel embedding and head, batch on `data`, everything else replicated. "
@@ -174,6 +188,7 @@ def _results_table(res) -> list[str]:
             auto_cell, plan_cell = "–", r.get("incomplete") or ("not run" if not a else "–")
         if mb:
             man_cell, man_pt = f"{mb['tflops']:.1f}", f"({mb['d']}, {mb['t']}, {mb['p']}, {mb['m']})"
+            man_pt += _memory(mb.get("stages", ()))
         elif planned:
             man_cell, man_pt = "–", f"none of {len(planned)} planned fits"
         else:
