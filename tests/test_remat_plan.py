@@ -49,6 +49,9 @@ def test_shard_parallel_recomputes_to_fit_70_percent_of_its_least_memory(case):
         plan.remat["layer_boundaries"]) - 1
     assert "remat_search" in plan.timings_s and "rematerialization" in autopar.dump(plan)
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    m = par.get_compiled(state, batches[0]).memory_analysis()
+    assert (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) <= budget
     # The lowered step holds the recomputation's barriers; a saved plan replays it.
     assert "optimization_barrier" in par.lower(state, batches[0]).as_text()
     again = autopar.ParallelPlan.from_json(plan.to_json())
