@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MIP_REL_GAP = 1e-9       # on the reduced, shifted objective (normalized to max cost 1)
+# Optimality: the solver stops when its incumbent is within this fraction of its bound, on the
+# problem's whole objective (the model carries the constant that the shift to min 0 removed as
+# its objective offset, so the gap is the user's: of the predicted step time).
+MIP_REL_GAP = 1e-4
 _MIP_ABS_GAP = 1e-10
 
 
@@ -43,6 +46,11 @@ class Mip:
     def __init__(self):
         self._cols, self._rows, self._nz, self.num_cols, self.num_rows = [], [], [], 0, 0
         self.group_cols: list[tuple[int, int, int]] = []    # (group, first column, k)
+        # (u, v, first column, class of each u strategy, class of each v strategy, classes of v)
+        self.edge_cols: list[tuple[int, int, int, np.ndarray, np.ndarray, int]] = []
+        self.offset = 0.0                    # objective constant (in the model's units)
+        self.scale = 1.0                     # seconds per unit of the model's objective
+        self.start: np.ndarray | None = None    # a feasible column vector to start from
 
     def add_cols(self, cost, *, integer: bool, lower: float = 0.0, upper: float = 1.0) -> int:
         n = np.size(cost)
@@ -87,13 +95,19 @@ class Mip:
         return self
 
 
-def build_mip(red: _Reduced) -> Mip:
-    """The reduced ILP, with node and edge costs shifted to min 0 and normalized to max 1."""
+def build_mip(red: _Reduced, reps: dict[int, np.ndarray] | None = None) -> Mip:
+    """The reduced ILP, with node and edge costs shifted to min 0 and normalized to max 1 (the
+    shift is the model's objective offset). `reps` (`heuristics.dominators`): the columns of
+    dominated strategies are fixed to 0."""
     costs = {g: red.node_costs[g] - red.node_costs[g].min() for g in red.var_groups}
     mats = [r - r.min() for _, _, r in red.edges]
     scale = max([float(c.max()) for c in costs.values()] + [float(m.max()) for m in mats] + [0.0])
     scale = scale if scale > 0 else 1.0
     mip = Mip()
+    mip.scale = scale
+    mip.offset = (sum(float(red.node_costs[g][i]) for g, i in enumerate(red.choice) if i >= 0)
+                  + sum(float(red.node_costs[g].min()) for g in red.var_groups)
+                  + sum(float(r.min()) for _, _, r in red.edges)) / scale
     off = mip.add_groups(red.var_groups, {g: c / scale for g, c in costs.items()})
     for (u, v, _), m in zip(red.edges, mats):
         # Strategies that look the same across the edge (equal rows / columns of R) share edge
@@ -104,6 +118,7 @@ def build_mip(red: _Reduced) -> Mip:
         r_of, c_of = np.ravel(r_of), np.ravel(c_of)
         nr, ncl = mc.shape
         e0 = mip.add_cols(mc.ravel() / scale, integer=False)
+        mip.edge_cols.append((u, v, e0, r_of, c_of, ncl))
         r_idx, c_idx = np.divmod(np.arange(nr * ncl), ncl)
         r0 = mip.add_rows(nr + ncl - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
         mip.add_entries(r0 + r_idx, e0 + np.arange(nr * ncl), 1.0)
@@ -115,7 +130,10 @@ def build_mip(red: _Reduced) -> Mip:
     for terms, rhs in red.mem_rows:
         s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
         mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
-    return mip.freeze()
+    mip.freeze()
+    for g, rep in (reps or {}).items():
+        mip.upper[off[g] + np.flatnonzero(rep != np.arange(rep.size))] = 0.0
+    return mip
 
 
 # ----------------------------------------------------------------------------- backends
@@ -132,18 +150,22 @@ def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
     import highspy
     h = highspy.Highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
-                        ("mip_rel_gap", _MIP_REL_GAP), ("mip_abs_gap", _MIP_ABS_GAP)):
+                        ("mip_rel_gap", MIP_REL_GAP), ("mip_abs_gap", _MIP_ABS_GAP)):
         h.setOptionValue(name, value)
     n, m = mip.cost.size, mip.row_lower.size
     order = np.lexsort((mip.rows, mip.cols))
     start = np.zeros(n + 1, dtype=np.int32)
     start[1:] = np.cumsum(np.bincount(mip.cols, minlength=n))
     status = h.passModel(n, m, len(order), int(highspy.MatrixFormat.kColwise),
-                         int(highspy.ObjSense.kMinimize), 0.0, mip.cost, mip.lower, mip.upper,
+                         int(highspy.ObjSense.kMinimize), float(mip.offset), mip.cost, mip.lower, mip.upper,
                          mip.row_lower, mip.row_upper, start, mip.rows[order].astype(np.int32),
                          mip.vals[order], mip.integer.astype(np.int32))
     if status == highspy.HighsStatus.kError:
         raise RuntimeError("HiGHS rejected the model (passModel returned kError)")
+    if mip.start is not None:
+        start = highspy.HighsSolution()
+        start.col_value, start.value_valid = [float(v) for v in mip.start], True
+        h.setSolution(start)
     h.run()
     ms, info, status_enum = h.getModelStatus(), h.getInfo(), highspy.HighsModelStatus
     if ms == status_enum.kOptimal:
@@ -168,7 +190,7 @@ def solve_cbc(mip: Mip, time_limit_s: float) -> MipResult:
                             cat=pulp.LpInteger if integer else pulp.LpContinuous)
           for i, (lo, hi, integer) in enumerate(zip(mip.lower, mip.upper, mip.integer))]
     nz = np.flatnonzero(mip.cost)   # lpDot: PuLP 4 builds expressions differently from 3
-    prob += pulp.lpDot([float(c) for c in mip.cost[nz]], [xs[i] for i in nz])
+    prob += pulp.lpDot([float(c) for c in mip.cost[nz]], [xs[i] for i in nz]) + mip.offset
     order = np.argsort(mip.rows, kind="stable")
     bounds = np.cumsum(np.bincount(mip.rows, minlength=mip.row_lower.size))[:-1]
     for r, (cols, vals) in enumerate(zip(np.split(mip.cols[order], bounds),
@@ -176,7 +198,7 @@ def solve_cbc(mip: Mip, time_limit_s: float) -> MipResult:
         expr = pulp.lpDot([float(v) for v in vals], [xs[c] for c in cols])
         rhs = float(mip.row_upper[r])
         prob += (expr == rhs) if mip.row_lower[r] == mip.row_upper[r] else (expr <= rhs)
-    status, words = cbc_solve(prob, msg=False, timeLimit=time_limit_s, gapRel=_MIP_REL_GAP,
+    status, words = cbc_solve(prob, msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP,
                               gapAbs=_MIP_ABS_GAP)
     if status is SolveStatus.INFEASIBLE:
         return MipResult(kind=status, x=None, reason="infeasible")
@@ -202,6 +224,17 @@ def run_mip(mip: Mip, backend: SolverBackend, time_limit_s: float) -> MipResult:
                        type(exc).__name__, exc)
         return MipResult(kind=SolveStatus.FALLBACK, x=None,
                          reason=f"{backend.value} failed ({type(exc).__name__}: {exc})")
+
+
+def columns_of(mip: Mip, choice) -> np.ndarray:
+    """The model's column vector of an integral choice (a group's strategy column is 1, and on
+    each edge the column of the pair of classes the two choices fall in)."""
+    x = np.zeros(mip.cost.size)
+    for g, start, _ in mip.group_cols:
+        x[start + choice[g]] = 1.0
+    for u, v, e0, r_of, c_of, ncl in mip.edge_cols:
+        x[e0 + r_of[choice[u]] * ncl + c_of[choice[v]]] = 1.0
+    return x
 
 
 def round_solution(mip: Mip, x: np.ndarray, choice: np.ndarray) -> np.ndarray:
