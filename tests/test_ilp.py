@@ -372,3 +372,38 @@ def test_folded_points_solve_like_the_points_they_fold():
     _assert_close(a.objective, b.objective)
     _assert_close(min_peak_memory(plain)[0], min_peak_memory(IlpProblem(
         node_costs=costs, edges=edges, memory_points=tuple(folded)))[0])
+
+
+# ----------------------------------------------------------------------------- LP first
+
+def _count_highs(monkeypatch) -> list[bool]:
+    calls, real = [], mip._highs
+    monkeypatch.setattr(mip, "_highs", lambda m, t, *, relaxed: calls.append(relaxed) or
+                        real(m, t, relaxed=relaxed))
+    return calls
+
+
+def test_integral_lp_relaxation_is_the_answer(monkeypatch):
+    """On a path (a tree) the edge LP is integral: the LP relaxation answers, no MIP runs."""
+    calls = _count_highs(monkeypatch)
+    rng = np.random.default_rng(4)
+    k = [3, 4, 3, 4, 3]
+    problem = IlpProblem(node_costs=tuple(rng.random(n) for n in k),
+                         edges=tuple(_edge(u, u + 1, rng.random((k[u], k[u + 1])))
+                                     for u in range(4)))
+    sol = solve_ilp(problem)
+    assert calls == [True] and sol.status is SolveStatus.OPTIMAL
+    _assert_close(sol.objective, brute_force(problem).objective)
+
+
+def test_fractional_lp_relaxation_goes_on_to_the_mip(monkeypatch):
+    """A frustrated triangle (each edge wants its two ends to differ, of two strategies): the
+    LP takes every strategy at 1/2 for cost 0; the MIP must pay 1 on some edge."""
+    calls = _count_highs(monkeypatch)
+    differ = [[1.0, 0.0], [0.0, 1.0]]
+    problem = IlpProblem(node_costs=tuple(np.array([0.0, 0.001 * g]) for g in range(3)),
+                         edges=(_edge(0, 1, differ), _edge(1, 2, differ), _edge(0, 2, differ)))
+    sol = solve_ilp(problem)
+    assert calls == [True, False] and sol.status is SolveStatus.OPTIMAL
+    _assert_close(sol.objective, brute_force(problem).objective)
+    assert sol.objective >= 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 # Optimality: the solver stops when its incumbent is within this fraction of its bound, on the
 # problem's whole objective (the model carries the constant that the shift to min 0 removed as
 # its objective offset, so the gap is the user's: of the predicted step time).
-MIP_REL_GAP = 1e-4
+MIP_REL_GAP = 1e-3
 _MIP_ABS_GAP = 1e-10
 
 
@@ -146,7 +147,8 @@ class MipResult:
     gap: float | None = None
 
 
-def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
+def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
+    """A HiGHS instance holding the model (its LP relaxation where `relaxed`)."""
     import highspy
     h = highspy.Highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
@@ -156,18 +158,38 @@ def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
     order = np.lexsort((mip.rows, mip.cols))
     start = np.zeros(n + 1, dtype=np.int32)
     start[1:] = np.cumsum(np.bincount(mip.cols, minlength=n))
+    integrality = np.zeros(n, dtype=np.int32) if relaxed else mip.integer.astype(np.int32)
     status = h.passModel(n, m, len(order), int(highspy.MatrixFormat.kColwise),
-                         int(highspy.ObjSense.kMinimize), float(mip.offset), mip.cost, mip.lower, mip.upper,
-                         mip.row_lower, mip.row_upper, start, mip.rows[order].astype(np.int32),
-                         mip.vals[order], mip.integer.astype(np.int32))
+                         int(highspy.ObjSense.kMinimize), float(mip.offset), mip.cost,
+                         mip.lower, mip.upper, mip.row_lower, mip.row_upper, start,
+                         mip.rows[order].astype(np.int32), mip.vals[order], integrality)
     if status == highspy.HighsStatus.kError:
         raise RuntimeError("HiGHS rejected the model (passModel returned kError)")
-    if mip.start is not None:
-        start = highspy.HighsSolution()
-        start.col_value, start.value_valid = [float(v) for v in mip.start], True
-        h.setSolution(start)
+    return h
+
+
+def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
+    """Solve with HiGHS: the LP relaxation first, which is the answer where it comes out
+    integral (often, e.g. where no memory row binds: then no branch and bound runs), else the
+    MIP from `mip.start`."""
+    import highspy
+    t0 = time.perf_counter()
+    status_enum = highspy.HighsModelStatus
+    h = _highs(mip, time_limit_s, relaxed=True)
     h.run()
-    ms, info, status_enum = h.getModelStatus(), h.getInfo(), highspy.HighsModelStatus
+    if h.getModelStatus() == status_enum.kInfeasible:
+        return MipResult(kind=SolveStatus.INFEASIBLE, x=None, reason="infeasible")
+    if h.getModelStatus() == status_enum.kOptimal:
+        x = np.asarray(h.getSolution().col_value)
+        if is_integral(mip, x):
+            return MipResult(kind=SolveStatus.OPTIMAL, x=x, reason="")
+    h = _highs(mip, max(time_limit_s - (time.perf_counter() - t0), 1e-3), relaxed=False)
+    if mip.start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value, sol.value_valid = [float(v) for v in mip.start], True
+        h.setSolution(sol)
+    h.run()
+    ms, info = h.getModelStatus(), h.getInfo()
     if ms == status_enum.kOptimal:
         x = np.asarray(h.getSolution().col_value)
         return MipResult(kind=SolveStatus.OPTIMAL, x=x, reason="")
@@ -224,6 +246,13 @@ def run_mip(mip: Mip, backend: SolverBackend, time_limit_s: float) -> MipResult:
                        type(exc).__name__, exc)
         return MipResult(kind=SolveStatus.FALLBACK, x=None,
                          reason=f"{backend.value} failed ({type(exc).__name__}: {exc})")
+
+
+def is_integral(mip: Mip, x: np.ndarray, tol: float = 1e-9) -> bool:
+    """Whether every group's columns in `x` are one-hot (then so are the edge columns: their
+    marginals are one-hot)."""
+    v = x[mip.integer]
+    return bool(np.all(np.minimum(np.abs(v), np.abs(1.0 - v)) <= tol))
 
 
 def columns_of(mip: Mip, choice) -> np.ndarray:
