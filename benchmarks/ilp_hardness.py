@@ -5,21 +5,25 @@ captured problem alone and report its size, LP relaxation, optimum, time and gap
     python benchmarks/ilp_hardness.py capture demo DIR        # examples/train_gpt.py's plan
     python benchmarks/ilp_hardness.py capture bench12 DIR     # make bench's 12-layer GPT
     python benchmarks/ilp_hardness.py capture gpt-39B DIR --microbatches 64 --auto-layers 16
-    # 2. measure (no JAX): solve every captured problem with the current solver
-    python benchmarks/ilp_hardness.py measure DIR [--lp] [--repeat 2] [--time-limit 60]
+    # 2. measure (no JAX): solve every captured problem (folders or .pkl files) with the
+    #    current solver; --json keeps the rows, --out writes BENCHMARKS.md's `ilp` section
+    #    (with a --baseline run's rows beside them: e.g. the same command at an older revision)
+    python benchmarks/ilp_hardness.py measure DIR... [--lp] [--repeat 2] [--time-limit 60] \
+        [--json rows.json] [--baseline old.json] [--out BENCHMARKS.md]
 
 `capture` of a pipeline configuration (a key of benchmarks/paper_configs.py) plans it on the
 V100 preset with `PipeshardParallel(AutoLayerOption(num_layers=...), AutoStageOption())`; the
 solver's time limit during capture is `--capture-limit` seconds (the captured problem is what
 matters, not how the capture run solved it). `measure` prints one line per problem: groups,
-variables, constraints and memory rows of the model the solver saw, the LP relaxation's value
-(`--lp`), the objective, status, time and gap, and checks that a repeated solve returns the
-same choice (determinism).
+memory points, variables and constraints of the model the solver saw, the LP relaxation's
+value against the MIP optimum of the reduced model (`--lp`), the objective, status, wall and
+CPU time, and checks that a repeated solve returns the same choice (determinism).
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import pickle
 import sys
@@ -71,7 +75,8 @@ def _capture_demo(bench_layers: int | None) -> None:
         cfg, batch_size = GPTConfig(vocab_size=8192, seq_len=128, num_layers=bench_layers,
                                     hidden=768, num_heads=12), 8
     model = GPT(cfg)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+    tx = (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+          if bench_layers is None else optax.adamw(1e-4, weight_decay=0.01))
 
     def create(key):
         params = model.init(key, jax.numpy.zeros((1, cfg.seq_len), jax.numpy.int32))
@@ -134,35 +139,77 @@ def _lp_gap(problem) -> tuple[float, float] | None:
     return float(mip.cost @ lp.x), float(mip.cost @ ip.x)
 
 
-def measure(args) -> None:
+def _label(path: str) -> str:
+    return "/".join(path.split(os.sep)[-2:])
+
+
+def measure(args) -> list[dict]:
     from autopar.intra_op import mip
     from autopar.intra_op.ilp import SolverBackend, solve_ilp
     if args.gap is not None:
         mip.MIP_REL_GAP = args.gap
     files = sorted(f for d in args.dir for f in glob.glob(d if d.endswith(".pkl") else
                                                           os.path.join(d, "*.pkl")))
-    print(f"{'file':>10} {'groups':>6} {'vars':>6} {'cons':>6} {'mem':>4} {'lp':>12} "
-          f"{'objective':>12} {'status':>8} {'time s':>7} {'capt s':>7}  message")
-    worst = 0.0
+    print(f"{'problem':>20} {'groups':>6} {'vars':>6} {'cons':>6} {'mem':>4} {'lp/ip':>12} "
+          f"{'objective':>12} {'status':>8} {'time s':>7} {'cpu s':>7}  message")
+    rows = []
     for name in files:
         with open(name, "rb") as f:
-            rec = pickle.load(f)
-        problem = rec["problem"]
-        sols = []
+            problem = pickle.load(f)["problem"]
+        sols, cpu = [], 0.0
         for _ in range(args.repeat):
+            c0 = time.process_time()
             sols.append(solve_ilp(problem, backend=SolverBackend(args.backend),
                                   time_limit_s=args.time_limit))
+            cpu = max(cpu, time.process_time() - c0)
         sol = sols[0]
-        same = all(s.choice == sol.choice for s in sols)
         lp = _lp_gap(problem) if args.lp else None
-        worst = max(worst, max(s.solve_time_s for s in sols))
-        print(f"{os.path.basename(name):>10} {len(problem.node_costs):>6} {sol.num_variables:>6} "
-              f"{sol.num_constraints:>6} {len(problem.memory_points):>4} "
+        row = {"problem": _label(name), "groups": len(problem.node_costs),
+               "variables": sol.num_variables, "constraints": sol.num_constraints,
+               "memory_points": len(problem.memory_points), "objective": sol.objective,
+               "status": sol.status.value, "time_s": max(s.solve_time_s for s in sols),
+               "cpu_s": cpu, "deterministic": all(s.choice == sol.choice for s in sols),
+               "message": sol.message, "lp": lp}
+        rows.append(row)
+        print(f"{row['problem']:>20} {row['groups']:>6} {row['variables']:>6} "
+              f"{row['constraints']:>6} {row['memory_points']:>4} "
               f"{'' if lp is None else f'{lp[0]:.5g}/{lp[1]:.5g}':>12} {sol.objective:>12.6g} "
-              f"{sol.status.value:>8} {max(s.solve_time_s for s in sols):>7.2f} "
-              f"{rec['captured']['time_s']:>7.2f}  {'' if same else 'NOT DETERMINISTIC; '}"
-              f"{sol.message[:120]}", flush=True)
-    print(f"{len(files)} problems; slowest solve {worst:.2f} s")
+              f"{sol.status.value:>8} {row['time_s']:>7.2f} {cpu:>7.2f}  "
+              f"{'' if row['deterministic'] else 'NOT DETERMINISTIC; '}{sol.message[:120]}",
+              flush=True)
+    print(f"{len(rows)} problems; slowest solve {max(r['time_s'] for r in rows):.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def section(rows: list[dict], baseline: list[dict] | None, cmdline: str) -> str:
+    """The `ilp` section of BENCHMARKS.md: one row per captured problem, with the baseline's
+    status and time beside it where a baseline run is given."""
+    from common import markers, source_revision, utc_now
+    base = {r["problem"]: r for r in baseline or []}
+    out = [markers("ilp")[0], "## Intra-op ILP solves (benchmarks/ilp_hardness.py)", "",
+           f"Command: `{cmdline}`; {utc_now()}, revision {source_revision()}, load average "
+           f"{[round(x, 2) for x in os.getloadavg()]}. Problems captured from real planning "
+           "runs (`ilp_hardness.py capture`, see its docstring); each solved alone, the "
+           "slower of the repeats; `cpu` is process CPU time (HiGHS uses both cores).", "",
+           "| problem | groups | variables | constraints | memory points | objective s | "
+           "status | solve s | cpu s | same plan | baseline status | baseline s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get(r["problem"], {})
+        out.append(f"| {r['problem']} | {r['groups']} | {r['variables']} | {r['constraints']} | "
+                   f"{r['memory_points']} | {r['objective']:.6g} | {r['status']} | "
+                   f"{r['time_s']:.2f} | {r['cpu_s']:.2f} | "
+                   f"{'yes' if r['deterministic'] else 'NO'} | {b.get('status', '')} | "
+                   + (f"{b['time_s']:.2f} |" if b else " |"))
+    slow = [r for r in rows if r["status"] != "optimal" or r["time_s"] > 5.0]
+    out += ["", f"{len(rows) - len(slow)} of {len(rows)} solve to optimality (gap <= 0.1%) "
+            f"in <= 5 s; not: " + (", ".join(f"{r['problem']} ({r['status']}, "
+                                           f"{r['time_s']:.1f} s)" for r in slow) or "none")
+            + ".", markers("ilp")[1]]
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -182,9 +229,19 @@ def main(argv=None) -> int:
     m.add_argument("--repeat", type=int, default=2)
     m.add_argument("--time-limit", type=float, default=60.0)
     m.add_argument("--backend", default="highs")
+    m.add_argument("--json", default=None, help="write the rows here")
+    m.add_argument("--baseline", default=None, help="rows (--json) of an earlier run")
+    m.add_argument("--out", default=None, help="write the `ilp` section into this file")
     args = p.parse_args(argv)
     if args.cmd == "measure":
-        measure(args)
+        rows = measure(args)
+        if args.out:
+            sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+            from common import write_section
+            baseline = json.load(open(args.baseline)) if args.baseline else None
+            write_section(section(rows, baseline, "python benchmarks/ilp_hardness.py " +
+                                  " ".join(argv if argv is not None else sys.argv[1:])),
+                          args.out, "ilp")
         return 0
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
