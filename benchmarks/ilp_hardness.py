@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import pickle
@@ -43,15 +44,13 @@ def _patch_capture(out_dir: str, limit_s: float | None) -> None:
     def capture(problem, **kw):
         if limit_s is not None:
             kw["time_limit_s"] = min(kw.get("time_limit_s", 60.0), limit_s)
-        blob = pickle.dumps(problem)
+        h = hashlib.sha1(pickle.dumps(problem)).digest()
         sol = orig(problem, **kw)
-        import hashlib
-        h = hashlib.sha1(blob).digest()
         if h not in seen:
             seen.add(h)
             name = os.path.join(out_dir, f"p{len(seen):04d}.pkl")
             with open(name, "wb") as f:
-                pickle.dump({"problem": problem, "kw": {k: v for k, v in kw.items()},
+                pickle.dump({"problem": problem, "kw": dict(kw),
                              "captured": {"status": sol.status.value, "time_s": sol.solve_time_s,
                                           "objective": sol.objective,
                                           "message": sol.message}}, f)
@@ -64,7 +63,6 @@ def _patch_capture(out_dir: str, limit_s: float | None) -> None:
 def _capture_demo(bench_layers: int | None) -> None:
     import jax
     import optax
-    from flax.training import train_state
 
     import autopar
     from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
@@ -74,20 +72,12 @@ def _capture_demo(bench_layers: int | None) -> None:
     else:                        # benchmarks/run_all.py
         cfg, batch_size = GPTConfig(vocab_size=8192, seq_len=128, num_layers=bench_layers,
                                     hidden=768, num_heads=12), 8
-    model = GPT(cfg)
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from common import gpt_state_fn, gpt_train_step
     tx = (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
           if bench_layers is None else optax.adamw(1e-4, weight_decay=0.01))
-
-    def create(key):
-        params = model.init(key, jax.numpy.zeros((1, cfg.seq_len), jax.numpy.int32))
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-    state = jax.eval_shape(create, jax.random.key(0))
+    train_step = gpt_train_step(gpt_loss, jax.value_and_grad)
+    state = jax.eval_shape(gpt_state_fn(GPT(cfg), tx, cfg.seq_len), jax.random.key(0))
     batch = jax.eval_shape(lambda: make_gpt_batch(jax.random.key(1), batch_size, cfg))
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     step = autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))
@@ -139,6 +129,32 @@ def _lp_gap(problem) -> tuple[float, float] | None:
     return float(mip.cost @ lp.x), float(mip.cost @ ip.x)
 
 
+NOTES = """Why these ILPs are hard (measured with `measure --lp` and HiGHS's log on the captured
+problems; see autopar/intra_op/mip.py and heuristics.py for what the solver does about it):
+
+- *No memory row binds* (the demo, make bench's GPTs, a pipeline stage's first lazy round): the
+  edge LP relaxation is tight but not integral on the whole-step graphs: its optimum mixes two
+  plans half and half (the same shardings with the mesh axes swapped, e.g. `i2@data k0@model`
+  and `i2@model k0@data`), paired differently on the edges around the cycle that the parameter
+  update closes (parameter -> forward -> backward -> gradient -> update -> parameter). make
+  bench's 2-layer GPT: LP 5.4% below the optimum of the shifted objective, 121 of 129 groups
+  fractional; fixing the one group of the embedding gradient's scatter-add makes the LP
+  integral at the optimum. HiGHS spends its time at the root (cuts, sub-MIP heuristics,
+  restarts): 7-8 s to prove the optimum given as its start (at the old 1e-9 gap). The stage
+  ILPs without memory rows have
+  an integral LP: the LP relaxation answers them (3x faster than the MIP).
+- *Memory binds* (pipeline stages of GPT-39B on 64 V100s at 16 GB): the liveness rows are
+  multiple-choice knapsacks. The LP shards tensors fractionally (half replicated, half
+  sharded) and its bound is the convex hull of the cost/memory trade-off, far below the best
+  plan: 1.5% (gpt39/p0048) to 67% (gpt39/p0050); HiGHS finds almost no cuts, and p0050's round
+  still had a 44% gap after 300 s. These are the time-outs below.
+- Not the cause: the lazy memory rows (16 of ~600 suffice; the first round is memory-free)
+  or the problem size (30-40k columns, most of them continuous edge columns; the LP
+  relaxation solves in 0.2-0.6 s). Not measured: how much the elementwise compute terms
+  (which make formerly tied strategies differ) add.
+"""
+
+
 def _label(path: str) -> str:
     return "/".join(path.split(os.sep)[-2:])
 
@@ -169,7 +185,7 @@ def measure(args) -> list[dict]:
                "memory_points": len(problem.memory_points), "objective": sol.objective,
                "status": sol.status.value, "time_s": max(s.solve_time_s for s in sols),
                "cpu_s": cpu, "deterministic": all(s.choice == sol.choice for s in sols),
-               "message": sol.message, "lp": lp}
+               "message": sol.message, "lp": lp, "load": round(os.getloadavg()[0], 2)}
         rows.append(row)
         print(f"{row['problem']:>20} {row['groups']:>6} {row['variables']:>6} "
               f"{row['constraints']:>6} {row['memory_points']:>4} "
@@ -189,9 +205,11 @@ def section(rows: list[dict], baseline: list[dict] | None, cmdline: str) -> str:
     status and time beside it where a baseline run is given."""
     from common import markers, source_revision, utc_now
     base = {r["problem"]: r for r in baseline or []}
+    loads = [r["load"] for r in rows if "load" in r]
     out = [markers("ilp")[0], "## Intra-op ILP solves (benchmarks/ilp_hardness.py)", "",
-           f"Command: `{cmdline}`; {utc_now()}, revision {source_revision()}, load average "
-           f"{[round(x, 2) for x in os.getloadavg()]}. Problems captured from real planning "
+           f"Command: `{cmdline}`; written {utc_now()}, revision {source_revision()}; 1-minute "
+           f"load average during the solves {min(loads, default=0):.1f} to "
+           f"{max(loads, default=0):.1f} (2 cores). Problems captured from real planning "
            "runs (`ilp_hardness.py capture`, see its docstring); each solved alone, the "
            "slower of the repeats; `cpu` is process CPU time (HiGHS uses both cores).", "",
            "| problem | groups | variables | constraints | memory points | objective s | "
@@ -204,6 +222,7 @@ def section(rows: list[dict], baseline: list[dict] | None, cmdline: str) -> str:
                    f"{r['time_s']:.2f} | {r['cpu_s']:.2f} | "
                    f"{'yes' if r['deterministic'] else 'NO'} | {b.get('status', '')} | "
                    + (f"{b['time_s']:.2f} |" if b else " |"))
+    out += ["", NOTES]
     slow = [r for r in rows if r["status"] != "optimal" or r["time_s"] > 5.0]
     out += ["", f"{len(rows) - len(slow)} of {len(rows)} solve to optimality (gap <= 0.1%) "
             f"in <= 5 s; not: " + (", ".join(f"{r['problem']} ({r['status']}, "
@@ -232,16 +251,22 @@ def main(argv=None) -> int:
     m.add_argument("--json", default=None, help="write the rows here")
     m.add_argument("--baseline", default=None, help="rows (--json) of an earlier run")
     m.add_argument("--out", default=None, help="write the `ilp` section into this file")
+    r = sub.add_parser("report", help="write the section from the rows of a measure --json")
+    r.add_argument("rows")
+    r.add_argument("--baseline", default=None)
+    r.add_argument("--out", required=True)
+    r.add_argument("--command", required=True, help="the measure command that made the rows")
     args = p.parse_args(argv)
-    if args.cmd == "measure":
-        rows = measure(args)
+    if args.cmd in ("measure", "report"):
+        rows = measure(args) if args.cmd == "measure" else json.load(open(args.rows))
         if args.out:
             sys.path.insert(0, os.path.join(REPO, "benchmarks"))
             from common import write_section
             baseline = json.load(open(args.baseline)) if args.baseline else None
-            write_section(section(rows, baseline, "python benchmarks/ilp_hardness.py " +
-                                  " ".join(argv if argv is not None else sys.argv[1:])),
-                          args.out, "ilp")
+            cmd = args.command if args.cmd == "report" else (
+                "python benchmarks/ilp_hardness.py " +
+                " ".join(argv if argv is not None else sys.argv[1:]))
+            write_section(section(rows, baseline, cmd), args.out, "ilp")
         return 0
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()

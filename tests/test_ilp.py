@@ -123,8 +123,13 @@ def test_backends_agree_on_random_problems():
     rng = np.random.default_rng(99)
     for n in range(10):
         problem = _random_problem(rng, with_memory=n % 2 == 0)
-        objectives = {solve_ilp(problem, backend=b).objective for b in BACKENDS}
-        assert max(objectives) - min(objectives) <= 1e-9 * max(abs(o) for o in objectives)
+        sols = [solve_ilp(problem, backend=b) for b in BACKENDS]
+        assert len({s.status for s in sols}) == 1
+        # Where the budget cannot be met, any least-peak plan is the answer (its cost aside).
+        measure = (lambda s: s.objective) if sols[0].status is SolveStatus.OPTIMAL else (
+            lambda s: peak_memory_bytes(problem, s.choice))
+        values = [measure(s) for s in sols]
+        assert max(values) - min(values) <= 1e-9 * max(abs(v) for v in values)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -342,7 +347,7 @@ def test_lazy_min_peak_memory_is_exact(monkeypatch):
     rounds, real = [], ilp._min_peak_choice
     monkeypatch.setattr(ilp, "_min_peak_choice", lambda *a: rounds.append(1) or real(*a))
     per_seed = []
-    for seed in range(4):
+    for seed in range(8):
         rng = np.random.default_rng(300 + seed)
         k = [3, 4, 3, 4, 3, 2, 3]
         problem = IlpProblem(node_costs=tuple(rng.uniform(0, 1, n) for n in k), edges=(),

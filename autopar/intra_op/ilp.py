@@ -16,8 +16,8 @@ import numpy as np
 
 from autopar.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
-from autopar.intra_op.mip import (Mip, MipResult, SolverBackend, SolveStatus, build_mip,
-                                  columns_of, round_solution, run_mip)
+from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolverBackend, SolveStatus,
+                                  build_mip, columns_of, round_solution, run_mip)
 
 logger = logging.getLogger(__name__)
 
@@ -414,6 +414,7 @@ def _min_peak_choice(points, ks, choice, backend, time_limit_s) -> tuple[np.ndar
         mip.add_entries(row, [m_col], -1.0)
         mip.add_bytes(row, terms.items(), off, scale)
     mip.freeze()
+    mip.rel_gap = EXACT_REL_GAP
     res = run_mip(mip, backend, time_limit_s)
     if res.x is not None:
         return round_solution(mip, res.x, choice), ""
