@@ -412,3 +412,25 @@ def test_fractional_lp_relaxation_goes_on_to_the_mip(monkeypatch):
     assert calls == [True, False] and sol.status is SolveStatus.OPTIMAL
     _assert_close(sol.objective, brute_force(problem).objective)
     assert sol.objective >= 1.0
+
+
+def test_dive_reaches_a_feasible_integral_plan():
+    """The LP dive fixes the last fractional group and re-solves until the LP is integral:
+    on the frustrated triangle that is a feasible plan, and here an optimal one."""
+    differ = [[1.0, 0.0], [0.0, 1.0]]
+    problem = IlpProblem(node_costs=tuple(np.array([0.0, 0.001 * g]) for g in range(3)),
+                         edges=(_edge(0, 1, differ), _edge(1, 2, differ), _edge(0, 2, differ)))
+    red = ilp._presolve(problem)
+    model = mip.build_mip(red)
+    h = mip._highs(model, 10.0, relaxed=True)
+    h.run()
+    x0 = np.asarray(h.getSolution().col_value)
+    assert not mip.is_integral(model, x0)
+    x = mip._dive(h, model, x0, deadline=float("inf"))
+    assert x is not None and mip.is_integral(model, x)
+    act = np.bincount(model.rows, weights=model.vals * x[model.cols],
+                      minlength=model.row_lower.size)
+    assert (act >= model.row_lower - 1e-9).all() and (act <= model.row_upper + 1e-9).all()
+    choice = mip.round_solution(model, x, red.choice)
+    _assert_close((model.cost @ x + model.offset) * model.scale, evaluate(problem, choice))
+    _assert_close(evaluate(problem, choice), brute_force(problem).objective)
