@@ -4,6 +4,12 @@ Each group g picks one of k_g strategies (binary one-hot s_g). Each edge (u, v) 
 resharding-cost matrix R (k_u x k_v) linearized through continuous e_uv in [0, 1] whose row sums
 equal s_u and column sums equal s_v (exact because s is binary). Memory points bound the bytes
 per device of the chosen strategies. This module imports no `jax`: it is numbers only.
+
+OPTIMAL means within `mip.MIP_REL_GAP` (0.1%) of the optimum of the whole objective for
+models of more than `mip.EXACT_MAX_BINARIES` binary columns, exact for smaller ones. Dominated
+strategies (`heuristics.dominators`) are left out; a solve starts from the best of the greedy
+plan, the caller's hint and an LP dive (`mip.solve_highs`), and the same problem gives the
+same plan run to run.
 """
 from __future__ import annotations
 
@@ -15,14 +21,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.errors import InvalidArgumentError
-from autopar.intra_op.mip import (Mip, MipResult, SolverBackend, SolveStatus, build_mip,
-                                  round_solution, run_mip)
+from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
+from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolverBackend, SolveStatus,
+                                  build_mip, columns_of, round_solution, run_mip)
 
 logger = logging.getLogger(__name__)
 
 _SEPARABLE_RTOL = 1e-12   # R[i,j] = a[i] + b[j] up to this fraction of max|R| counts as separable
 _BRUTE_FORCE_LIMIT = 200_000
-_IMPROVE_PASSES = 10       # local-improvement sweeps after greedy (stops early when stable)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,58 +230,6 @@ def _presolve(problem: IlpProblem) -> _Reduced:
                     mem_rows=tuple(mem_rows), infeasible=infeasible)
 
 
-# ----------------------------------------------------------------------------- greedy
-
-def _greedy(red: _Reduced, choice: np.ndarray | None = None, *, movable=None) -> np.ndarray:
-    """Visit unset (-1) variable groups in index order; pick the cheapest strategy (node cost plus
-    edges to chosen neighbours) that keeps memory rows within budget assuming unvisited groups
-    take their smallest bytes; then a few passes of single-group local improvement over
-    `movable` (default: the groups that were unset)."""
-    choice = red.choice.copy() if choice is None else choice.copy()
-    adj: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in red.var_groups}
-    for u, v, r in red.edges:
-        adj[u].append((v, r))
-        adj[v].append((u, r.T))
-    mem_of: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in red.var_groups}
-    for row, (terms, _) in enumerate(red.mem_rows):
-        for g, b in terms:
-            mem_of[g].append((row, b))
-    rhs = np.array([r for _, r in red.mem_rows], float)
-    load = np.zeros(rhs.size)
-    for row, (terms, _) in enumerate(red.mem_rows):   # groups fixed by the caller
-        load[row] += sum(float(b[choice[g]]) for g, b in terms if choice[g] >= 0)
-
-    def cost_of(g: int) -> np.ndarray:
-        return red.node_costs[g] + sum((m[:, choice[n]] for n, m in adj[g] if choice[n] >= 0),
-                                       np.zeros(red.node_costs[g].size))
-
-    free = [g for g in red.var_groups if choice[g] < 0]
-    for g in free:
-        cost, over = cost_of(g), np.full(red.node_costs[g].size, -np.inf)
-        for row, b in mem_of[g]:
-            over = np.maximum(over, load[row] + b - rhs[row])
-        i = int(np.argmin(np.where(over <= 0, cost, np.inf))) if (over <= 0).any() \
-            else int(np.argmin(over))
-        choice[g] = i
-        for row, b in mem_of[g]:
-            load[row] += b[i]
-    for _ in range(_IMPROVE_PASSES):
-        changed = False
-        for g in free if movable is None else movable:
-            cost, cur = cost_of(g), choice[g]
-            for i in np.argsort(cost, kind="stable"):
-                if cost[i] >= cost[cur]:
-                    break
-                if all(load[r] + b[i] - b[cur] <= max(rhs[r], load[r]) for r, b in mem_of[g]):
-                    for row, b in mem_of[g]:
-                        load[row] += b[i] - b[cur]
-                    choice[g], changed = int(i), True
-                    break
-        if not changed:
-            break
-    return choice
-
-
 # ----------------------------------------------------------------------------- public solvers
 
 def _check_args(backend, time_limit_s) -> None:
@@ -309,11 +263,12 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s)
     t0 = time.perf_counter()
     active: list[int] = []
-    rounds = 0
+    rounds, sol = 0, None
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         sub = replace(problem, memory_points=tuple(points[i] for i in active))
-        sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False)
+        sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False,
+                          hint=None if sol is None else sol.choice)
         rounds += 1
         if sol.status is SolveStatus.INFEASIBLE:   # a subset is infeasible, so is the whole
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
@@ -333,36 +288,55 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
                            f"constraints needed ({rounds} solve{'s' * (rounds > 1)})")
 
 
+def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:
+    """The MIP's start: the best of the greedy plan and the hint (improved), with dominated
+    strategies replaced (the MIP has no such columns); None where neither fits the budget."""
+    tries = [greedy(red)]
+    if hint is not None:
+        tries.append(greedy(red, np.where(red.choice >= 0, red.choice, np.asarray(hint)),
+                            movable=red.var_groups))
+    tries = [undominated_choice(c, reps) for c in tries]
+    over, _, best = min((*_rank(problem, c), n) for n, c in enumerate(tries))
+    return None if over else columns_of(mip, tries[best])
+
+
 def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
-                time_limit_s: float = 60.0, least_memory: bool = True) -> IlpSolution:
+                time_limit_s: float = 60.0, least_memory: bool = True,
+                hint=None) -> IlpSolution:
     """Presolve, then solve the reduced ILP with `backend` within `time_limit_s` (solvers may
-    overshoot). An infeasible budget gives status INFEASIBLE with the minimum-peak-memory choice
-    (this costs a second solve, skipped with `least_memory=False`, which gives the
-    presolved choice instead); the caller decides what to raise."""
+    overshoot), dominated strategies left out, from the best of the greedy plan and `hint` (a
+    choice, e.g. the last round's, improved by local search) where it fits. An infeasible
+    budget gives status INFEASIBLE with the minimum-peak-memory choice (this costs a second
+    solve, skipped with `least_memory=False`, which gives the presolved choice instead); the
+    caller decides what to raise."""
     _check_args(backend, time_limit_s)
     t0 = time.perf_counter()
     red = _presolve(problem)
-    mip = build_mip(red) if red.var_groups and not red.infeasible else None
+    mip = None
+    if red.var_groups and not red.infeasible:
+        reps = dominators(red)
+        mip = build_mip(red, reps)
+        mip.start = _start(problem, red, reps, mip, hint)
     n_var, n_con = (0, 0) if mip is None else (mip.cost.size, mip.row_lower.size)
     res = MipResult(kind=SolveStatus.INFEASIBLE if red.infeasible else SolveStatus.OPTIMAL,
                      x=None, reason="") if mip is None else run_mip(mip, backend, time_limit_s)
     if res.kind is SolveStatus.INFEASIBLE and not least_memory:
-        choice, msg = _greedy(red), "memory budget cannot be met"
+        choice, msg = greedy(red), "memory budget cannot be met"
     elif res.kind is SolveStatus.INFEASIBLE:
         need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
         choice = np.asarray(choice)
         msg = (f"memory budget {problem.memory_budget_bytes:.6g} bytes per device cannot be met; "
                f"the minimum-peak-memory plan needs {need:.6g} bytes")
     elif res.kind is SolveStatus.FALLBACK:
-        choice = _greedy(red)
+        choice = greedy(red)
         msg = f"{res.reason}; the solver stopped without a solution and a greedy plan was used"
     elif res.kind is SolveStatus.FEASIBLE:
-        choice = _greedy(red, round_solution(mip, res.x, red.choice), movable=red.var_groups)
+        choice = greedy(red, round_solution(mip, res.x, red.choice), movable=red.var_groups)
         gap = "unknown" if res.gap is None else f"{100 * res.gap:.3g}%"
         msg = f"{res.reason}; used the best incumbent (gap {gap})"
-        greedy = _greedy(red)
-        if _rank(problem, greedy) < _rank(problem, choice):
-            choice = greedy
+        plain = greedy(red)
+        if _rank(problem, plain) < _rank(problem, choice):
+            choice = plain
             msg = f"{res.reason}; a greedy plan beat the best incumbent (gap {gap}) and was used"
     elif mip is None:
         choice, msg = red.choice, "presolve fixed every group; no solver needed"
@@ -396,7 +370,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
     points = [_fold_point(p, ks) for p in problem.memory_points]
     free = _presolve(replace(problem, memory_budget_bytes=None))
     if not any(terms for _, terms in points):
-        choice = _greedy(free)
+        choice = greedy(free)
         return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
     # Every point as a sparse row over (group, strategy) columns, to price a choice at once.
     terms = [(g, b) for _, t in points for g, b in t.items()]
@@ -417,7 +391,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         sub = [points[i] for i in active]
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         fixed, reason = _min_peak_choice(sub, ks, free.choice, backend, remaining)
-        choice = _greedy(free, fixed)
+        choice = greedy(free, fixed)
         if reason:
             logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
             break
@@ -446,6 +420,7 @@ def _min_peak_choice(points, ks, choice, backend, time_limit_s) -> tuple[np.ndar
         mip.add_entries(row, [m_col], -1.0)
         mip.add_bytes(row, terms.items(), off, scale)
     mip.freeze()
+    mip.rel_gap = EXACT_REL_GAP
     res = run_mip(mip, backend, time_limit_s)
     if res.x is not None:
         return round_solution(mip, res.x, choice), ""
