@@ -42,13 +42,13 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
     stage = lambda t: NS(solution=NS(latency_s=t, zero_gather_s=0.0), zero=False)
     dp = lambda options, budget, max_stages: one if max_stages == 1 else two
     whole = {2: [stage(0.3), stage(0.3)], 1: [stage(0.35)]}   # per stage count, solved whole
-    got = reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)
+    got = reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4)
     assert len(got) == 1                     # 4 x 0.35 beats 0.6 + 3 x 0.3
     whole[1] = [stage(0.5)]                  # now the DP's choice is right after all
-    assert len(reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4, None)) == 2
+    assert len(reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4)) == 2
 
     def infeasible(c):
         if c.num_stages == 2:
             raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
         return whole[1]
-    assert len(reranked(two, dp, [], 1.0, infeasible, 4, None)) == 1
+    assert len(reranked(two, dp, [], 1.0, infeasible, 4)) == 1

@@ -34,7 +34,7 @@ def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
 RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
 
 
-def reranked(choice, dp, options, budget, solved, num_microbatches, max_stages):
+def reranked(choice, dp, options, budget, solved, num_microbatches):
     """The DP's choice and its best alternatives with fewer stages (the DP rerun with
     `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
     one whose solved stages give the shortest pipeline wins (the DP sums separately solved

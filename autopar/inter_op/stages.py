@@ -488,6 +488,5 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                                 [(r,) for r, _, _ in stage_kinds],
                                 [(z,) for _, _, z in stage_kinds],
                                 [lean for _, lean, _ in stage_kinds])
-    stages = reranked(choice, dp, options, budget, solved, method.num_microbatches,
-                       option.max_stages)
+    stages = reranked(choice, dp, options, budget, solved, method.num_microbatches)
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
