@@ -149,3 +149,15 @@ def marked_layers(p, x):
         if i < 3:
             h = autopar.mark_stage_boundary(h)
     return h
+
+
+# An activation-heavy LM (a long sequence, a small width): what rematerialization is for.
+LONG_LM = GPTConfig(vocab_size=64, seq_len=128, num_layers=2, hidden=32, num_heads=2)
+
+
+def long_lm_case():
+    """(step, state, batches, jax.jit's results over them) of `LONG_LM` with
+    `autopar.value_and_grad` and SGD with momentum and clipping."""
+    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=16,
+                                     value_and_grad=autopar.value_and_grad, gpt_config=LONG_LM)
+    return step, state, batches, run_steps(jax.jit(step), state, batches)

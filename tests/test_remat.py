@@ -12,8 +12,7 @@ from autopar.inter_op.remat import (CONCRETE, LossRemat, Remat, candidates, choi
                                     per_layer, policy_of, remat_expand, run_forward,
                                     with_remat)
 from autopar.trace import trace
-from models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+from steps import assert_equivalent, long_lm_case, mesh_of, run_steps
 
 
 def _mlp_loss(ws, x):
@@ -104,14 +103,9 @@ def test_remat_expand_checks_the_loss_it_was_made_for():
 
 # --- pipelines: each stage's remat is the search's (or the user's) choice -------------------
 
-LONG = GPTConfig(vocab_size=64, seq_len=128, num_layers=2, hidden=32, num_heads=2)
-
-
 @pytest.fixture(scope="module")
 def long_lm():
-    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=16,
-                                     value_and_grad=autopar.value_and_grad, gpt_config=LONG)
-    return step, state, batches, run_steps(jax.jit(step), state, batches)
+    return long_lm_case()
 
 
 def _pipe(remat, budget=None, stage_option=None):

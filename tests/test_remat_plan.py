@@ -1,24 +1,18 @@
 """Rematerialization on one mesh (`remat_plan`): a step whose fastest plan does not fit its
 budget is re-traced with the loss's layers under `jax.checkpoint`, recomputing as little as
 fits; the plan records the choice, replays it, and trains like jax.jit."""
-import jax
 import pytest
 
 import autopar
 from autopar.remat_plan import loss_layers
 from autopar.trace import trace
 from models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
-
-# An activation-heavy LM: a long sequence, a small width.
-LONG = GPTConfig(vocab_size=64, seq_len=128, num_layers=2, hidden=32, num_heads=2)
-
+from steps import (assert_equivalent, long_lm_case, make_case, mesh_of, run_steps,
+                   sgd_momentum_clip)
 
 @pytest.fixture(scope="module")
 def case():
-    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=16,
-                                     value_and_grad=autopar.value_and_grad, gpt_config=LONG)
-    return step, state, batches, run_steps(jax.jit(step), state, batches)
+    return long_lm_case()
 
 
 def _least(step, state, batch) -> int:
