@@ -89,6 +89,9 @@ class LogicalMesh:
     call_overhead_s: float = 0.0                  # fixed cost of one executable call
     reduce_scatter_is_all_reduce: bool = False    # the backend compiles a reduce-scatter as an
                                                   # all-reduce and a slice (XLA:CPU)
+    fused_reductions: bool = True                 # a reduction fuses its elementwise producers
+                                                  # (XLA:GPU); False: reads them from memory
+                                                  # (XLA:CPU's reduction kernels)
 
     def __post_init__(self) -> None:
         _check_algorithms("LogicalMesh", self.collective_algorithms)
@@ -158,6 +161,9 @@ class ClusterSpec:
     # XLA:CPU has no reduce-scatter: it compiles one as an all-reduce and a slice (JAX_NOTES),
     # so the "cpu" preset prices it as that.
     reduce_scatter_is_all_reduce: bool = False
+    # XLA:GPU fuses a reduction with its elementwise producers; XLA:CPU's reduction kernels read
+    # a materialized operand (the fusion-aware compute model, intra_op/fusion.py).
+    fused_reductions: bool = True
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
@@ -320,7 +326,8 @@ class ClusterSpec:
             hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_bytes_per_s,
             memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms,
             call_overhead_s=self.call_overhead_s,
-            reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce)
+            reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce,
+            fused_reductions=self.fused_reductions)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of
@@ -394,7 +401,7 @@ _PRESETS: dict[str, ClusterSpec] = {
         peak_flops_bf16_per_s=5e10, peak_flops_fp32_per_s=5e10, memory_bytes=2 * _GIB,
         hbm_bandwidth_bytes_per_s=2e10, intra_host_alpha_s=1e-5, intra_host_beta_s_per_byte=1e-10,
         inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10,
-        reduce_scatter_is_all_reduce=True),
+        reduce_scatter_is_all_reduce=True, fused_reductions=False),
 }
 # NVIDIA H200 SXM datasheet: H100 compute with 141 GB HBM3e at 4.8 TB/s. Not a named preset;
 # `from_devices` uses it for H200 devices.
