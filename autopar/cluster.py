@@ -258,8 +258,9 @@ class ClusterSpec:
     def from_profile(cls, profile: Any, *, num_hosts: int | None = None,
                      base: ClusterSpec | None = None) -> ClusterSpec:
         """The cluster a measured `DeviceProfile` describes: `base` (default: the known numbers
-        for its device kind) for memory and HBM bandwidth, measured matmul flop/s as the peaks,
-        and measured
+        for its device kind) for memory, measured matmul flop/s as the peaks, the measured
+        bandwidth of a fused elementwise kernel as the memory bandwidth (`base`'s where the
+        profile has none), and measured
         link alpha/beta: the fastest measured axis as the intra-host link, the slowest as the
         inter-host one (on one host both come from inside it).
 
@@ -290,6 +291,8 @@ class ClusterSpec:
             peak_flops_fp32_per_s=fp32, peak_flops_bf16_per_s=flops.get("bfloat16", fp32),
             intra_host_alpha_s=fast.alpha_s, intra_host_beta_s_per_byte=fast.beta_s_per_byte,
             inter_host_alpha_s=slow.alpha_s, inter_host_beta_s_per_byte=slow.beta_s_per_byte,
+            hbm_bandwidth_bytes_per_s=(profile.memory_bytes_per_s
+                                       or base.hbm_bandwidth_bytes_per_s),
             call_overhead_s=profile.call_overhead_s)
 
     def logical_mesh(self, shape: Sequence[int],
