@@ -86,6 +86,7 @@ def _profile_worker(args) -> None:
     out.data["wall_s"] = time.perf_counter() - t0
     prof.save(args.profile)
     out.data["matmul_flops_per_s"] = prof.matmul_flops_per_s
+    out.data["memory_bytes_per_s"] = prof.memory_bytes_per_s
     out.data["axes"] = [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s,
                          "beta_s_per_byte": a.beta_s_per_byte} for a in prof.axes]
     out.save()
@@ -230,7 +231,10 @@ def summary(cases: list[dict]) -> dict:
     ours = next((c for c in ok if c["case"] == AUTOPAR), None)
     best = min(ok, key=lambda c: c["measured_step_s"]) if ok else None
     single = [c for c in ok if c["kind"] != "pipeline"]
+    ratios = sorted(c["predicted_step_s"] / c["measured_step_s"] for c in ok)
     return {
+        "ratio_min": ratios[0] if ratios else None, "ratio_max": ratios[-1] if ratios else None,
+        "ratio_median": statistics.median(ratios) if ratios else None,
         "n": len(ok), "spearman": spearman(pred, meas),
         "spearman_single_mesh": spearman([c["predicted_step_s"] for c in single],
                                          [c["measured_step_s"] for c in single]),
@@ -253,7 +257,11 @@ def section(res: dict) -> str:
            f"{res.get('load_end')} at the end; {res.get('total_s', 0) / 60:.1f} min in all.", "",
            "Each candidate plan of a train step (adam) is planned against the cluster "
            "`autopar.profile` measured on this 2 x 4 mesh of 8 simulated CPU devices "
-           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s); all candidates of a "
+           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s; matmul "
+           f"{_f((prof.get('matmul_flops_per_s') or {}).get('float32'), '{:.3g}')} flop/s and "
+           f"fused elementwise kernels {_f(prof.get('memory_bytes_per_s'), '{:.3g}')} B/s per "
+           "device, every device busy); compute is priced per node by the fusion-aware "
+           "roofline (`autopar/intra_op/fusion.py`); all candidates of a "
            f"model are then timed in {res['steps']} interleaved rounds, one step each per "
            "round, after a compile and a warm-up step (median shown). GPT: "
            f"{GPT_CFG}, batch {GPT_BATCH}; MLP: {MLP_LAYERS} layers x {MLP_HIDDEN}, batch "
@@ -265,9 +273,9 @@ def section(res: dict) -> str:
         if res.get("errors", {}).get(model):
             out += [f"{model}: the run stopped early: {res['errors'][model]}.", ""]
         out += [f"### {model.upper()}", "",
-                md_row(["candidate", "mesh", "predicted ms", "measured ms", "rank pred.",
-                        "rank meas.", "plan s", "note"]),
-                md_row(["---", "---", "---:", "---:", "---:", "---:", "---:", "---"])]
+                md_row(["candidate", "mesh", "predicted ms", "measured ms", "pred./meas.",
+                        "rank pred.", "rank meas.", "plan s", "note"]),
+                md_row(["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])]
         ok = [c for c in cases if c.get("measured_step_s") is not None]
         rp = dict(zip((c["case"] for c in ok), ranks([c["predicted_step_s"] for c in ok])))
         rm = dict(zip((c["case"] for c in ok), ranks([c["measured_step_s"] for c in ok])))
@@ -279,6 +287,8 @@ def section(res: dict) -> str:
                                f"{c['predicted_step_s'] * 1e3:.2f}",
                                "–" if c.get("measured_step_s") is None else
                                f"{c['measured_step_s'] * 1e3:.1f}",
+                               "–" if c.get("measured_step_s") is None else
+                               f"{c['predicted_step_s'] / c['measured_step_s']:.2f}",
                                _f(rp.get(c["case"]), "{:g}"), _f(rm.get(c["case"]), "{:g}"),
                                _f(c.get("plan_s"), "{:.1f}"), note]))
         rho, regret = s["spearman"], s["regret"]
@@ -289,7 +299,11 @@ def section(res: dict) -> str:
                 f"- Regret of autopar's choice: measured {AUTOPAR} / best measured "
                 f"({s['best']}) = **{_f(regret)}** (goal <= 1.10: "
                 f"{'met' if regret is not None and regret <= 1.10 else 'missed'}). The "
-                f"model's own favourite was {s['predicted_best']}.", ""]
+                f"model's own favourite was {s['predicted_best']}.",
+                f"- Predicted / measured step: median **{_f(s['ratio_median'], '{:.2f}')}**, "
+                f"range {_f(s['ratio_min'], '{:.2f}')} to {_f(s['ratio_max'], '{:.2f}')} (goal: "
+                "within 1.3x, i.e. 0.77 to 1.3: "
+                f"{'met' if s['ratio_min'] is not None and s['ratio_min'] >= 1 / 1.3 and s['ratio_max'] <= 1.3 else 'missed'}).", ""]
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
             "machine's cores, which pipelines (stages meant to run side by side) suffer from "
             "most; the single-mesh correlation is shown for that reason.", f"<!-- {KEY}:end -->"]

@@ -36,3 +36,23 @@ def test_summary_regret_and_failed_candidates():
     assert s["regret"] == pytest.approx(1.2) and s["best"] == "b"
     assert s["predicted_best"] == fidelity.AUTOPAR
     assert s["spearman"] == pytest.approx(0.5)
+    # predicted / measured per candidate: 1.0 / 1.2, 2.0 / 1.0, 3.0 / 3.0
+    assert s["ratio_min"] == pytest.approx(1 / 1.2) and s["ratio_max"] == pytest.approx(2.0)
+    assert s["ratio_median"] == pytest.approx(1.0)
+
+
+def test_section_shows_the_ratio_per_candidate():
+    res = {"date": "d", "machine": "m", "command": "c", "revision": "r", "steps": 3,
+           "profile": {"wall_s": 1.0, "matmul_flops_per_s": {"float32": 2e10},
+                       "memory_bytes_per_s": 1.5e9},
+           "models": {"mlp": [
+               {"case": fidelity.AUTOPAR, "kind": "shard", "mesh": [2, 4],
+                "predicted_step_s": 0.1, "measured_step_s": 0.125},
+               {"case": "b", "kind": "data", "mesh": [2, 4], "predicted_step_s": 0.2,
+                "measured_step_s": 0.2},
+               {"case": "c", "kind": "zero2", "mesh": [2, 4], "predicted_step_s": 0.3,
+                "measured_step_s": 0.25}]}}
+    text = fidelity.section(res)
+    assert "| 100.00 | 125.0 | 0.80 |" in text and "| 300.00 | 250.0 | 1.20 |" in text
+    assert "median **1.00**, range 0.80 to 1.20" in text and "0.77 to 1.3: met" in text
+    assert "1.5e+09 B/s" in text
