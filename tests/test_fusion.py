@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar.cluster import ClusterSpec
@@ -20,9 +19,8 @@ from autopar.errors import AutoparError
 from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind
 from autopar.intra_op.rules import RuleContext
 from autopar.trace import trace
-from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-from steps import assert_equivalent, mesh_of, mlp_adam_state, run_steps
-from models.mlp import mse_loss
+from models.gpt import GPTConfig
+from steps import assert_equivalent, make_case, mesh_of, run_steps
 
 F32 = 4
 
@@ -115,27 +113,13 @@ def test_node_ids_must_be_positions():
 
 # -- against XLA ------------------------------------------------------------------------------
 
-def _mlp_step(state, batch):
-    def loss_fn(p):
-        return mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+GPT_CFG = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, num_heads=4)
 
 
-def _gpt_case():
-    cfg = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, num_heads=4)
-    key = jax.random.key(0)
-    net, batch = GPT(cfg), make_gpt_batch(key, 8, cfg)
-    state = train_state.TrainState.create(apply_fn=net.apply,
-                                          params=net.init(key, batch["tokens"]),
-                                          tx=optax.adam(1e-3))
-
-    def step(state, batch):
-        def loss_fn(p):
-            return gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-    return step, state, batch
+def _case(model: str):
+    """(step, state, batches) of an Adam train step; the step also returns the gradients."""
+    return make_case(model, "linen", optax.adam(1e-3), batch_size=8 if model == "gpt" else 64,
+                     num_layers=3, hidden=256, gpt_config=GPT_CFG)
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
@@ -143,13 +127,9 @@ def test_fused_bytes_match_xla_cost_analysis(model):
     """The fused bytes of a whole train step (forward, backward, Adam) are within 1.35x of
     what XLA:CPU's `cost_analysis()` counts for the compiled step on one device; the unfused
     roofline counted over 2x as much."""
-    if model == "mlp":
-        state, batch = mlp_adam_state(hidden=256, num_layers=3, batch_size=64)
-        step = _mlp_step
-    else:
-        step, state, batch = _gpt_case()
-    g = trace(step, (state, batch), batch_argnums=(1,))
-    xla = _xla_bytes(step, state, batch)
+    step, state, batches = _case(model)
+    g = trace(step, (state, batches[0]), batch_argnums=(1,))
+    xla = _xla_bytes(step, state, batches[0])
     fused = sum(fusion_costs(g, fused_reductions=False).node_bytes)
     assert 1 / 1.35 < fused / xla < 1.35, (fused, xla)
     assert _unfused_bytes(g) / xla > 2.0
@@ -183,28 +163,12 @@ def test_rule_context_charges_fused_bytes_per_shard():
 def test_plan_with_fused_costs_matches_jit_on_8_devices():
     """A GPT Adam step planned on 2 x 4 with the fusion-aware costs computes what jax.jit
     computes on one device (fp32, 1e-5)."""
-    step, state, batch = _gpt_case()
-
-    def run(state, batch):
-        def loss_fn(p):
-            return gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"])
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss, grads
-
-    def ref(state, batch):
-        def loss_fn(p):
-            return gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss, grads
-
-    par = autopar.parallelize(run, mesh=mesh_of((2, 4)), batch_argnums=(1,))
-    plan = par.get_plan(state, batch)
-    assert plan.predicted_compute_s > 0
-    batches = [batch, make_gpt_batch(jax.random.key(7), 8, GPTConfig(
-        vocab_size=256, seq_len=32, num_layers=2, hidden=64, num_heads=4))]
-    expected = run_steps(jax.jit(ref), state, batches)
+    step, state, batches = _case("gpt")
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,))
+    assert par.get_plan(state, batches[0]).predicted_compute_s > 0
     got = run_steps(par, state, batches)
     # Adam divides by sqrt(v) + eps, which amplifies fp32 rounding in near-zero gradients (the
-    # unused embedding rows), so parameters are compared through the second step's loss and
+    # unused embedding rows), so parameters are compared through the later steps' losses and
     # gradients, as test_equivalence does for the Adam family.
-    assert_equivalent(expected, got, compare_params=False, rtol=1e-5)
+    assert_equivalent(ref, got, compare_params=False, rtol=1e-5)
