@@ -1,9 +1,10 @@
 """`autopar.profile(mesh)`: measure the devices the plans will run on.
 
 Matmul throughput per dtype (square matmuls, every device of the mesh computing at once), the
-memory bandwidth a fused elementwise kernel achieves (every device at once), the fixed cost of one executable call on the whole mesh, and per mesh axis the time of
-all-reduce, all-gather, reduce-scatter and all-to-all over that axis alone (`jax.shard_map`
-with the collective on one axis name) for a range of sizes; each axis's link alpha/beta are
+memory bandwidth a fused elementwise kernel achieves (every device at once), the fixed cost of
+one executable call on the whole mesh, and per mesh axis the time of all-reduce, all-gather,
+reduce-scatter and all-to-all over that axis alone (`jax.shard_map` with the collective on one
+axis name) for a range of sizes; each axis's link alpha/beta are
 fitted through the cost model's formulas (`profile.fit_link`). The result is cached as JSON by
 device kind and mesh shape, and reused unless `refresh=True`.
 
@@ -134,8 +135,8 @@ def measure_collective(kind: str, mesh, axis: str, nbytes: int, repeats: int) ->
 
 def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
             dtypes: Sequence[str] = ("float32", "bfloat16"), matmul_size: int = 1024,
-            memory_size: int = 1 << 24, repeats: int = 5, cache_dir: str | None = None, refresh: bool = False,
-            use_cache: bool = True) -> DeviceProfile:
+            memory_size: int = 1 << 24, repeats: int = 5, cache_dir: str | None = None,
+            refresh: bool = False, use_cache: bool = True) -> DeviceProfile:
     """Measure `mesh` (or read its cached profile); see the module docstring.
 
     Args:
@@ -190,7 +191,8 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
         jax_version=jax.__version__,
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra={"sizes": [int(s) for s in sizes], "repeats": repeats,
-               "matmul_size": matmul_size, "memory_size": memory_size, "seconds": time.perf_counter() - t0})
+               "matmul_size": matmul_size, "memory_size": memory_size,
+               "seconds": time.perf_counter() - t0})
     prof.check()
     if use_cache:
         prof.save(path)
@@ -198,5 +200,5 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     return prof
 
 
-__all__ = ["profile", "measure_matmul", "measure_memory_bandwidth", "measure_call_overhead", "measure_collective",
-           "median_time", "DEFAULT_SIZES"]
+__all__ = ["profile", "measure_matmul", "measure_memory_bandwidth", "measure_call_overhead",
+           "measure_collective", "median_time", "DEFAULT_SIZES"]

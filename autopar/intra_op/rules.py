@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 from .._format import format_bytes
 from ..cost import CostModel
 from ..graph import Node, OpGraph, Tensor
-from .fusion import FusionCosts, fusion_costs
 from ..spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
+from .fusion import FusionCosts, fusion_costs
 
 
 @dataclass(frozen=True, slots=True)
