@@ -52,7 +52,8 @@ def make_profile(kind="Tesla V100-SXM2-16GB", shape=(2, 8), hosts=2):
                  for nm, n, a, b in zip(("data", "model"), shape, (3e-5, 8e-6), (4e-9, 8e-12)))
     return DeviceProfile(platform="gpu", device_kind=kind, mesh_shape=shape, num_hosts=hosts,
                          matmul_flops_per_s={"float32": 14e12, "bfloat16": 100e12}, axes=axes,
-                         call_overhead_s=2.5e-5, memory_bytes_per_s=7.5e11, jax_version="0.x", created_utc="2026-11-22T00:00:00+00:00")
+                         call_overhead_s=2.5e-5, memory_bytes_per_s=7.5e11, jax_version="0.x",
+                         created_utc="2026-11-22T00:00:00+00:00")
 
 
 def test_round_trip(tmp_path):
