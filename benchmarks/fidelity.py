@@ -5,6 +5,8 @@ Run from the repository root; it rewrites only the fidelity section of BENCHMARK
     .venv/bin/python benchmarks/fidelity.py                     # both models, ~10 min, 2 cores
     .venv/bin/python benchmarks/fidelity.py --models mlp --out /tmp/f.md
     .venv/bin/python benchmarks/fidelity.py --from-json /tmp/f.json   # re-render saved results
+    .venv/bin/python benchmarks/fidelity.py --baseline-json old.json --baseline-label b368db5
+                                                    # adds a before/after table
 
 On 8 simulated CPU devices, for a GPT and an MLP train step (`optax.adam`), it takes the
 candidate plans of `CANDIDATES`: autopar's choice (the ILP on the 2 x 4 mesh), the ILP on the
@@ -249,6 +251,28 @@ def _f(x, fmt="{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def comparison(res: dict, base: dict, label: str) -> list[str]:
+    """Markdown lines comparing `res` with a `base` run (e.g. an earlier revision)."""
+    out = [f"Against the run of {label} ({base['date']} UTC, load average "
+           f"{base.get('load_start')} at its start), same script and candidates:", "",
+           md_row(["model", "Spearman", "single-mesh Spearman", "regret",
+                   "pred./meas. median (range)"]),
+           md_row(["---", "---", "---", "---", "---"])]
+    pair = "{} -> **{}**"
+    for model, cases in res["models"].items():
+        if model not in base.get("models", {}):
+            continue
+        a, b = summary(base["models"][model]), summary(cases)
+        ratio = lambda s: (f"{_f(s['ratio_median'], '{:.2f}')} ({_f(s['ratio_min'], '{:.2f}')}"
+                           f"-{_f(s['ratio_max'], '{:.2f}')})")
+        out.append(md_row([model.upper(), pair.format(_f(a["spearman"]), _f(b["spearman"])),
+                           pair.format(_f(a["spearman_single_mesh"]),
+                                       _f(b["spearman_single_mesh"])),
+                           pair.format(_f(a["regret"]), _f(b["regret"])),
+                           pair.format(ratio(a), ratio(b))]))
+    return out + [""]
+
+
 def section(res: dict) -> str:
     prof = res.get("profile") or {}
     out = [f"<!-- {KEY}:begin -->", "## Cost-model fidelity (predicted vs measured plans)", "",
@@ -304,6 +328,8 @@ def section(res: dict) -> str:
                 f"- Predicted / measured step: median **{_f(s['ratio_median'], '{:.2f}')}**, "
                 f"range {_f(s['ratio_min'], '{:.2f}')} to {_f(s['ratio_max'], '{:.2f}')} (goal: "
                 f"within 1.3x, i.e. 0.77 to 1.3: {'met' if within else 'missed'}).", ""]
+    if res.get("baseline"):
+        out += comparison(res, res["baseline"], res.get("baseline_label", "a baseline"))
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
             "machine's cores, which pipelines (stages meant to run side by side) suffer from "
             "most; the single-mesh correlation is shown for that reason.", f"<!-- {KEY}:end -->"]
@@ -357,6 +383,9 @@ def main() -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--save-json", default=None)
     p.add_argument("--from-json", default=None)
+    p.add_argument("--baseline-json", default=None,
+                   help="a --save-json file of an earlier run to compare with")
+    p.add_argument("--baseline-label", default="the baseline")
     p.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_model_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", nargs="+", default=[], help=argparse.SUPPRESS)
@@ -380,6 +409,10 @@ def main() -> int:
         if args.save_json:
             with open(args.save_json, "w") as f:
                 json.dump(res, f, indent=1)
+    if args.baseline_json:
+        with open(args.baseline_json) as f:
+            res["baseline"] = json.load(f)
+        res["baseline_label"] = args.baseline_label
     text = section(res)
     write_section(text, args.out, KEY)
     _progress(f"wrote the fidelity section of {args.out}")

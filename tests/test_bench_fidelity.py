@@ -56,3 +56,19 @@ def test_section_shows_the_ratio_per_candidate():
     assert "| 100.00 | 125.0 | 0.80 |" in text and "| 300.00 | 250.0 | 1.20 |" in text
     assert "median **1.00**, range 0.80 to 1.20" in text and "0.77 to 1.3: met" in text
     assert "1.5e+09 B/s" in text
+
+
+def test_comparison_with_a_baseline_run():
+    def run(pred):
+        return {"date": "d0", "load_start": [1.0], "models": {"gpt": [
+            {"case": fidelity.AUTOPAR, "kind": "shard", "predicted_step_s": pred[0],
+             "measured_step_s": 1.0},
+            {"case": "b", "kind": "data", "predicted_step_s": pred[1], "measured_step_s": 2.0},
+            {"case": "c", "kind": "zero2", "predicted_step_s": pred[2],
+             "measured_step_s": 3.0}]}}
+    base, now = run([0.5, 0.4, 0.6]), run([1.0, 2.0, 3.0])
+    lines = fidelity.comparison(now, base, "b368db5")
+    assert lines[0].startswith("Against the run of b368db5 (d0 UTC")
+    row = next(line for line in lines if line.startswith("| GPT"))
+    # baseline: ranks (2, 1, 3) vs (1, 2, 3) -> 0.5; now: perfect, every ratio 1.0
+    assert "0.500 -> **1.000**" in row and "1.00 (1.00-1.00)" in row
