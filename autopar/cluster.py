@@ -12,6 +12,7 @@ Pure Python at import time: `jax` is imported only inside `ClusterSpec.from_devi
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import os
@@ -54,6 +55,27 @@ ALGORITHMS = ("ring", "tree", "butterfly", "recursive_halving")
 _NCCL = ("ring", "tree")
 
 
+class FusionStyle(enum.Enum):
+    """How the backend's XLA fuses elementwise work, for the fusion-aware compute model
+    (`intra_op/fusion.py`).
+
+    MULTI_OUTPUT (XLA:GPU, TPU): a reduction fuses its elementwise producers, and fusions that
+    share operands or feed each other merge into multi-output kernels (an Adam update reads
+    the gradient once). SINGLE_OUTPUT (XLA:CPU): one kernel per written result, cheap producers
+    recomputed in each, and a reduction reads a materialized operand.
+    """
+
+    MULTI_OUTPUT = "multi-output"
+    SINGLE_OUTPUT = "single-output"
+
+
+def _check_fusion_style(owner: str, value: Any) -> None:
+    if not isinstance(value, FusionStyle):
+        raise InvalidArgumentError(
+            f"{owner}.fusion_style must be a FusionStyle, got {value!r}; use "
+            f"autopar.cluster.FusionStyle.MULTI_OUTPUT (GPU, TPU) or SINGLE_OUTPUT (CPU).")
+
+
 def _check_algorithms(owner: str, names: Any) -> None:
     if not isinstance(names, tuple) or any(n not in ALGORITHMS for n in names):
         raise InvalidArgumentError(
@@ -89,12 +111,11 @@ class LogicalMesh:
     call_overhead_s: float = 0.0                  # fixed cost of one executable call
     reduce_scatter_is_all_reduce: bool = False    # the backend compiles a reduce-scatter as an
                                                   # all-reduce and a slice (XLA:CPU)
-    fused_reductions: bool = True                 # a reduction fuses its elementwise producers
-                                                  # (XLA:GPU); False: reads them from memory
-                                                  # (XLA:CPU's reduction kernels)
+    fusion_style: FusionStyle = FusionStyle.MULTI_OUTPUT   # how XLA fuses on this backend
 
     def __post_init__(self) -> None:
         _check_algorithms("LogicalMesh", self.collective_algorithms)
+        _check_fusion_style("LogicalMesh", self.fusion_style)
         _non_negative("LogicalMesh", "call_overhead_s", self.call_overhead_s)
         rank = len(self.shape)
         for field in ("axis_names", "alpha_s", "beta_s_per_byte"):
@@ -161,12 +182,13 @@ class ClusterSpec:
     # XLA:CPU has no reduce-scatter: it compiles one as an all-reduce and a slice (JAX_NOTES),
     # so the "cpu" preset prices it as that.
     reduce_scatter_is_all_reduce: bool = False
-    # XLA:GPU fuses a reduction with its elementwise producers; XLA:CPU's reduction kernels read
-    # a materialized operand (the fusion-aware compute model, intra_op/fusion.py).
-    fused_reductions: bool = True
+    # How XLA fuses on this backend, for the fusion-aware compute model (intra_op/fusion.py);
+    # the "cpu" preset has SINGLE_OUTPUT.
+    fusion_style: FusionStyle = FusionStyle.MULTI_OUTPUT
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
+        _check_fusion_style("ClusterSpec", self.fusion_style)
         _non_negative("ClusterSpec", "call_overhead_s", self.call_overhead_s)
         for field in ("name", "device_kind"):
             value = getattr(self, field)
@@ -330,7 +352,7 @@ class ClusterSpec:
             memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms,
             call_overhead_s=self.call_overhead_s,
             reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce,
-            fused_reductions=self.fused_reductions)
+            fusion_style=self.fusion_style)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of
@@ -404,7 +426,7 @@ _PRESETS: dict[str, ClusterSpec] = {
         peak_flops_bf16_per_s=5e10, peak_flops_fp32_per_s=5e10, memory_bytes=2 * _GIB,
         hbm_bandwidth_bytes_per_s=2e10, intra_host_alpha_s=1e-5, intra_host_beta_s_per_byte=1e-10,
         inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10,
-        reduce_scatter_is_all_reduce=True, fused_reductions=False),
+        reduce_scatter_is_all_reduce=True, fusion_style=FusionStyle.SINGLE_OUTPUT),
 }
 # NVIDIA H200 SXM datasheet: H100 compute with 141 GB HBM3e at 4.8 TB/s. Not a named preset;
 # `from_devices` uses it for H200 devices.

@@ -11,24 +11,28 @@ Primitives fall into five kinds (`OpKind`):
     reads every operand from memory and writes every result.
   - FUSIBLE: elementwise ops, broadcasts, converts, transposes, slices, concatenates: fused
     with their producers and consumers.
-  - REDUCE: reductions: fused with their producers (XLA:GPU's input fusions), but their result
-    is written. With `fused_reductions=False` (XLA:CPU, whose reduction kernels read a
-    materialized operand) they read their operand from memory like a KERNEL.
+  - REDUCE: reductions: their result is written; they fuse their producers on GPU (XLA's
+    input fusions) and read a materialized operand on CPU (XLA:CPU's reduction kernels).
   - ALIAS: reshapes, squeezes, sharding annotations: on a materialized operand they are a
     view (no bytes); inside a fusion they are fused like FUSIBLE.
   - BARRIER: `optimization_barrier` (a `remat` boundary): its operands are materialized, its
     results are views of them.
 
-A tensor made by a FUSIBLE / REDUCE / ALIAS node is materialized when it is a result of the
-step, is read by a KERNEL (or BARRIER), or is a reduction's result; otherwise it lives only
-inside fusions (a value read by two fusions is recomputed in each, as XLA duplicates cheap
-producers). Nodes joined by unmaterialized tensors form one fusion *group*; a group reads
-each materialized tensor once. A node is charged the materialized results it writes and the
-materialized operands it is the first in its group to read; the group's bytes are the sum of
-its nodes' (`FusionCosts.node_bytes`). Flops stay per node, so the cost stays per node and
-per sharding (both divided by the node's shards). On XLA:CPU the whole-step bytes come within
-0.8-0.92x of `compiled.cost_analysis()["bytes accessed"]` for GPT and MLP Adam steps, where
-the unfused count was 2.2-2.9x (tests/test_fusion.py).
+A tensor made by a fused node is *materialized* (written) when it is a result of the step, is
+read by a node that reads memory (a KERNEL, a BARRIER, a CPU reduction), or is a reduction's
+result. Kernels of fused nodes then depend on the backend's `FusionStyle` (cluster.py):
+  - MULTI_OUTPUT (XLA:GPU, TPU): fused nodes joined by any tensor form one multi-output
+    kernel, which reads each materialized operand once and never reads back what it wrote
+    (an Adam update reads the gradient once and writes the new moments and parameter);
+  - SINGLE_OUTPUT (XLA:CPU): one kernel per fused node that writes a result, made of it and
+    the fused producers of its unmaterialized operands (recomputed in every kernel that needs
+    them, as XLA duplicates cheap producers); a kernel reads its materialized operands.
+A node is charged the materialized results it writes and the materialized operands it is the
+first in its kernel to read (a node recomputed in several kernels pays in each). Flops stay
+per node, so the cost stays per node and per sharding (both divided by the node's shards).
+On XLA:CPU the whole-step bytes of GPT and MLP Adam steps come within 0.8-1.0x of
+`compiled.cost_analysis()["bytes accessed"]`, where the unfused count was 2.2-2.9x
+(tests/test_fusion.py).
 
 Pure Python on an `OpGraph`: no JAX import.
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..cluster import FusionStyle
 from ..errors import AutoparError
 from ..graph import OpGraph
 from ..primitives import ELEMENTWISE, REDUCTIONS
@@ -89,15 +94,17 @@ def op_kind(primitive: str) -> OpKind:
 
 @dataclass(frozen=True, slots=True)
 class FusionCosts:
-    """Per node, the bytes it moves after fusion (`node_bytes`) and its fusion group
-    (`group`, the id of the group's first node; a KERNEL node is a group of its own); per
-    tensor, whether XLA writes it to memory (`materialized`)."""
+    """Per node, the bytes it moves after fusion (`node_bytes`) and the kernel it runs in
+    (`group`: the id of the kernel's first node (MULTI_OUTPUT) or of its writing node
+    (SINGLE_OUTPUT; a recomputed node: its first kernel); a node outside fusions: its own id);
+    per tensor, whether XLA writes it to memory (`materialized`)."""
     node_bytes: tuple[float, ...]
     group: tuple[int, ...]
     materialized: tuple[bool, ...]
 
     def group_bytes(self) -> dict[int, float]:
-        """Bytes each fusion group reads and writes: group id -> bytes."""
+        """Bytes each kernel reads and writes: group id -> bytes (a node recomputed in several
+        SINGLE_OUTPUT kernels counts toward its first)."""
         out: dict[int, float] = {}
         for node, g in enumerate(self.group):
             out[g] = out.get(g, 0.0) + self.node_bytes[node]
@@ -111,17 +118,18 @@ def _find(parent: list[int], i: int) -> int:
     return i
 
 
-def fusion_costs(graph: OpGraph, *, fused_reductions: bool = True) -> FusionCosts:
-    """The fused memory traffic of every node of `graph` (see the module docstring)."""
+def fusion_costs(graph: OpGraph,
+                 style: FusionStyle = FusionStyle.MULTI_OUTPUT) -> FusionCosts:
+    """The fused memory traffic of every node of `graph` under XLA's fusion `style` (see the
+    module docstring)."""
     nodes, tensors = graph.nodes, graph.tensors
     if any(n.id != i for i, n in enumerate(nodes)):
         raise AutoparError("fusion_costs: the graph's node ids are not their positions (an "
                            "internal autopar error; please report it).")
     kinds = [op_kind(n.primitive) for n in nodes]
+    multi = style is FusionStyle.MULTI_OUTPUT
     # Consumers that read their operands from memory.
-    reads_memory = {OpKind.KERNEL, OpKind.BARRIER}
-    if not fused_reductions:
-        reads_memory.add(OpKind.REDUCE)
+    reads_memory = {OpKind.KERNEL, OpKind.BARRIER} | (set() if multi else {OpKind.REDUCE})
     consumers = graph.consumers()
     outputs = set(graph.outputs)
     # Materialized: inputs, constants and kernel results are in memory; a fused node's result
@@ -137,39 +145,72 @@ def fusion_costs(graph: OpGraph, *, fused_reductions: bool = True) -> FusionCost
         for o in node.outputs:
             materialized[o] = (kind in (OpKind.KERNEL, OpKind.REDUCE) or o in outputs
                                or any(kinds[c] in reads_memory for c in consumers[o]))
-    # Groups: a fused node joins the group of every fused node that reads its unmaterialized
-    # results.
-    parent = list(range(len(nodes)))
-    for node, kind in zip(nodes, kinds):
-        if kind in reads_memory:
-            continue
-        for o in node.outputs:
-            if materialized[o]:
-                continue
-            for c in consumers[o]:
-                if kinds[c] not in reads_memory:
-                    parent[_find(parent, c)] = _find(parent, node.id)
-    group = [_find(parent, n.id) for n in nodes]
-    read: dict[int, set[int]] = {}
-    node_bytes = []
-    for node, kind in zip(nodes, kinds):
-        if kind is OpKind.KERNEL:
-            nbytes = sum(tensors[i].nbytes for i in node.inputs) + \
-                sum(tensors[o].nbytes for o in node.outputs)
-        elif node.outputs and all(view[o] for o in node.outputs):
-            nbytes = 0
-        else:
-            seen = read.setdefault(group[node.id], set())
-            nbytes = 0
-            for i in dict.fromkeys(node.inputs):
+    # Fused nodes: the ones that run inside fusions (not kernels, not views of memory).
+    fused = [k not in reads_memory and not (n.outputs and all(view[o] for o in n.outputs))
+             for n, k in zip(nodes, kinds)]
+    node_bytes = [0.0] * len(nodes)
+    for node, kind in zip(nodes, kinds):     # kernels: every operand and result
+        if kind in reads_memory and kind is not OpKind.BARRIER:
+            node_bytes[node.id] = float(sum(tensors[i].nbytes for i in node.inputs) +
+                                        sum(tensors[o].nbytes for o in node.outputs))
+        elif fused[node.id]:                 # a fused node writes its materialized results
+            node_bytes[node.id] = float(sum(tensors[o].nbytes for o in node.outputs
+                                            if materialized[o]))
+    kernels = _multi_output_kernels if multi else _single_output_kernels
+    group = [-1] * len(nodes)
+    for root, members in kernels(graph, fused, materialized, consumers):
+        # Values made inside the kernel are not read back; the first reader of the others pays.
+        seen = {o for n in members for o in nodes[n].outputs}
+        for n in members:
+            if group[n] < 0:
+                group[n] = root
+            for i in dict.fromkeys(nodes[n].inputs):
                 if materialized[i] and i not in seen:
                     seen.add(i)
-                    nbytes += tensors[i].nbytes
-            nbytes += sum(tensors[o].nbytes for o in node.outputs
-                          if materialized[o] and not view[o])
-        node_bytes.append(float(nbytes))
+                    node_bytes[n] += tensors[i].nbytes
+    group = [n if g < 0 else g for n, g in enumerate(group)]
     return FusionCosts(node_bytes=tuple(node_bytes), group=tuple(group),
                        materialized=tuple(materialized))
+
+
+def _multi_output_kernels(graph: OpGraph, fused: list[bool], materialized: list[bool],
+                          consumers: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """MULTI_OUTPUT: fused nodes joined by any tensor (materialized or not) are one kernel,
+    as XLA:GPU's multi-output fusion merges siblings and producer-consumer pairs: each
+    materialized operand is read once per kernel. Returns (its first node, its nodes)."""
+    parent = list(range(len(graph.nodes)))
+    for node in graph.nodes:
+        if fused[node.id]:
+            for o in node.outputs:
+                for c in consumers[o]:
+                    if fused[c]:
+                        parent[_find(parent, c)] = _find(parent, node.id)
+    members: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        if fused[node.id]:
+            members.setdefault(_find(parent, node.id), []).append(node.id)
+    return [(m[0], m) for m in members.values()]
+
+
+def _single_output_kernels(graph: OpGraph, fused: list[bool], materialized: list[bool],
+                           consumers: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """SINGLE_OUTPUT: one kernel per fused node that writes a result: it and, recursively, the
+    fused producers of its unmaterialized operands (recomputed in every kernel that needs
+    them, as XLA:CPU duplicates cheap producers). Returns (the writing node, its nodes)."""
+    nodes, tensors = graph.nodes, graph.tensors
+    out = []
+    for node in nodes:
+        if not fused[node.id] or not any(materialized[o] for o in node.outputs):
+            continue
+        members, stack = {node.id}, [node.id]
+        while stack:
+            for i in nodes[stack.pop()].inputs:
+                p = tensors[i].producer
+                if not materialized[i] and p is not None and fused[p] and p not in members:
+                    members.add(p)
+                    stack.append(p)
+        out.append((node.id, sorted(members)))
+    return out
 
 
 __all__ = ["FusionCosts", "OpKind", "fusion_costs", "op_kind"]

@@ -46,7 +46,7 @@ class RuleContext:
     def __post_init__(self) -> None:
         if self.fusion is None:
             object.__setattr__(self, "fusion", fusion_costs(
-                self.graph, fused_reductions=self.cost.mesh.fused_reductions))
+                self.graph, self.cost.mesh.fusion_style))
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
