@@ -62,11 +62,14 @@ class FusionStyle(enum.Enum):
     MULTI_OUTPUT (XLA:GPU, TPU): a reduction fuses its elementwise producers, and fusions that
     share operands or feed each other merge into multi-output kernels (an Adam update reads
     the gradient once). SINGLE_OUTPUT (XLA:CPU): one kernel per written result, cheap producers
-    recomputed in each, and a reduction reads a materialized operand.
+    recomputed in each, and a reduction reads a materialized operand. UNFUSED prices every
+    node as a kernel of its own (autopar's roofline before fusion was modelled).
     """
 
     MULTI_OUTPUT = "multi-output"
     SINGLE_OUTPUT = "single-output"
+    UNFUSED = "unfused"   # no fusion: every node reads every operand and writes every result
+                          # (the plain per-node roofline; for comparisons)
 
 
 def _check_fusion_style(owner: str, value: Any) -> None:

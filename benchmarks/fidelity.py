@@ -30,6 +30,7 @@ the statistics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -150,39 +151,27 @@ def _model_worker(args) -> None:
     from autopar.profile import DeviceProfile
     out = Saver(args.result_)
     step, state, batch, rules = _model(args.model)
-    cluster = autopar.ClusterSpec.from_profile(DeviceProfile.load(args.profile))
-    ready, cases = {}, out.data.setdefault("cases", [])
-    for name in args.names:
-        kind, shape, arg = CANDIDATES[name]
-        r = {"model": args.model, "case": name, "kind": kind, "mesh": list(shape)}
-        cases.append(r)
-        try:
-            mesh = jax.make_mesh(shape, ("data", "model"))
-            par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
-                                      batch_argnums=(1,), cluster=cluster)
-            t0 = time.perf_counter()
-            if kind == "random":
-                plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
-                par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
-                                          cluster=cluster)
-                r["sampled"] = plan.ilp.get("message", "")
-            else:
-                plan = par.get_plan(state, batch)
-            r["plan_s"] = time.perf_counter() - t0
-            r["predicted_step_s"] = plan.predicted_step_s
-            r["peak_memory_bytes"] = plan.peak_memory_bytes
-            t0 = time.perf_counter()
-            for _ in range(2):                              # compile, then one warm step
-                jax.block_until_ready(par(state, batch))
-            r["warmup_s"] = time.perf_counter() - t0
-            ready[name] = (par, r)
-        except Exception as e:       # reported in the table, left out of the statistics
-            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out.save()
-        _progress(f"{args.model} / {name}: " + (r.get("error") or
-                  f"predicted {r['predicted_step_s'] * 1e3:.2f} ms, ready"))
+    profile = DeviceProfile.load(args.profile)
+    variants = [("cases", autopar.ClusterSpec.from_profile(profile))]
+    if args.ab:    # the model before fusion: unfused roofline, the preset's memory bandwidth
+        from autopar.cluster import FusionStyle
+        old = autopar.ClusterSpec.from_profile(dataclasses.replace(profile,
+                                                                   memory_bytes_per_s=0.0))
+        variants.append(("baseline_cases", old.with_(fusion_style=FusionStyle.UNFUSED)))
+    ready = {}
+    for key, cluster in variants:
+        cases = out.data.setdefault(key, [])
+        for name in args.names:
+            r = {"model": args.model, "case": name}
+            cases.append(r)
+            par = _prepare(r, step, state, batch, rules, cluster)
+            if par is not None:
+                ready[key, name] = (par, r)
+            out.save()
+            _progress(f"{args.model} / {name}{' (baseline)' if key != 'cases' else ''}: " + (
+                r.get("error") or f"predicted {r['predicted_step_s'] * 1e3:.2f} ms, ready"))
     for rnd in range(args.steps):
-        for name, (par, r) in ready.items():
+        for par, r in ready.values():
             t0 = time.perf_counter()
             state_out, loss = par(state, batch)
             jax.block_until_ready((state_out, loss))
@@ -193,6 +182,39 @@ def _model_worker(args) -> None:
             r["measured_step_s"] = statistics.median(r["steps_s"])
         out.save()
         _progress(f"{args.model}: round {rnd + 1} of {args.steps} timed")
+
+
+def _prepare(r: dict, step, state, batch, rules, cluster):
+    """Plan candidate `r["case"]` against `cluster`, compile it and run one warm step;
+    fills `r` and returns the function to time (None, with `r["error"]`, if it failed)."""
+    import jax
+
+    import autopar
+    kind, shape, arg = CANDIDATES[r["case"]]
+    r.update(kind=kind, mesh=list(shape))
+    try:
+        mesh = jax.make_mesh(shape, ("data", "model"))
+        par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
+                                  batch_argnums=(1,), cluster=cluster)
+        t0 = time.perf_counter()
+        if kind == "random":
+            plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
+            par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
+                                      cluster=cluster)
+            r["sampled"] = plan.ilp.get("message", "")
+        else:
+            plan = par.get_plan(state, batch)
+        r["plan_s"] = time.perf_counter() - t0
+        r["predicted_step_s"] = plan.predicted_step_s
+        r["peak_memory_bytes"] = plan.peak_memory_bytes
+        t0 = time.perf_counter()
+        for _ in range(2):                              # compile, then one warm step
+            jax.block_until_ready(par(state, batch))
+        r["warmup_s"] = time.perf_counter() - t0
+        return par
+    except Exception as e:       # reported in the table, left out of the statistics
+        r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,10 +273,13 @@ def _f(x, fmt="{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-def comparison(res: dict, base: dict, label: str) -> list[str]:
-    """Markdown lines comparing `res` with a `base` run (e.g. an earlier revision)."""
-    out = [f"Against the run of {label} ({base['date']} UTC, load average "
-           f"{base.get('load_start')} at its start), same script and candidates:", "",
+def comparison(res: dict, base: dict, label: str, same_session: bool = False) -> list[str]:
+    """Markdown lines comparing `res` with a `base` run (e.g. an earlier revision), or with
+    the baseline model's plans timed in the same rounds (`same_session`)."""
+    intro = (f"Against {label}:" if same_session else
+             f"Against the run of {label} ({base['date']} UTC, load average "
+             f"{base.get('load_start')} at its start), same script and candidates:")
+    out = [intro, "",
            md_row(["model", "Spearman", "single-mesh Spearman", "regret",
                    "pred./meas. median (range)"]),
            md_row(["---", "---", "---", "---", "---"])]
@@ -328,6 +353,11 @@ def section(res: dict) -> str:
                 f"- Predicted / measured step: median **{_f(s['ratio_median'], '{:.2f}')}**, "
                 f"range {_f(s['ratio_min'], '{:.2f}')} to {_f(s['ratio_max'], '{:.2f}')} (goal: "
                 f"within 1.3x, i.e. 0.77 to 1.3: {'met' if within else 'missed'}).", ""]
+    if res.get("baseline_models"):
+        out += comparison(res, {"models": res["baseline_models"]}, "the model before fusion "
+                          "(every operand and result of every node, the preset's memory "
+                          "bandwidth), its plans timed in the same rounds (`--ab`)",
+                          same_session=True)
     if res.get("baseline"):
         out += comparison(res, res["baseline"], res.get("baseline_label", "a baseline"))
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
@@ -359,12 +389,14 @@ def run(args) -> dict:
         _progress(f"{model}: {len(names)} candidates ...")
         r, err, wall = run_child(script, ["--_model_worker", "--model", model, "--profile",
                                           prof_path, "--steps", str(args.steps),
-                                          "--names", *names],
+                                          *(["--ab"] if args.ab else []), "--names", *names],
                                  "fidelity-model-", args.model_timeout_s, "model time limit")
         cases = (r or {}).get("cases", [])
         if err:          # what it measured before it stopped still counts; say what stopped
             res.setdefault("errors", {})[model] = err
         res["models"][model] = cases
+        if args.ab:
+            res.setdefault("baseline_models", {})[model] = (r or {}).get("baseline_cases", [])
         res.setdefault("wall_s", {})[model] = wall
     os.unlink(prof_path)
     res["load_end"] = load_avg()
@@ -386,6 +418,10 @@ def main() -> int:
     p.add_argument("--baseline-json", default=None,
                    help="a --save-json file of an earlier run to compare with")
     p.add_argument("--baseline-label", default="the baseline")
+    p.add_argument("--ab", action="store_true",
+                   help="also plan every candidate with the model before fusion (unfused "
+                        "roofline, the preset's memory bandwidth) and time both in the same "
+                        "rounds")
     p.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_model_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", nargs="+", default=[], help=argparse.SUPPRESS)

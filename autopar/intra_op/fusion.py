@@ -127,6 +127,8 @@ def fusion_costs(graph: OpGraph,
         raise AutoparError("fusion_costs: the graph's node ids are not their positions (an "
                            "internal autopar error; please report it).")
     kinds = [op_kind(n.primitive) for n in nodes]
+    if style is FusionStyle.UNFUSED:
+        kinds = [OpKind.KERNEL] * len(nodes)
     multi = style is FusionStyle.MULTI_OUTPUT
     # Consumers that read their operands from memory.
     reads_memory = {OpKind.KERNEL, OpKind.BARRIER} | (set() if multi else {OpKind.REDUCE})
