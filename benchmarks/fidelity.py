@@ -5,8 +5,10 @@ Run from the repository root; it rewrites only the fidelity section of BENCHMARK
     .venv/bin/python benchmarks/fidelity.py                     # both models, ~10 min, 2 cores
     .venv/bin/python benchmarks/fidelity.py --models mlp --out /tmp/f.md
     .venv/bin/python benchmarks/fidelity.py --from-json /tmp/f.json   # re-render saved results
+    .venv/bin/python benchmarks/fidelity.py --ab      # also the model before fusion, timed
+                                                    # in the same rounds (~2x as long)
     .venv/bin/python benchmarks/fidelity.py --baseline-json old.json --baseline-label b368db5
-                                                    # adds a before/after table
+                                                    # adds a table against an earlier run
 
 On 8 simulated CPU devices, for a GPT and an MLP train step (`optax.adam`), it takes the
 candidate plans of `CANDIDATES`: autopar's choice (the ILP on the 2 x 4 mesh), the ILP on the
