@@ -135,7 +135,7 @@ def measure_collective(kind: str, mesh, axis: str, nbytes: int, repeats: int) ->
 
 def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
             dtypes: Sequence[str] = ("float32", "bfloat16"), matmul_size: int = 1024,
-            memory_size: int = 1 << 24, repeats: int = 5, cache_dir: str | None = None,
+            memory_size: int | None = None, repeats: int = 5, cache_dir: str | None = None,
             refresh: bool = False, use_cache: bool = True) -> DeviceProfile:
     """Measure `mesh` (or read its cached profile); see the module docstring.
 
@@ -143,7 +143,8 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
       sizes: collective sizes in bytes (at least 2; each axis is fitted over all of them).
       dtypes: matmul dtypes to measure.
       matmul_size: n of the n x n x n matmul.
-      memory_size: bytes per device of the elementwise kernel's operand (bandwidth).
+      memory_size: bytes per device of the elementwise kernel's operand (bandwidth); default
+        16 MiB on CPU, 256 MiB on accelerators (large enough to hide the launch).
       repeats: timed calls per measurement (median; one warm-up call first).
       cache_dir: where profiles live (default `profile.default_cache_dir()`).
       refresh: measure even if a cached profile exists (and replace it).
@@ -171,6 +172,8 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
              len(COLLECTIVES) * len(sizes))
     flops = {d: measure_matmul(mesh, d, matmul_size, repeats) for d in dtypes}
     overhead = measure_call_overhead(mesh, repeats)
+    if memory_size is None:
+        memory_size = 1 << 24 if first.platform == "cpu" else 1 << 28
     bandwidth = measure_memory_bandwidth(mesh, memory_size, repeats)
     axes = []
     for axis, n in zip(mesh.axis_names, shape):
