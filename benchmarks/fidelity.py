@@ -362,6 +362,8 @@ def section(res: dict) -> str:
                           same_session=True)
     if res.get("baseline"):
         out += comparison(res, res["baseline"], res.get("baseline_label", "a baseline"))
+    if res.get("notes"):
+        out += [res["notes"].strip(), ""]
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
             "machine's cores, which pipelines (stages meant to run side by side) suffer from "
             "most; the single-mesh correlation is shown for that reason.", f"<!-- {KEY}:end -->"]
@@ -420,6 +422,8 @@ def main() -> int:
     p.add_argument("--baseline-json", default=None,
                    help="a --save-json file of an earlier run to compare with")
     p.add_argument("--baseline-label", default="the baseline")
+    p.add_argument("--notes-file", default=None,
+                   help="markdown appended to the section (e.g. other runs and their load)")
     p.add_argument("--ab", action="store_true",
                    help="also plan every candidate with the model before fusion (unfused "
                         "roofline, the preset's memory bandwidth) and time both in the same "
@@ -447,6 +451,9 @@ def main() -> int:
         if args.save_json:
             with open(args.save_json, "w") as f:
                 json.dump(res, f, indent=1)
+    if args.notes_file:
+        with open(args.notes_file) as f:
+            res["notes"] = f.read()
     if args.baseline_json:
         with open(args.baseline_json) as f:
             res["baseline"] = json.load(f)

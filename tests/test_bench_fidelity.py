@@ -72,3 +72,10 @@ def test_comparison_with_a_baseline_run():
     row = next(line for line in lines if line.startswith("| GPT"))
     # baseline: ranks (2, 1, 3) vs (1, 2, 3) -> 0.5; now: perfect, every ratio 1.0
     assert "0.500 -> **1.000**" in row and "1.00 (1.00-1.00)" in row
+
+
+def test_section_appends_notes():
+    res = {"date": "d", "machine": "m", "command": "c", "revision": "r", "steps": 1,
+           "models": {}, "notes": "- an earlier run had load 9.\n"}
+    text = fidelity.section(res)
+    assert "- an earlier run had load 9." in text and text.endswith("<!-- fidelity:end -->")
