@@ -12,6 +12,7 @@ Pure Python at import time: `jax` is imported only inside `ClusterSpec.from_devi
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import os
@@ -54,6 +55,30 @@ ALGORITHMS = ("ring", "tree", "butterfly", "recursive_halving")
 _NCCL = ("ring", "tree")
 
 
+class FusionStyle(enum.Enum):
+    """How the backend's XLA fuses elementwise work, for the fusion-aware compute model
+    (`intra_op/fusion.py`).
+
+    MULTI_OUTPUT (XLA:GPU, TPU): a reduction fuses its elementwise producers, and fusions that
+    share operands or feed each other merge into multi-output kernels (an Adam update reads
+    the gradient once). SINGLE_OUTPUT (XLA:CPU): one kernel per written result, cheap producers
+    recomputed in each, and a reduction reads a materialized operand. UNFUSED prices every
+    node as a kernel of its own (autopar's roofline before fusion was modelled).
+    """
+
+    MULTI_OUTPUT = "multi-output"
+    SINGLE_OUTPUT = "single-output"
+    UNFUSED = "unfused"   # no fusion: every node reads every operand and writes every result
+                          # (the plain per-node roofline; for comparisons)
+
+
+def _check_fusion_style(owner: str, value: Any) -> None:
+    if not isinstance(value, FusionStyle):
+        raise InvalidArgumentError(
+            f"{owner}.fusion_style must be a FusionStyle, got {value!r}; use "
+            f"autopar.cluster.FusionStyle.MULTI_OUTPUT (GPU, TPU) or SINGLE_OUTPUT (CPU).")
+
+
 def _check_algorithms(owner: str, names: Any) -> None:
     if not isinstance(names, tuple) or any(n not in ALGORITHMS for n in names):
         raise InvalidArgumentError(
@@ -89,9 +114,11 @@ class LogicalMesh:
     call_overhead_s: float = 0.0                  # fixed cost of one executable call
     reduce_scatter_is_all_reduce: bool = False    # the backend compiles a reduce-scatter as an
                                                   # all-reduce and a slice (XLA:CPU)
+    fusion_style: FusionStyle = FusionStyle.MULTI_OUTPUT   # how XLA fuses on this backend
 
     def __post_init__(self) -> None:
         _check_algorithms("LogicalMesh", self.collective_algorithms)
+        _check_fusion_style("LogicalMesh", self.fusion_style)
         _non_negative("LogicalMesh", "call_overhead_s", self.call_overhead_s)
         rank = len(self.shape)
         for field in ("axis_names", "alpha_s", "beta_s_per_byte"):
@@ -158,9 +185,13 @@ class ClusterSpec:
     # XLA:CPU has no reduce-scatter: it compiles one as an all-reduce and a slice (JAX_NOTES),
     # so the "cpu" preset prices it as that.
     reduce_scatter_is_all_reduce: bool = False
+    # How XLA fuses on this backend, for the fusion-aware compute model (intra_op/fusion.py);
+    # the "cpu" preset has SINGLE_OUTPUT.
+    fusion_style: FusionStyle = FusionStyle.MULTI_OUTPUT
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)
+        _check_fusion_style("ClusterSpec", self.fusion_style)
         _non_negative("ClusterSpec", "call_overhead_s", self.call_overhead_s)
         for field in ("name", "device_kind"):
             value = getattr(self, field)
@@ -252,8 +283,9 @@ class ClusterSpec:
     def from_profile(cls, profile: Any, *, num_hosts: int | None = None,
                      base: ClusterSpec | None = None) -> ClusterSpec:
         """The cluster a measured `DeviceProfile` describes: `base` (default: the known numbers
-        for its device kind) for memory and HBM bandwidth, measured matmul flop/s as the peaks,
-        and measured
+        for its device kind) for memory, measured matmul flop/s as the peaks, the measured
+        bandwidth of a fused elementwise kernel as the memory bandwidth (`base`'s where the
+        profile has none), and measured
         link alpha/beta: the fastest measured axis as the intra-host link, the slowest as the
         inter-host one (on one host both come from inside it).
 
@@ -284,6 +316,8 @@ class ClusterSpec:
             peak_flops_fp32_per_s=fp32, peak_flops_bf16_per_s=flops.get("bfloat16", fp32),
             intra_host_alpha_s=fast.alpha_s, intra_host_beta_s_per_byte=fast.beta_s_per_byte,
             inter_host_alpha_s=slow.alpha_s, inter_host_beta_s_per_byte=slow.beta_s_per_byte,
+            hbm_bandwidth_bytes_per_s=(profile.memory_bytes_per_s
+                                       or base.hbm_bandwidth_bytes_per_s),
             call_overhead_s=profile.call_overhead_s)
 
     def logical_mesh(self, shape: Sequence[int],
@@ -320,7 +354,8 @@ class ClusterSpec:
             hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_bytes_per_s,
             memory_bytes=self.memory_bytes, collective_algorithms=self.collective_algorithms,
             call_overhead_s=self.call_overhead_s,
-            reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce)
+            reduce_scatter_is_all_reduce=self.reduce_scatter_is_all_reduce,
+            fusion_style=self.fusion_style)
 
     def _axis_is_intra_host(self, shape: tuple[int, ...], axis: int) -> bool:
         # The group of axis i is `shape[i]` devices `stride` apart inside an aligned block of
@@ -394,7 +429,7 @@ _PRESETS: dict[str, ClusterSpec] = {
         peak_flops_bf16_per_s=5e10, peak_flops_fp32_per_s=5e10, memory_bytes=2 * _GIB,
         hbm_bandwidth_bytes_per_s=2e10, intra_host_alpha_s=1e-5, intra_host_beta_s_per_byte=1e-10,
         inter_host_alpha_s=1e-5, inter_host_beta_s_per_byte=1e-10,
-        reduce_scatter_is_all_reduce=True),
+        reduce_scatter_is_all_reduce=True, fusion_style=FusionStyle.SINGLE_OUTPUT),
 }
 # NVIDIA H200 SXM datasheet: H100 compute with 141 GB HBM3e at 4.8 TB/s. Not a named preset;
 # `from_devices` uses it for H200 devices.

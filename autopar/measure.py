@@ -1,9 +1,10 @@
 """`autopar.profile(mesh)`: measure the devices the plans will run on.
 
 Matmul throughput per dtype (square matmuls, every device of the mesh computing at once), the
-fixed cost of one executable call on the whole mesh, and per mesh axis the time of
-all-reduce, all-gather, reduce-scatter and all-to-all over that axis alone (`jax.shard_map`
-with the collective on one axis name) for a range of sizes; each axis's link alpha/beta are
+memory bandwidth a fused elementwise kernel achieves (every device at once), the fixed cost of
+one executable call on the whole mesh, and per mesh axis the time of all-reduce, all-gather,
+reduce-scatter and all-to-all over that axis alone (`jax.shard_map` with the collective on one
+axis name) for a range of sizes; each axis's link alpha/beta are
 fitted through the cost model's formulas (`profile.fit_link`). The result is cached as JSON by
 device kind and mesh shape, and reused unless `refresh=True`.
 
@@ -66,6 +67,23 @@ def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, n: int, repeats: int) ->
     return 2.0 * n ** 3 / median_time(f, x, repeats=repeats)
 
 
+def measure_memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: int, repeats: int) -> float:
+    """Achieved bytes/s per device of one fused elementwise kernel (`x * 2 + 1` on an
+    `nbytes` float32 array per device) that every device of `mesh` runs at the same time:
+    the bandwidth the fusion-aware compute model (`intra_op/fusion.py`) divides a fusion's
+    bytes by. The bytes are what XLA's `cost_analysis` counts for the kernel (x read once, the
+    result written once)."""
+    flat = _all_devices(mesh)
+    x = jax.device_put(jnp.ones((flat.size, max(1, nbytes // 4)), jnp.float32),
+                       NamedSharding(flat, P("d")))
+    f = jax.jit(lambda a: a * 2.0 + 1.0)
+    cost = f.lower(x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    moved = float(cost.get("bytes accessed", 0.0)) if cost else 0.0
+    moved = moved if moved > 0 else 2.0 * x.nbytes / flat.size
+    return moved / median_time(f, x, repeats=repeats)
+
+
 def measure_call_overhead(mesh: jax.sharding.Mesh, repeats: int) -> float:
     """Wall time of one call of a trivial jitted computation on every device of `mesh`
     (dispatch, launch, synchronization; no work to speak of): the fixed cost of each
@@ -117,14 +135,16 @@ def measure_collective(kind: str, mesh, axis: str, nbytes: int, repeats: int) ->
 
 def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
             dtypes: Sequence[str] = ("float32", "bfloat16"), matmul_size: int = 1024,
-            repeats: int = 5, cache_dir: str | None = None, refresh: bool = False,
-            use_cache: bool = True) -> DeviceProfile:
+            memory_size: int | None = None, repeats: int = 5, cache_dir: str | None = None,
+            refresh: bool = False, use_cache: bool = True) -> DeviceProfile:
     """Measure `mesh` (or read its cached profile); see the module docstring.
 
     Args:
       sizes: collective sizes in bytes (at least 2; each axis is fitted over all of them).
       dtypes: matmul dtypes to measure.
       matmul_size: n of the n x n x n matmul.
+      memory_size: bytes per device of the elementwise kernel's operand (bandwidth); default
+        16 MiB on CPU, 256 MiB on accelerators (large enough to hide the launch).
       repeats: timed calls per measurement (median; one warm-up call first).
       cache_dir: where profiles live (default `profile.default_cache_dir()`).
       refresh: measure even if a cached profile exists (and replace it).
@@ -152,6 +172,9 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
              len(COLLECTIVES) * len(sizes))
     flops = {d: measure_matmul(mesh, d, matmul_size, repeats) for d in dtypes}
     overhead = measure_call_overhead(mesh, repeats)
+    if memory_size is None:
+        memory_size = 1 << 24 if first.platform == "cpu" else 1 << 28
+    bandwidth = measure_memory_bandwidth(mesh, memory_size, repeats)
     axes = []
     for axis, n in zip(mesh.axis_names, shape):
         if n == 1:       # no link to measure: the fit of a 1-device axis is never used
@@ -167,10 +190,12 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
         platform=str(first.platform), device_kind=kind, mesh_shape=shape,
         num_hosts=len({d.process_index for d in mesh.devices.flat}),
         matmul_flops_per_s=flops, axes=tuple(axes), call_overhead_s=overhead,
+        memory_bytes_per_s=bandwidth,
         jax_version=jax.__version__,
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra={"sizes": [int(s) for s in sizes], "repeats": repeats,
-               "matmul_size": matmul_size, "seconds": time.perf_counter() - t0})
+               "matmul_size": matmul_size, "memory_size": memory_size,
+               "seconds": time.perf_counter() - t0})
     prof.check()
     if use_cache:
         prof.save(path)
@@ -178,5 +203,5 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
     return prof
 
 
-__all__ = ["profile", "measure_matmul", "measure_call_overhead", "measure_collective",
-           "median_time", "DEFAULT_SIZES"]
+__all__ = ["profile", "measure_matmul", "measure_memory_bandwidth", "measure_call_overhead",
+           "measure_collective", "median_time", "DEFAULT_SIZES"]

@@ -28,7 +28,8 @@ import numpy as np
 from .errors import ProfileError
 
 FORMAT = "autopar-profile"
-VERSION = 2     # 2: call_overhead_s; matmul flop/s with every device of the mesh busy
+VERSION = 3     # 2: call_overhead_s; matmul flop/s with every device of the mesh busy
+                # 3: memory_bytes_per_s (a fused elementwise kernel, every device busy)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
@@ -90,6 +91,9 @@ class DeviceProfile:
     matmul_flops_per_s: dict[str, float]            # dtype name -> achieved flop/s per device
     axes: tuple[AxisProfile, ...]
     call_overhead_s: float = 0.0                    # one trivial call on the whole mesh
+    memory_bytes_per_s: float = 0.0                 # bytes/s per device a fused elementwise
+                                                    # kernel moves, every device busy (0: not
+                                                    # measured)
     jax_version: str = ""
     created_utc: str = ""
     version: int = VERSION
@@ -103,6 +107,7 @@ class DeviceProfile:
             "num_hosts": self.num_hosts, "jax_version": self.jax_version,
             "created_utc": self.created_utc, "matmul_flops_per_s": self.matmul_flops_per_s,
             "call_overhead_s": self.call_overhead_s,
+            "memory_bytes_per_s": self.memory_bytes_per_s,
             "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s,
                       "beta_s_per_byte": a.beta_s_per_byte,
                       "samples": {k: [list(p) for p in v] for k, v in a.samples.items()}}
@@ -138,6 +143,7 @@ class DeviceProfile:
                        matmul_flops_per_s={str(k): float(v)
                                            for k, v in d["matmul_flops_per_s"].items()},
                        axes=axes, call_overhead_s=float(d["call_overhead_s"]),
+                       memory_bytes_per_s=float(d["memory_bytes_per_s"]),
                        jax_version=str(d.get("jax_version", "")),
                        created_utc=str(d.get("created_utc", "")), extra=dict(d.get("extra", {})))
         except (KeyError, TypeError, ValueError) as e:
@@ -156,6 +162,8 @@ class DeviceProfile:
                                            and a.beta_s_per_byte > 0)]
         if not (math.isfinite(self.call_overhead_s) and self.call_overhead_s >= 0):
             bad.append(f"call_overhead_s={self.call_overhead_s}")
+        if not (math.isfinite(self.memory_bytes_per_s) and self.memory_bytes_per_s >= 0):
+            bad.append(f"memory_bytes_per_s={self.memory_bytes_per_s}")
         if tuple(a.size for a in self.axes) != tuple(self.mesh_shape):
             bad.append(f"axis sizes {[a.size for a in self.axes]} vs mesh {self.mesh_shape}")
         if not self.matmul_flops_per_s:

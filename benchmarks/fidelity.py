@@ -5,6 +5,10 @@ Run from the repository root; it rewrites only the fidelity section of BENCHMARK
     .venv/bin/python benchmarks/fidelity.py                     # both models, ~10 min, 2 cores
     .venv/bin/python benchmarks/fidelity.py --models mlp --out /tmp/f.md
     .venv/bin/python benchmarks/fidelity.py --from-json /tmp/f.json   # re-render saved results
+    .venv/bin/python benchmarks/fidelity.py --ab      # also the model before fusion, timed
+                                                    # in the same rounds (~2x as long)
+    .venv/bin/python benchmarks/fidelity.py --baseline-json old.json --baseline-label b368db5
+                                                    # adds a table against an earlier run
 
 On 8 simulated CPU devices, for a GPT and an MLP train step (`optax.adam`), it takes the
 candidate plans of `CANDIDATES`: autopar's choice (the ILP on the 2 x 4 mesh), the ILP on the
@@ -28,6 +32,7 @@ the statistics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -86,6 +91,7 @@ def _profile_worker(args) -> None:
     out.data["wall_s"] = time.perf_counter() - t0
     prof.save(args.profile)
     out.data["matmul_flops_per_s"] = prof.matmul_flops_per_s
+    out.data["memory_bytes_per_s"] = prof.memory_bytes_per_s
     out.data["axes"] = [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s,
                          "beta_s_per_byte": a.beta_s_per_byte} for a in prof.axes]
     out.save()
@@ -147,39 +153,27 @@ def _model_worker(args) -> None:
     from autopar.profile import DeviceProfile
     out = Saver(args.result_)
     step, state, batch, rules = _model(args.model)
-    cluster = autopar.ClusterSpec.from_profile(DeviceProfile.load(args.profile))
-    ready, cases = {}, out.data.setdefault("cases", [])
-    for name in args.names:
-        kind, shape, arg = CANDIDATES[name]
-        r = {"model": args.model, "case": name, "kind": kind, "mesh": list(shape)}
-        cases.append(r)
-        try:
-            mesh = jax.make_mesh(shape, ("data", "model"))
-            par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
-                                      batch_argnums=(1,), cluster=cluster)
-            t0 = time.perf_counter()
-            if kind == "random":
-                plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
-                par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
-                                          cluster=cluster)
-                r["sampled"] = plan.ilp.get("message", "")
-            else:
-                plan = par.get_plan(state, batch)
-            r["plan_s"] = time.perf_counter() - t0
-            r["predicted_step_s"] = plan.predicted_step_s
-            r["peak_memory_bytes"] = plan.peak_memory_bytes
-            t0 = time.perf_counter()
-            for _ in range(2):                              # compile, then one warm step
-                jax.block_until_ready(par(state, batch))
-            r["warmup_s"] = time.perf_counter() - t0
-            ready[name] = (par, r)
-        except Exception as e:       # reported in the table, left out of the statistics
-            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out.save()
-        _progress(f"{args.model} / {name}: " + (r.get("error") or
-                  f"predicted {r['predicted_step_s'] * 1e3:.2f} ms, ready"))
+    profile = DeviceProfile.load(args.profile)
+    variants = [("cases", autopar.ClusterSpec.from_profile(profile))]
+    if args.ab:    # the model before fusion: unfused roofline, the preset's memory bandwidth
+        from autopar.cluster import FusionStyle
+        old = autopar.ClusterSpec.from_profile(dataclasses.replace(profile,
+                                                                   memory_bytes_per_s=0.0))
+        variants.append(("baseline_cases", old.with_(fusion_style=FusionStyle.UNFUSED)))
+    ready = {}
+    for key, cluster in variants:
+        cases = out.data.setdefault(key, [])
+        for name in args.names:
+            r = {"model": args.model, "case": name}
+            cases.append(r)
+            par = _prepare(r, step, state, batch, rules, cluster)
+            if par is not None:
+                ready[key, name] = (par, r)
+            out.save()
+            _progress(f"{args.model} / {name}{' (baseline)' if key != 'cases' else ''}: " + (
+                r.get("error") or f"predicted {r['predicted_step_s'] * 1e3:.2f} ms, ready"))
     for rnd in range(args.steps):
-        for name, (par, r) in ready.items():
+        for par, r in ready.values():
             t0 = time.perf_counter()
             state_out, loss = par(state, batch)
             jax.block_until_ready((state_out, loss))
@@ -190,6 +184,39 @@ def _model_worker(args) -> None:
             r["measured_step_s"] = statistics.median(r["steps_s"])
         out.save()
         _progress(f"{args.model}: round {rnd + 1} of {args.steps} timed")
+
+
+def _prepare(r: dict, step, state, batch, rules, cluster):
+    """Plan candidate `r["case"]` against `cluster`, compile it and run one warm step;
+    fills `r` and returns the function to time (None, with `r["error"]`, if it failed)."""
+    import jax
+
+    import autopar
+    kind, shape, arg = CANDIDATES[r["case"]]
+    r.update(kind=kind, mesh=list(shape))
+    try:
+        mesh = jax.make_mesh(shape, ("data", "model"))
+        par = autopar.parallelize(step, mesh=mesh, method=_method(kind, arg, rules),
+                                  batch_argnums=(1,), cluster=cluster)
+        t0 = time.perf_counter()
+        if kind == "random":
+            plan = par.sample_plan(state, batch, seed=arg[0], fraction=arg[1])
+            par = autopar.parallelize(step, mesh=mesh, plan=plan, batch_argnums=(1,),
+                                      cluster=cluster)
+            r["sampled"] = plan.ilp.get("message", "")
+        else:
+            plan = par.get_plan(state, batch)
+        r["plan_s"] = time.perf_counter() - t0
+        r["predicted_step_s"] = plan.predicted_step_s
+        r["peak_memory_bytes"] = plan.peak_memory_bytes
+        t0 = time.perf_counter()
+        for _ in range(2):                              # compile, then one warm step
+            jax.block_until_ready(par(state, batch))
+        r["warmup_s"] = time.perf_counter() - t0
+        return par
+    except Exception as e:       # reported in the table, left out of the statistics
+        r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +257,10 @@ def summary(cases: list[dict]) -> dict:
     ours = next((c for c in ok if c["case"] == AUTOPAR), None)
     best = min(ok, key=lambda c: c["measured_step_s"]) if ok else None
     single = [c for c in ok if c["kind"] != "pipeline"]
+    ratios = sorted(c["predicted_step_s"] / c["measured_step_s"] for c in ok)
     return {
+        "ratio_min": ratios[0] if ratios else None, "ratio_max": ratios[-1] if ratios else None,
+        "ratio_median": statistics.median(ratios) if ratios else None,
         "n": len(ok), "spearman": spearman(pred, meas),
         "spearman_single_mesh": spearman([c["predicted_step_s"] for c in single],
                                          [c["measured_step_s"] for c in single]),
@@ -245,6 +275,31 @@ def _f(x, fmt="{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def comparison(res: dict, base: dict, label: str, same_session: bool = False) -> list[str]:
+    """Markdown lines comparing `res` with a `base` run (e.g. an earlier revision), or with
+    the baseline model's plans timed in the same rounds (`same_session`)."""
+    intro = (f"Against {label}:" if same_session else
+             f"Against the run of {label} ({base['date']} UTC, load average "
+             f"{base.get('load_start')} at its start), same script and candidates:")
+    out = [intro, "",
+           md_row(["model", "Spearman", "single-mesh Spearman", "regret",
+                   "pred./meas. median (range)"]),
+           md_row(["---", "---", "---", "---", "---"])]
+    pair = "{} -> **{}**"
+    for model, cases in res["models"].items():
+        if model not in base.get("models", {}):
+            continue
+        a, b = summary(base["models"][model]), summary(cases)
+        ratio = lambda s: (f"{_f(s['ratio_median'], '{:.2f}')} ({_f(s['ratio_min'], '{:.2f}')}"
+                           f"-{_f(s['ratio_max'], '{:.2f}')})")
+        out.append(md_row([model.upper(), pair.format(_f(a["spearman"]), _f(b["spearman"])),
+                           pair.format(_f(a["spearman_single_mesh"]),
+                                       _f(b["spearman_single_mesh"])),
+                           pair.format(_f(a["regret"]), _f(b["regret"])),
+                           pair.format(ratio(a), ratio(b))]))
+    return out + [""]
+
+
 def section(res: dict) -> str:
     prof = res.get("profile") or {}
     out = [f"<!-- {KEY}:begin -->", "## Cost-model fidelity (predicted vs measured plans)", "",
@@ -253,7 +308,11 @@ def section(res: dict) -> str:
            f"{res.get('load_end')} at the end; {res.get('total_s', 0) / 60:.1f} min in all.", "",
            "Each candidate plan of a train step (adam) is planned against the cluster "
            "`autopar.profile` measured on this 2 x 4 mesh of 8 simulated CPU devices "
-           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s); all candidates of a "
+           f"(profiling took {_f(prof.get('wall_s'), '{:.1f}')} s; matmul "
+           f"{_f((prof.get('matmul_flops_per_s') or {}).get('float32'), '{:.3g}')} flop/s and "
+           f"fused elementwise kernels {_f(prof.get('memory_bytes_per_s'), '{:.3g}')} B/s per "
+           "device, every device busy); compute is priced per node by the fusion-aware "
+           "roofline (`autopar/intra_op/fusion.py`); all candidates of a "
            f"model are then timed in {res['steps']} interleaved rounds, one step each per "
            "round, after a compile and a warm-up step (median shown). GPT: "
            f"{GPT_CFG}, batch {GPT_BATCH}; MLP: {MLP_LAYERS} layers x {MLP_HIDDEN}, batch "
@@ -265,9 +324,9 @@ def section(res: dict) -> str:
         if res.get("errors", {}).get(model):
             out += [f"{model}: the run stopped early: {res['errors'][model]}.", ""]
         out += [f"### {model.upper()}", "",
-                md_row(["candidate", "mesh", "predicted ms", "measured ms", "rank pred.",
-                        "rank meas.", "plan s", "note"]),
-                md_row(["---", "---", "---:", "---:", "---:", "---:", "---:", "---"])]
+                md_row(["candidate", "mesh", "predicted ms", "measured ms", "pred./meas.",
+                        "rank pred.", "rank meas.", "plan s", "note"]),
+                md_row(["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])]
         ok = [c for c in cases if c.get("measured_step_s") is not None]
         rp = dict(zip((c["case"] for c in ok), ranks([c["predicted_step_s"] for c in ok])))
         rm = dict(zip((c["case"] for c in ok), ranks([c["measured_step_s"] for c in ok])))
@@ -279,9 +338,12 @@ def section(res: dict) -> str:
                                f"{c['predicted_step_s'] * 1e3:.2f}",
                                "–" if c.get("measured_step_s") is None else
                                f"{c['measured_step_s'] * 1e3:.1f}",
+                               "–" if c.get("measured_step_s") is None else
+                               f"{c['predicted_step_s'] / c['measured_step_s']:.2f}",
                                _f(rp.get(c["case"]), "{:g}"), _f(rm.get(c["case"]), "{:g}"),
                                _f(c.get("plan_s"), "{:.1f}"), note]))
         rho, regret = s["spearman"], s["regret"]
+        within = s["ratio_min"] is not None and 1 / 1.3 <= s["ratio_min"] <= s["ratio_max"] <= 1.3
         out += ["", f"- Spearman rank correlation over {s['n']} candidates: **{_f(rho)}** "
                 f"(goal >= 0.9: {'met' if rho is not None and rho >= 0.9 else 'missed'}); "
                 f"single-mesh candidates only ({s['n_single_mesh']}): "
@@ -289,7 +351,19 @@ def section(res: dict) -> str:
                 f"- Regret of autopar's choice: measured {AUTOPAR} / best measured "
                 f"({s['best']}) = **{_f(regret)}** (goal <= 1.10: "
                 f"{'met' if regret is not None and regret <= 1.10 else 'missed'}). The "
-                f"model's own favourite was {s['predicted_best']}.", ""]
+                f"model's own favourite was {s['predicted_best']}.",
+                f"- Predicted / measured step: median **{_f(s['ratio_median'], '{:.2f}')}**, "
+                f"range {_f(s['ratio_min'], '{:.2f}')} to {_f(s['ratio_max'], '{:.2f}')} (goal: "
+                f"within 1.3x, i.e. 0.77 to 1.3: {'met' if within else 'missed'}).", ""]
+    if res.get("baseline_models"):
+        out += comparison(res, {"models": res["baseline_models"]}, "the model before fusion "
+                          "(every operand and result of every node, the preset's memory "
+                          "bandwidth), its plans timed in the same rounds (`--ab`)",
+                          same_session=True)
+    if res.get("baseline"):
+        out += comparison(res, res["baseline"], res.get("baseline_label", "a baseline"))
+    if res.get("notes"):
+        out += [res["notes"].strip(), ""]
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
             "machine's cores, which pipelines (stages meant to run side by side) suffer from "
             "most; the single-mesh correlation is shown for that reason.", f"<!-- {KEY}:end -->"]
@@ -319,12 +393,14 @@ def run(args) -> dict:
         _progress(f"{model}: {len(names)} candidates ...")
         r, err, wall = run_child(script, ["--_model_worker", "--model", model, "--profile",
                                           prof_path, "--steps", str(args.steps),
-                                          "--names", *names],
+                                          *(["--ab"] if args.ab else []), "--names", *names],
                                  "fidelity-model-", args.model_timeout_s, "model time limit")
         cases = (r or {}).get("cases", [])
         if err:          # what it measured before it stopped still counts; say what stopped
             res.setdefault("errors", {})[model] = err
         res["models"][model] = cases
+        if args.ab:
+            res.setdefault("baseline_models", {})[model] = (r or {}).get("baseline_cases", [])
         res.setdefault("wall_s", {})[model] = wall
     os.unlink(prof_path)
     res["load_end"] = load_avg()
@@ -343,6 +419,15 @@ def main() -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--save-json", default=None)
     p.add_argument("--from-json", default=None)
+    p.add_argument("--baseline-json", default=None,
+                   help="a --save-json file of an earlier run to compare with")
+    p.add_argument("--baseline-label", default="the baseline")
+    p.add_argument("--notes-file", default=None,
+                   help="markdown appended to the section (e.g. other runs and their load)")
+    p.add_argument("--ab", action="store_true",
+                   help="also plan every candidate with the model before fusion (unfused "
+                        "roofline, the preset's memory bandwidth) and time both in the same "
+                        "rounds")
     p.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_model_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", nargs="+", default=[], help=argparse.SUPPRESS)
@@ -366,6 +451,13 @@ def main() -> int:
         if args.save_json:
             with open(args.save_json, "w") as f:
                 json.dump(res, f, indent=1)
+    if args.notes_file:
+        with open(args.notes_file) as f:
+            res["notes"] = f.read()
+    if args.baseline_json:
+        with open(args.baseline_json) as f:
+            res["baseline"] = json.load(f)
+        res["baseline_label"] = args.baseline_label
     text = section(res)
     write_section(text, args.out, KEY)
     _progress(f"wrote the fidelity section of {args.out}")

@@ -162,19 +162,22 @@ def _cluster(mesh, args, result: dict):
     result["profile"] = {"seconds": time.perf_counter() - t0,
                          "matmul_size": args.matmul_size,
                          "matmul_flops_per_s": dict(prof.matmul_flops_per_s),
-                         "call_overhead_s": prof.call_overhead_s}
+                         "call_overhead_s": prof.call_overhead_s,
+                         "memory_bytes_per_s": prof.memory_bytes_per_s}
     preset = autopar.ClusterSpec.from_devices(mesh.devices.flat)
     try:
         cluster = autopar.ClusterSpec.from_profile(prof)
     except autopar.InvalidArgumentError as e:
-        # A 1-device mesh has no link to measure; take the measured matmul flop/s and call
-        # overhead onto the description read off the device instead.
+        # A 1-device mesh has no link to measure; take the measured matmul flop/s, memory
+        # bandwidth and call overhead onto the description read off the device instead.
         result["from_profile_error"] = str(e)
         flops = prof.matmul_flops_per_s
         cluster = preset.with_(name=f"profile:{prof.device_kind}",
                                peak_flops_fp32_per_s=flops["float32"],
                                peak_flops_bf16_per_s=flops.get("bfloat16", flops["float32"]),
-                               call_overhead_s=prof.call_overhead_s)
+                               call_overhead_s=prof.call_overhead_s,
+                               hbm_bandwidth_bytes_per_s=(prof.memory_bytes_per_s or
+                                                          preset.hbm_bandwidth_bytes_per_s))
     result["cluster"] = {"name": cluster.name, "memory_bytes": cluster.memory_bytes,
                          "peak_flops_bf16_per_s": cluster.peak_flops_bf16_per_s,
                          "peak_flops_fp32_per_s": cluster.peak_flops_fp32_per_s,
@@ -290,6 +293,7 @@ def render(r: dict) -> str:
         f"- Profile (`autopar.profile`, {prof.get('seconds', 0):.1f} s): matmul "
         f"{prof.get('matmul_size')}^3 at " + ", ".join(
             f"{d} {v / 1e12:.0f} TFLOP/s" for d, v in flops.items()) +
+        f"; fused elementwise kernel {(prof.get('memory_bytes_per_s') or 0) / 1e12:.2f} TB/s"
         f"; call overhead {common.ms(prof.get('call_overhead_s'), 3)} ms.",
     ]
     if "from_profile_error" in r:
@@ -297,7 +301,7 @@ def render(r: dict) -> str:
             "- `ClusterSpec.from_profile` refused the 1 x 1 profile (\"" +
             r["from_profile_error"].split(". Fix")[0] + "\"), so the cluster is "
             f"`ClusterSpec.from_devices` (`{cl.get('preset')}`) with the profile's matmul "
-            "flop/s as peaks and its call overhead.")
+            "flop/s as peaks, its memory bandwidth and its call overhead.")
     lines += [
         f"- Cluster the plans were costed with: `{cl.get('name')}`, bf16 peak "
         f"{cl.get('peak_flops_bf16_per_s', 0) / 1e12:.0f} TFLOP/s, fp32 "

@@ -36,3 +36,46 @@ def test_summary_regret_and_failed_candidates():
     assert s["regret"] == pytest.approx(1.2) and s["best"] == "b"
     assert s["predicted_best"] == fidelity.AUTOPAR
     assert s["spearman"] == pytest.approx(0.5)
+    # predicted / measured per candidate: 1.0 / 1.2, 2.0 / 1.0, 3.0 / 3.0
+    assert s["ratio_min"] == pytest.approx(1 / 1.2) and s["ratio_max"] == pytest.approx(2.0)
+    assert s["ratio_median"] == pytest.approx(1.0)
+
+
+def test_section_shows_the_ratio_per_candidate():
+    res = {"date": "d", "machine": "m", "command": "c", "revision": "r", "steps": 3,
+           "profile": {"wall_s": 1.0, "matmul_flops_per_s": {"float32": 2e10},
+                       "memory_bytes_per_s": 1.5e9},
+           "models": {"mlp": [
+               {"case": fidelity.AUTOPAR, "kind": "shard", "mesh": [2, 4],
+                "predicted_step_s": 0.1, "measured_step_s": 0.125},
+               {"case": "b", "kind": "data", "mesh": [2, 4], "predicted_step_s": 0.2,
+                "measured_step_s": 0.2},
+               {"case": "c", "kind": "zero2", "mesh": [2, 4], "predicted_step_s": 0.3,
+                "measured_step_s": 0.25}]}}
+    text = fidelity.section(res)
+    assert "| 100.00 | 125.0 | 0.80 |" in text and "| 300.00 | 250.0 | 1.20 |" in text
+    assert "median **1.00**, range 0.80 to 1.20" in text and "0.77 to 1.3: met" in text
+    assert "1.5e+09 B/s" in text
+
+
+def test_comparison_with_a_baseline_run():
+    def run(pred):
+        return {"date": "d0", "load_start": [1.0], "models": {"gpt": [
+            {"case": fidelity.AUTOPAR, "kind": "shard", "predicted_step_s": pred[0],
+             "measured_step_s": 1.0},
+            {"case": "b", "kind": "data", "predicted_step_s": pred[1], "measured_step_s": 2.0},
+            {"case": "c", "kind": "zero2", "predicted_step_s": pred[2],
+             "measured_step_s": 3.0}]}}
+    base, now = run([0.5, 0.4, 0.6]), run([1.0, 2.0, 3.0])
+    lines = fidelity.comparison(now, base, "b368db5")
+    assert lines[0].startswith("Against the run of b368db5 (d0 UTC")
+    row = next(line for line in lines if line.startswith("| GPT"))
+    # baseline: ranks (2, 1, 3) vs (1, 2, 3) -> 0.5; now: perfect, every ratio 1.0
+    assert "0.500 -> **1.000**" in row and "1.00 (1.00-1.00)" in row
+
+
+def test_section_appends_notes():
+    res = {"date": "d", "machine": "m", "command": "c", "revision": "r", "steps": 1,
+           "models": {}, "notes": "- an earlier run had load 9.\n"}
+    text = fidelity.section(res)
+    assert "- an earlier run had load 9." in text and text.endswith("<!-- fidelity:end -->")

@@ -7,7 +7,8 @@ import pytest
 import autopar
 from autopar.profile import DeviceProfile, cache_path
 
-SMALL = dict(sizes=(1 << 12, 1 << 16), dtypes=("float32",), matmul_size=64, repeats=1)
+SMALL = dict(sizes=(1 << 12, 1 << 16), dtypes=("float32",), matmul_size=64, memory_size=1 << 16,
+             repeats=1)
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,8 @@ def test_profile_measures_and_caches(mesh, tmp_path):
     assert p.mesh_shape == (2, 4) and p.device_kind == str(jax.devices()[0].device_kind)
     assert p.matmul_flops_per_s["float32"] > 0
     assert 0 < p.call_overhead_s < 1.0                    # a trivial call: well under a second
+    # A fused elementwise kernel: well above 1 MB/s and below 10 TB/s on any host.
+    assert 1e6 < p.memory_bytes_per_s < 1e13
     assert [a.name for a in p.axes] == ["data", "model"]
     for a in p.axes:
         assert a.alpha_s > 0 and a.beta_s_per_byte > 0
@@ -35,6 +38,7 @@ def test_profile_measures_and_caches(mesh, tmp_path):
     cluster = autopar.ClusterSpec.from_profile(fresh)
     assert cluster.num_devices == 8
     assert cluster.call_overhead_s == fresh.call_overhead_s
+    assert cluster.hbm_bandwidth_bytes_per_s == fresh.memory_bytes_per_s
 
 
 def test_call_overhead_is_charged_once_per_call(mesh, tmp_path):

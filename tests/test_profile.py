@@ -1,5 +1,6 @@
 """Device profiles without JAX: the alpha/beta fit against known link numbers, the JSON round
 trip, and the refusals (corrupt, foreign, other version, other device or mesh)."""
+import dataclasses
 import json
 
 import numpy as np
@@ -51,7 +52,8 @@ def make_profile(kind="Tesla V100-SXM2-16GB", shape=(2, 8), hosts=2):
                  for nm, n, a, b in zip(("data", "model"), shape, (3e-5, 8e-6), (4e-9, 8e-12)))
     return DeviceProfile(platform="gpu", device_kind=kind, mesh_shape=shape, num_hosts=hosts,
                          matmul_flops_per_s={"float32": 14e12, "bfloat16": 100e12}, axes=axes,
-                         call_overhead_s=2.5e-5, jax_version="0.x", created_utc="2026-11-22T00:00:00+00:00")
+                         call_overhead_s=2.5e-5, memory_bytes_per_s=7.5e11, jax_version="0.x",
+                         created_utc="2026-11-22T00:00:00+00:00")
 
 
 def test_round_trip(tmp_path):
@@ -72,6 +74,9 @@ def test_round_trip(tmp_path):
     (lambda d: json.dumps({**d, "mesh_shape": [4, 4]}), "axis sizes"),
     (lambda d: json.dumps({**d, "call_overhead_s": -1.0}), "call_overhead_s=-1.0"),
     (lambda d: json.dumps({k: v for k, v in d.items() if k != "call_overhead_s"}),
+     "malformed field"),
+    (lambda d: json.dumps({**d, "memory_bytes_per_s": float("nan")}), "memory_bytes_per_s=nan"),
+    (lambda d: json.dumps({k: v for k, v in d.items() if k != "memory_bytes_per_s"}),
      "malformed field"),
 ])
 def test_corrupt_or_foreign_profiles_are_refused(edit, match):
@@ -107,6 +112,10 @@ def test_cluster_from_profile_uses_the_measured_numbers():
     assert (c.intra_host_alpha_s, c.intra_host_beta_s_per_byte) == (8e-6, 8e-12)
     assert (c.inter_host_alpha_s, c.inter_host_beta_s_per_byte) == (3e-5, 4e-9)
     assert c.memory_bytes == ClusterSpec.preset("v100-p3.16xlarge").memory_bytes
+    assert c.hbm_bandwidth_bytes_per_s == 7.5e11           # measured, not the datasheet's
+    unmeasured = dataclasses.replace(make_profile(), memory_bytes_per_s=0.0)
+    assert ClusterSpec.from_profile(unmeasured).hbm_bandwidth_bytes_per_s == \
+        ClusterSpec.preset("v100-p3.16xlarge").hbm_bandwidth_bytes_per_s
     mesh = c.logical_mesh((2, 8), ("data", "model"))
     assert mesh.beta_s_per_byte == (4e-9, 8e-12)
     one_host = ClusterSpec.from_profile(make_profile(shape=(2, 4), hosts=1))

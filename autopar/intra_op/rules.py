@@ -21,6 +21,7 @@ from .._format import format_bytes
 from ..cost import CostModel
 from ..graph import Node, OpGraph, Tensor
 from ..spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
+from .fusion import FusionCosts, fusion_costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,13 @@ class RuleContext:
     cost: CostModel
     deferred: frozenset[int]   # nodes whose results reach no heavy op: their collectives are
                                # combined by XLA, so only the bandwidth term is charged
+    fusion: FusionCosts | None = None   # bytes per node after XLA's fusion (default: computed
+                                        # from `graph` for the mesh's backend)
+
+    def __post_init__(self) -> None:
+        if self.fusion is None:
+            object.__setattr__(self, "fusion", fusion_costs(
+                self.graph, self.cost.mesh.fusion_style))
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -52,8 +60,11 @@ class RuleContext:
         return self.graph.tensors[tid]
 
     def compute(self, node: Node, shards: int) -> float:
+        """Roofline time of `node` split `shards` ways: its flops and the bytes it moves once
+        XLA has fused it with its neighbours (`fusion.py`: an elementwise chain reads its
+        inputs once and writes only what leaves it)."""
         out = self.t(node.outputs[0])
-        nbytes = sum(self.t(i).nbytes for i in node.inputs) + out.nbytes
+        nbytes = self.fusion.node_bytes[node.id]
         return self.cost.compute_s(node.flops / shards, nbytes / shards, out.dtype)
 
     def all_reduce(self, node: Node, nbytes: float, axes: Sequence[int]) -> float:
