@@ -24,6 +24,8 @@ from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, Sh
                        UniformStageOption)
 from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
+from .batch import ilp_scope, run_jobs
+from .parallel import PlanPool, plan_workers
 from .pipeline import LossGraph, StageSlice, slice_range
 from .remat import Remat, choices_of, with_remat
 from .stage_dp import StageCosts, candidate_submeshes, solve_stage_dp
@@ -82,6 +84,7 @@ class _Solver:
         self.problems: dict = {}
         self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = self.num_replayed = 0
+        self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
         self.opt_ratio = _opt_ratio(loss.step)
 
@@ -135,12 +138,13 @@ class _Solver:
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
-        self.num_ilps += 1
         try:
-            sol = solve()
+            with ilp_scope(key):      # in a batch (batch.run_jobs), its ILPs go to the pool
+                sol = solve()
         except InfeasiblePlanError as e:
             sol = None
             self._need(sl, e.needed_bytes)
+        self.num_ilps += 1
         self.cache[key] = sol
         return sol
 
@@ -169,7 +173,8 @@ class _Solver:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
         prob, key = self.problem(sl, submesh, shape, remat)
         if (key, "least") not in self.cache:
-            self.cache[(key, "least")] = prob.least_bytes()
+            with ilp_scope((key, "least")):
+                self.cache[(key, "least")] = prob.least_bytes()
         least = self.cache[(key, "least")]
         if least > self.budget:                        # no plan of it fits the device
             self._need(sl, least)
@@ -358,7 +363,9 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   [logical_shapes(per)] * s, device_ids, solver, method,
                                   budget, _stage_remats(method, option, s))
     else:
-        stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget)
+        with PlanPool(plan_workers(option.workers)) as solver.pool:
+            stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver,
+                               budget)
     stages = _with_peaks(stages, loss, method, budget)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
@@ -409,7 +416,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
         kinds.append((remat, lean))
         options.append(_layer_options(loss, boundaries, submeshes, shapes_per_k, pairs,
-                                      solve, solver.opt_ratio))
+                                      solve, solver.opt_ratio, solver.pool))
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
@@ -456,20 +463,25 @@ def _try_dp(dp, options, budget):
         return None
 
 
-def _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio):
+def _layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
+                   pool=None):
     """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
     plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean;
-    under one rematerialization); inf latency where it gives none."""
+    under one rematerialization); inf latency where it gives none. The jobs' ILPs are solved
+    in `pool`'s worker processes (`batch.run_jobs`; the same plans with any number)."""
     shape = (len(boundaries) - 1, len(pairs))
     lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
-    for l in range(shape[0]):
-        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
-        for p, (k, v) in enumerate(pairs):
-            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            sol = solve(sl, sub, shapes_per_k[k][v])
-            if sol is not None:
-                lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
-                act[l, p] = sol.activation_bytes
+    slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
+    jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs))]
+
+    def job(lp):
+        k, v = pairs[lp[1]]
+        sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
+        return solve(slices[lp[0]], sub, shapes_per_k[k][v])
+    for (l, p), sol in zip(jobs, run_jobs(jobs, job, pool, "layer plans")):
+        if sol is not None:
+            lat[l, p], static[l, p] = sol.latency_s, _static_bytes(sol, opt_ratio)
+            act[l, p] = sol.activation_bytes
     return lat, static, act
 
 
