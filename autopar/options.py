@@ -279,7 +279,7 @@ class AutoStageOption:
         "all" tries every 2-D factorization (a x b = n), "flat" only (1, n) and (n, 1).
       workers: worker processes that solve the layers' ILPs (the plan is the same with any
         number); 1 solves them in this process; None: the environment variable
-        AUTOPAR_PLAN_WORKERS, else the CPU count (at most 16).
+        AUTOPAR_PLAN_WORKERS, else the CPU count less one (at most 16).
 
     Example:
         >>> autopar.AutoStageOption(logical_shapes="flat", workers=2)

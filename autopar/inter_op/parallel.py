@@ -61,8 +61,9 @@ class PlanWorkerError(AutoparError):
 
 def plan_workers(workers: int | None, where: str = "AutoStageOption.workers") -> int:
     """How many worker processes the stage search uses: `workers` when given; else the
-    environment variable AUTOPAR_PLAN_WORKERS; else the CPUs this process may use, at most
-    16. 1 solves everything in this process.
+    environment variable AUTOPAR_PLAN_WORKERS; else the CPUs this process may use less one
+    (this process builds the ILPs the workers solve), at most 16. 1 solves everything in
+    this process.
 
     Example:
         >>> plan_workers(1)
@@ -73,7 +74,7 @@ def plan_workers(workers: int | None, where: str = "AutoStageOption.workers") ->
     if workers is None:
         text = os.environ.get(ENV_WORKERS, "").strip()
         if not text:
-            return max(1, min(_cpus(), MAX_DEFAULT_WORKERS))
+            return max(1, min(_cpus() - 1, MAX_DEFAULT_WORKERS))
         where = f"the environment variable {ENV_WORKERS}"
         try:
             workers = int(text)
