@@ -186,7 +186,8 @@ class PlanPool:
             except (OSError, EOFError, pickle.UnpicklingError) as e:
                 self._fail(proc, fut, fn, e)
                 return
-            self.busy_s += busy
+            with self._lock:
+                self.busy_s += busy
             _relog(logs)
             if ok:
                 fut.set_result(value)
