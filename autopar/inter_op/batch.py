@@ -5,9 +5,9 @@ stage ILP here, then solves it through `autopar.intra_op.solve`, which calls
 `solve_ilp` / `min_peak_memory` on an `IlpProblem` (numpy arrays only). `run_jobs` runs every
 job; inside `ilp_scope(key)` (the `_Solver` cache entries: `key` names what is computed) a
 job's n-th ILP call is sent to the pool as call (key, n), and the job stops (`_Pending`)
-until it is answered. Once every job has stopped or finished, the answers are awaited and the
-stopped jobs run again from the start: what they built is cached, the calls answered so far
-return at once, and the next call goes out. A job's computation is the sequential one, with
+until it is answered. Once every job has stopped or finished, a stopped job whose call is
+answered runs again from the start: what it built is cached, the calls answered so far return
+at once, and its next call goes out. A job's computation is the sequential one, with
 the same ILP answers, so the results do not depend on the number of workers; building (in this
 process) overlaps with solving (in the workers). Jobs asking the same (key, n) share one call.
 
@@ -25,7 +25,7 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Callable, Hashable, Sequence
 
 from .parallel import PlanPool
@@ -63,30 +63,33 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
         raise RuntimeError("run_jobs is not reentrant")
     t0, calls0, busy0 = time.perf_counter(), pool.num_calls, pool.busy_s
     results: list = [None] * len(jobs)
-    todo, rounds = list(range(len(jobs))), 0
+    todo, waiting, runs, said = list(range(len(jobs))), {}, 0, t0
     _state.calls, _state.pool = {}, pool
     try:
-        while todo:
-            rounds += 1
-            left = []
-            for i in todo:
+        while True:
+            for i in todo:            # in job order; a stopped job waits on one call
+                runs += 1
                 try:
                     results[i] = fn(jobs[i])
-                except _Pending:
-                    left.append(i)
-            if left:
-                waiting = [f for f in _state.calls.values() if not f.done()]
-                done = len(_state.calls) - len(waiting)
-                log.info("autopar: %s: %d of %d done; %d ILPs solved, waiting for %d in %d "
-                         "worker processes", what, len(jobs) - len(left), len(jobs), done,
-                         len(waiting), pool.workers)
-                wait(waiting, return_when=FIRST_EXCEPTION)
-            todo = left
+                except _Pending as p:
+                    waiting[i] = _state.calls[p.args[0]]
+            if not waiting:
+                break
+            if time.perf_counter() - said > 10.0:
+                said = time.perf_counter()
+                busy = [f for f in _state.calls.values() if not f.done()]
+                log.info("autopar: %s: %d of %d done, %.0f s; %d ILPs solved, %d in %d worker "
+                         "processes", what, len(jobs) - len(waiting), len(jobs), said - t0,
+                         len(_state.calls) - len(busy), len(busy), pool.workers)
+            wait(set(waiting.values()), return_when=FIRST_COMPLETED)
+            todo = sorted(i for i, f in waiting.items() if f.done())
+            for i in todo:
+                del waiting[i]
     finally:
         _state.calls = _state.scope = _state.pool = None
-    log.info("autopar: %s: %d done in %.2f s (%d rounds): %d ILP calls in %d worker "
+    log.info("autopar: %s: %d done in %.2f s (%d runs): %d ILP calls in %d worker "
              "processes, %.2f s of solving", what, len(jobs), time.perf_counter() - t0,
-             rounds, pool.num_calls - calls0, pool.workers, pool.busy_s - busy0)
+             runs, pool.num_calls - calls0, pool.workers, pool.busy_s - busy0)
     return results
 
 
