@@ -60,6 +60,19 @@ def test_a_workers_exception_reaches_the_job():
         run_jobs([0, 1], job, pool)
 
 
+def test_a_dead_worker_stops_the_batch_with_a_clear_error():
+    import os
+    from autopar.inter_op.batch import _deferred
+    from autopar.inter_op.parallel import PlanWorkerError
+    die = _deferred(os._exit)                     # as a deferred ILP call would go out
+
+    def job(n):
+        with ilp_scope(("job", n)):
+            return die(5) if n == 1 else solve_mod.solve_ilp(_problem(n)).choice
+    with PlanPool(2) as pool, pytest.raises(PlanWorkerError, match="exited with status 5"):
+        run_jobs([0, 1, 2], job, pool)
+
+
 def _gpt_case():
     return make_case("gpt", "linen", sgd_momentum_clip(), value_and_grad=autopar.value_and_grad,
                      gpt_config=GPT4, batch_size=16)
