@@ -57,7 +57,7 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
     """`[fn(job) for job in jobs]`, with the jobs' ILP solves spread over `pool` (in this
     process, one job after another, when the pool has one worker or is None)."""
     if pool is None or pool.inline or not jobs:
-        return [fn(job) for job in jobs]
+        return _in_process(jobs, fn, what)
     _install()
     if getattr(_state, "calls", None) is not None:
         raise RuntimeError("run_jobs is not reentrant")
@@ -90,6 +90,22 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
     log.info("autopar: %s: %d done in %.2f s (%d runs): %d ILP calls in %d worker "
              "processes, %.2f s of solving", what, len(jobs), time.perf_counter() - t0,
              runs, pool.num_calls - calls0, pool.workers, pool.busy_s - busy0)
+    return results
+
+
+def _in_process(jobs: Sequence, fn: Callable, what: str) -> list:
+    """The sequential reference: one job after another, progress at most every 10 s."""
+    t0 = said = time.perf_counter()
+    results = []
+    for job in jobs:
+        results.append(fn(job))
+        if time.perf_counter() - said > 10.0:
+            said = time.perf_counter()
+            log.info("autopar: %s: %d of %d done, %.0f s (in this process)", what,
+                     len(results), len(jobs), said - t0)
+    if jobs:
+        log.info("autopar: %s: %d done in %.2f s in this process", what, len(jobs),
+                 time.perf_counter() - t0)
     return results
 
 
