@@ -133,7 +133,7 @@ def section(res: dict) -> str:
             f"| {r['key']} | {ALL[r['key']].gpus} | {r['layers']} | {r['m']} | {r['shapes']} "
             f"| {r['workers']} | {_cell(r)} | {pl.get('num_ilps', '–')} / "
             f"{pl.get('num_reused', '–')} | {tflops} | {load[0]} | {speed} |")
-    lines += ["", f"<!-- {KEY}:end -->"]
+    lines += [""] + [f"- {n}" for n in res.get("notes", [])] + ["", f"<!-- {KEY}:end -->"]
     return "\n".join(lines)
 
 

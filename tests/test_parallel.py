@@ -95,6 +95,17 @@ def test_unpicklable_arguments_are_a_clear_error():
         assert pool.submit(len, [1, 2]).result(timeout=30) == 2
 
 
+def test_a_call_the_worker_cannot_load_is_a_clear_error():
+    with PlanPool(2) as pool:       # this test module is not importable in a worker
+        with pytest.raises(PlanWorkerError, match="cannot load its call"):
+            pool.submit(_local_fn).result(timeout=30)
+        assert pool.submit(len, "ab").result(timeout=30) == 2     # the worker lives on
+
+
+def _local_fn():
+    return 0
+
+
 def test_close_stops_busy_workers():
     pool = PlanPool(2)
     busy = pool.submit(eval, "__import__('time').sleep(60)")

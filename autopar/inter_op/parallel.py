@@ -152,9 +152,16 @@ class PlanPool:
     def _start(self) -> None:
         level = logging.getLogger("autopar").getEffectiveLevel()
         for n in range(self.workers):
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT, str(level)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    close_fds=True)
+            try:
+                proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT, str(level)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        close_fds=True)
+            except OSError as e:
+                self._closed = True
+                raise PlanWorkerError(
+                    f"cannot start planning worker process {n + 1} of {self.workers} with "
+                    f"{sys.executable!r}: {e}. Fix: workers=1 (AutoStageOption or "
+                    f"{ENV_WORKERS}) to plan in this process.") from e
             self._procs.append(proc)
             th = threading.Thread(target=self._feed, args=(proc,), daemon=True,
                                   name=f"autopar-plan-worker-{n}")
@@ -322,11 +329,15 @@ def serve(level: int = logging.WARNING) -> None:
     root.setLevel(level)
     while True:
         try:
-            fn, args, kwargs = pickle.loads(_read(inp))
+            data = _read(inp)
         except EOFError:
             return
         handler.records = []
         t0 = time.perf_counter()
+        try:
+            fn, args, kwargs = pickle.loads(data)
+        except Exception as e:            # noqa: BLE001 -- e.g. a module it cannot import
+            fn, args, kwargs = _unloadable, (e,), {}
         try:
             answer = (True, fn(*args, **kwargs))
         except Exception as e:            # noqa: BLE001 -- raised again in the parent
@@ -339,6 +350,13 @@ def serve(level: int = logging.WARNING) -> None:
                 f"the result of {_name(fn)} cannot be sent back from its worker: "
                 f"{type(e).__name__}: {e}"), handler.records, 0.0))
         _write(out, payload)
+
+
+def _unloadable(e: Exception):
+    raise PlanWorkerError(
+        f"a planning worker cannot load its call ({type(e).__name__}: {e}); a worker imports "
+        "only autopar's inter_op and intra_op modules and installed packages. Fix: call a "
+        "function of those, or use workers=1.")
 
 
 def _picklable(e: Exception) -> Exception:
