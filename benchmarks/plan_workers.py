@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import sys
 import time
 
@@ -68,7 +69,14 @@ def _worker(args) -> None:
         stage_option=autopar.AutoStageOption(logical_shapes=args.shapes_,
                                              workers=args.workers_))
     out.data["t0"] = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     out.data.update(plan_once(step, state, spec, cluster, method, flops, cfg.gpus))
+    # CPU seconds of the planner (this process) and of its finished worker processes: what
+    # the planning costs apart from the machine's load.
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out.data.update(cpu_s=cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+                    worker_cpu_s=kids.ru_utime + kids.ru_stime)
     out.save()
 
 
@@ -115,9 +123,9 @@ def section(res: dict) -> str:
              "workers=W))`; each plan in its own process with a time limit. Wall time is "
              "`autopar.plan`'s, tracing included. The machine has 2 cores shared with other "
              "work: the load average at each run's start is given.", "",
-             "| config | GPUs | K | M | S | W | outcome | ILPs solved / reused | predicted "
-             "TFLOPS/GPU | load | speed-up vs W=1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | GPUs | K | M | S | W | outcome | CPU s: planner + workers | ILPs "
+             "solved / reused | predicted TFLOPS/GPU | load | speed-up vs W=1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in res["runs"]:
         k = (r["key"], r["layers"], r["m"], r["shapes"])
@@ -129,9 +137,11 @@ def section(res: dict) -> str:
                  else "–")
         tflops = f"{r['tflops']:.1f}" if "tflops" in r else "–"
         load = r.get("load") or ["–"]
+        cpu = (f"{r['cpu_s']:.0f} + {r['worker_cpu_s']:.0f}" if "cpu_s" in r else
+               "not measured")
         lines.append(
             f"| {r['key']} | {ALL[r['key']].gpus} | {r['layers']} | {r['m']} | {r['shapes']} "
-            f"| {r['workers']} | {_cell(r)} | {pl.get('num_ilps', '–')} / "
+            f"| {r['workers']} | {_cell(r)} | {cpu} | {pl.get('num_ilps', '–')} / "
             f"{pl.get('num_reused', '–')} | {tflops} | {load[0]} | {speed} |")
     lines += [""] + [f"- {n}" for n in res.get("notes", [])] + ["", f"<!-- {KEY}:end -->"]
     return "\n".join(lines)
