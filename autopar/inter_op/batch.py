@@ -11,8 +11,12 @@ at once, and its next call goes out. A job's computation is the sequential one, 
 the same ILP answers, so the results do not depend on the number of workers; building (in this
 process) overlaps with solving (in the workers). Jobs asking the same (key, n) share one call.
 
-Only calls inside a scope of a running `run_jobs`, in its thread, are deferred; every other
-call of `solve_ilp` / `min_peak_memory` runs as before.
+To see those calls, the first `run_jobs` with workers replaces the names `solve_ilp` and
+`min_peak_memory` in `autopar.intra_op.solve` (once per process) by wrappers: only calls
+inside a scope of a running `run_jobs`, in its thread, are deferred; every other call runs the
+real function, as before. (A seam in `intra_op.solve` taking the solver as an argument would
+replace this.) Caveat: an ILP stopped by its time limit returns the best plan found by then,
+which depends on the machine's load, with or without workers.
 
 Example:
     >>> with PlanPool(2) as pool:
