@@ -277,9 +277,16 @@ class AutoStageOption:
       max_stages: cap on the number of pipeline stages (None: up to the number of layers).
       logical_shapes: which logical views of a submesh of n devices the DP tries:
         "all" tries every 2-D factorization (a x b = n), "flat" only (1, n) and (n, 1).
+      workers: worker processes that solve the layers' ILPs (the plan is the same with any
+        number); 1 solves them in this process; None: the environment variable
+        AUTOPAR_PLAN_WORKERS, else the CPU count less one (at most 16).
+
+    Example:
+        >>> autopar.AutoStageOption(logical_shapes="flat", workers=2)
     """
     max_stages: int | None = None
     logical_shapes: str = "all"
+    workers: int | None = None
 
     def __post_init__(self):
         if self.max_stages is not None and (not isinstance(self.max_stages, int)
@@ -290,6 +297,10 @@ class AutoStageOption:
         if self.logical_shapes not in ("all", "flat"):
             raise InvalidArgumentError(f"AutoStageOption.logical_shapes="
                                        f"{self.logical_shapes!r} must be 'all' or 'flat'.")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(
+                self.workers, int) or self.workers < 1):
+            raise InvalidArgumentError(f"AutoStageOption.workers={self.workers!r} must be None "
+                                       "or an int >= 1 (1: plan in this process).")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

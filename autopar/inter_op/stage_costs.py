@@ -11,6 +11,7 @@ import logging
 import numpy as np
 
 from ..errors import InfeasiblePlanError, InvalidArgumentError
+from .batch import run_jobs
 from .pipeline import slice_range
 from .stage_dp import StageCosts, solve_stage_dp
 from .stage_solve import StageSolution, is_float, stage_io
@@ -111,21 +112,28 @@ def try_dp(dp, options, budget, **kw):
         return None
 
 
-def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio):
+def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
+                  pool=None):
     """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
     plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean;
-    under one rematerialization); inf latency where it gives none."""
+    under one rematerialization), and the plans; inf latency where it gives none. The jobs'
+    ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
+    number)."""
     shape = (len(boundaries) - 1, len(pairs))
     lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
     sols = [[None] * shape[1] for _ in range(shape[0])]
-    for l in range(shape[0]):
-        sl = slice_range(loss, boundaries[l], boundaries[l + 1], l)
-        for p, (k, v) in enumerate(pairs):
-            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            sol = sols[l][p] = solve(sl, sub, shapes_per_k[k][v])
-            if sol is not None:
-                lat[l, p], static[l, p] = sol.latency_s, static_bytes(sol, opt_ratio)
-                act[l, p] = sol.activation_bytes
+    slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
+    jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs))]
+
+    def job(lp):
+        k, v = pairs[lp[1]]
+        sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
+        return solve(slices[lp[0]], sub, shapes_per_k[k][v])
+    for (l, p), sol in zip(jobs, run_jobs(jobs, job, pool, "layer plans")):
+        sols[l][p] = sol
+        if sol is not None:
+            lat[l, p], static[l, p] = sol.latency_s, static_bytes(sol, opt_ratio)
+            act[l, p] = sol.activation_bytes
     return lat, static, act, sols
 
 

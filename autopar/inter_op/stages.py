@@ -27,6 +27,8 @@ from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, Sh
                        UniformStageOption)
 from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
+from .batch import ilp_scope
+from .parallel import PlanPool, plan_workers
 from .pipeline import LossGraph, StageSlice, slice_range
 from .remat import Remat, choices_of, with_remat
 from .stage_costs import (boundary_costs, latency, layer_options, reranked, run_dp,
@@ -88,6 +90,7 @@ class _Solver:
         self.problems: dict = {}
         self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
         self.num_ilps = self.num_reused = self.num_replayed = 0
+        self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
         self.opt_ratio = _opt_ratio(loss.step)
 
@@ -147,12 +150,13 @@ class _Solver:
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
-        self.num_ilps += 1
         try:
-            sol = solve()
+            with ilp_scope(key):      # in a batch (batch.run_jobs), its ILPs go to the pool
+                sol = solve()
         except InfeasiblePlanError as e:
             sol = None
             self._need(sl, e.needed_bytes)
+        self.num_ilps += 1
         self.cache[key] = sol
         return sol
 
@@ -181,7 +185,8 @@ class _Solver:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
         prob, key = self.problem(sl, submesh, shape, remat)
         if (key, "least") not in self.cache:
-            self.cache[(key, "least")] = prob.least_bytes()
+            with ilp_scope((key, "least")):
+                self.cache[(key, "least")] = prob.least_bytes()
         least = self.cache[(key, "least")]
         if least > self.budget:                        # no plan of it fits the device
             self._need(sl, least)
@@ -385,8 +390,9 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   budget, _stage_remats(method, option, s),
                                   _stage_zeros(option, s, pipeline))
     else:
-        stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver, budget,
-                           pipeline)
+        with PlanPool(plan_workers(option.workers)) as solver.pool:
+            stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver,
+                               budget, pipeline)
     stages = _with_peaks(stages, loss, method, budget)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
@@ -441,7 +447,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     def add(remat: Remat, lean: bool):
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
         lat, static, act, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
-                                                pairs, solve, solver.opt_ratio)
+                                                pairs, solve, solver.opt_ratio, solver.pool)
         bound = boundary_costs(loss, boundaries, sols, meshes)
         kinds.append((remat, lean, False))
         options.append((lat, static, act, bound))
