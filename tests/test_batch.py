@@ -2,13 +2,15 @@
 jobs' results equal the sequential ones and shared calls are solved once; a small GPT pipeline
 gets the same plan with 1 and 2 workers, and the one planned with 2 trains like `jax.jit` on
 one device; a worker error reaches the planner."""
+import functools
+
 import jax
 import numpy as np
 import pytest
 
 import autopar
-from autopar.intra_op import solve as solve_mod
-from autopar.intra_op.ilp import IlpEdge, IlpProblem
+from autopar.intra_op.ilp import IlpEdge, IlpProblem, min_peak_memory, solve_ilp
+from autopar.intra_op.solve import ilp_call
 from autopar.inter_op.batch import ilp_scope, run_jobs
 from autopar.inter_op.parallel import PlanPool
 from models.gpt import GPTConfig
@@ -28,9 +30,9 @@ def _job(seed):
     """Two dependent ILP calls (the second's problem depends on the first's answer), as a
     stage solve makes; jobs with equal seeds share their calls."""
     with ilp_scope(("job", seed)):
-        first = solve_mod.solve_ilp(_problem(seed))
-        second = solve_mod.solve_ilp(_problem(seed + 100 + first.choice[0]))
-        least = solve_mod.min_peak_memory(_problem(seed))
+        first = ilp_call(solve_ilp, _problem(seed))
+        second = ilp_call(solve_ilp, _problem(seed + 100 + first.choice[0]))
+        least = ilp_call(min_peak_memory, _problem(seed))
     return first.choice, second.choice, least
 
 
@@ -47,15 +49,15 @@ def test_jobs_match_the_sequential_results_and_share_calls():
 
 def test_calls_outside_a_scope_or_a_batch_run_here():
     with PlanPool(2) as pool:
-        got = run_jobs([0], lambda s: solve_mod.solve_ilp(_problem(s)).choice, pool)
+        got = run_jobs([0], lambda s: ilp_call(solve_ilp, _problem(s)).choice, pool)
         assert pool.num_calls == 0                 # no scope: solved in this process
-    assert got == [solve_mod.solve_ilp(_problem(0)).choice]
+    assert got == [solve_ilp(_problem(0)).choice]
 
 
 def test_a_workers_exception_reaches_the_job():
     def job(_):
         with ilp_scope("bad"):
-            return solve_mod.solve_ilp(_problem(0), time_limit_s=-1.0)
+            return ilp_call(solve_ilp, _problem(0), time_limit_s=-1.0)
     with PlanPool(2) as pool, pytest.raises(autopar.InvalidArgumentError, match="time_limit"):
         run_jobs([0, 1], job, pool)
 
@@ -64,11 +66,11 @@ def test_a_dead_worker_stops_the_batch_with_a_clear_error():
     import os
     from autopar.inter_op.batch import _deferred
     from autopar.inter_op.parallel import PlanWorkerError
-    die = _deferred(os._exit)                     # as a deferred ILP call would go out
+    die = functools.partial(_deferred, os._exit)  # as a deferred ILP call would go out
 
     def job(n):
         with ilp_scope(("job", n)):
-            return die(5) if n == 1 else solve_mod.solve_ilp(_problem(n)).choice
+            return die(5) if n == 1 else ilp_call(solve_ilp, _problem(n)).choice
     with PlanPool(2) as pool, pytest.raises(PlanWorkerError, match="exited with status 5"):
         run_jobs([0, 1, 2], job, pool)
 

@@ -11,11 +11,9 @@ at once, and its next call goes out. A job's computation is the sequential one, 
 the same ILP answers, so the results do not depend on the number of workers; building (in this
 process) overlaps with solving (in the workers). Jobs asking the same (key, n) share one call.
 
-To see those calls, the first `run_jobs` with workers replaces the names `solve_ilp` and
-`min_peak_memory` in `autopar.intra_op.solve` (once per process) by wrappers: only calls
-inside a scope of a running `run_jobs`, in its thread, are deferred; every other call runs the
-real function, as before. (A seam in `intra_op.solve` taking the solver as an argument would
-replace this.) Caveat: an ILP stopped by its time limit returns the best plan found by then,
+The calls are seen through `intra_op.solve.ILP_CALL`, set for the batch's duration: only
+calls inside a scope of a running `run_jobs`, in its thread, are deferred; every other call
+runs the real function. Caveat: an ILP stopped by its time limit returns the best plan found by then,
 which depends on the machine's load, with or without workers.
 
 Example:
@@ -25,13 +23,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Callable, Hashable, Sequence
 
+from ..intra_op.solve import ILP_CALL
 from .parallel import PlanPool
 
 log = logging.getLogger(__name__)
@@ -62,13 +60,13 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
     process, one job after another, when the pool has one worker or is None)."""
     if pool is None or pool.inline or not jobs:
         return _in_process(jobs, fn, what)
-    _install()
     if getattr(_state, "calls", None) is not None:
         raise RuntimeError("run_jobs is not reentrant")
     t0, calls0, busy0 = time.perf_counter(), pool.num_calls, pool.busy_s
     results: list = [None] * len(jobs)
     todo, waiting, runs, said = list(range(len(jobs))), {}, 0, t0
     _state.calls, _state.pool = {}, pool
+    token = ILP_CALL.set(_deferred)
     try:
         while True:
             for i in todo:            # in job order; a stopped job waits on one call
@@ -90,6 +88,7 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
             for i in todo:
                 del waiting[i]
     finally:
+        ILP_CALL.reset(token)
         _state.calls = _state.scope = _state.pool = None
     log.info("autopar: %s: %d done in %.2f s (%d runs): %d ILP calls in %d worker "
              "processes, %.2f s of solving", what, len(jobs), time.perf_counter() - t0,
@@ -113,33 +112,17 @@ def _in_process(jobs: Sequence, fn: Callable, what: str) -> list:
     return results
 
 
-def _deferred(real: Callable) -> Callable:
-    """`real` (an ILP function of autopar.intra_op.ilp), deferred inside a scope."""
-    @functools.wraps(real)
-    def call(problem, *args, **kwargs):
-        calls, scope = getattr(_state, "calls", None), getattr(_state, "scope", None)
-        if calls is None or scope is None:
-            return real(problem, *args, **kwargs)
-        key = (scope[0], scope[1])
-        scope[1] += 1
-        fut: Future | None = calls.get(key)
-        if fut is None:
-            fut = calls[key] = _state.pool.submit(real, problem, *args, **kwargs)
-        if not fut.done():
-            raise _Pending(key)
-        return fut.result()
-    call._autopar_deferred = True
-    return call
-
-
-_install_lock = threading.Lock()
-
-
-def _install() -> None:
-    """Route autopar.intra_op.solve's ILP calls through `_deferred` (once per process)."""
-    from ..intra_op import solve as solve_mod
-    with _install_lock:
-        for name in ("solve_ilp", "min_peak_memory"):
-            fn = getattr(solve_mod, name)
-            if not getattr(fn, "_autopar_deferred", False):
-                setattr(solve_mod, name, _deferred(fn))
+def _deferred(real: Callable, problem, *args, **kwargs):
+    """`real(problem, ...)` (an ILP function of autopar.intra_op.ilp), deferred inside a scope
+    (`intra_op.solve.ILP_CALL` during `run_jobs`)."""
+    calls, scope = getattr(_state, "calls", None), getattr(_state, "scope", None)
+    if calls is None or scope is None:
+        return real(problem, *args, **kwargs)
+    key = (scope[0], scope[1])
+    scope[1] += 1
+    fut: Future | None = calls.get(key)
+    if fut is None:
+        fut = calls[key] = _state.pool.submit(real, problem, *args, **kwargs)
+    if not fut.done():
+        raise _Pending(key)
+    return fut.result()

@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..errors import AutoparError, InvalidArgumentError
 

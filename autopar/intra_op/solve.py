@@ -1,10 +1,12 @@
 """The intra-op pass: OpGraph + logical mesh + method -> ShardingAssignment."""
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -24,6 +26,17 @@ from .layers import find_family, group_keys, tie, tied_problem
 from .rules import RuleContext
 
 log = logging.getLogger(__name__)
+
+# The one seam every ILP solve of this module goes through: `fn(problem, ...)` (an
+# `intra_op.ilp` function of numpy arrays), or what `inter_op.batch.run_jobs` sets for its
+# jobs (their solves deferred to worker processes).
+ILP_CALL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "autopar_ilp_call", default=None)
+
+
+def ilp_call(fn: Callable, problem, *args, **kwargs):
+    call = ILP_CALL.get()
+    return fn(problem, *args, **kwargs) if call is None else call(fn, problem, *args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,14 +106,14 @@ def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple
     family = find_family(graph) if method.layer_reuse != LayerReuse.NEVER else None
     big = sum(1 for k in built.group_size if k > 1) >= 300
     if family is None or (method.layer_reuse == LayerReuse.AUTO and not big):
-        return solve_ilp(built.problem, **kw), ""
+        return ilp_call(solve_ilp, built.problem, **kw), ""
     keys = group_keys(graph, built.owners, family[0], built.signatures())
     # Period 2 lets consecutive layers alternate (Megatron pairs) and contains every
     # period-1 plan, so one solve suffices.
     tying = tie(keys, 2, *family)
-    sol = solve_ilp(tied_problem(built.problem, tying), **kw)
+    sol = ilp_call(solve_ilp, tied_problem(built.problem, tying), **kw)
     if sol.status == SolveStatus.INFEASIBLE:  # the untied ILP decides (and reports)
-        return solve_ilp(built.problem, **kw), "tied layers infeasible; solved untied"
+        return ilp_call(solve_ilp, built.problem, **kw), "tied layers infeasible; solved untied"
     choice = tuple(int(sol.choice[r]) for r in tying.rep)
     note = (f"{tying.num_layers} x {tying.family}_* solved once (period {tying.period}), "
             f"{tying.num_tied} variables tied")
@@ -190,7 +203,7 @@ def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> flo
     problem = p.built.problem
     if held:
         problem = with_extra_bytes(problem, _held_bytes(p.graph, p.built, p.mesh.shape, held))
-    return min_peak_memory(problem, backend=p.method.solver,
+    return ilp_call(min_peak_memory, problem, backend=p.method.solver,
                            time_limit_s=p.method.solver_time_limit_s)[0]
 
 
