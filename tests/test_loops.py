@@ -362,5 +362,8 @@ def test_scanned_gpt_gets_its_unrolled_twins_plan():
     mine, twin = block_strategies(scanned), block_strategies(unrolled)
     assert len(mine) >= 10 and mine == twin
     assert any("model" in s for s in mine.values())          # tensor parallel inside
-    assert scanned.predicted_compute_s == pytest.approx(unrolled.predicted_compute_s, rel=0.02)
+    # Within 5%: under the fusion-aware costs the scan's carry and its sliced weights cross
+    # the loop boundary through memory (XLA's while loop materializes them every iteration),
+    # where the unrolled twin fuses the residual stream into the next block's first kernel.
+    assert scanned.predicted_compute_s == pytest.approx(unrolled.predicted_compute_s, rel=0.05)
     assert scanned.predicted_comm_s == pytest.approx(unrolled.predicted_comm_s, rel=0.02)

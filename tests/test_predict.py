@@ -334,6 +334,9 @@ def test_compiled_collectives_are_the_predicted_ones(cases, capfd, name, mesh_sh
                      reduce_scatter_as_all_reduce=jax.default_backend() == "cpu")
     assert result.ok, (result.problems, result.table())
     assert "predicted collectives: " in autopar.dump(plan)
-    if name in ("gpt", "wide_resnet", "bert"):      # sizes chosen so that plans reshard
+    # Sizes chosen so that plans reshard. The tiny GPT on 1 x 8 is plain data parallel under
+    # the fusion-aware costs (its replicated Adam update is no longer overcharged), so only
+    # its 2 x 4 plan is held to resharding.
+    if name in ("wide_resnet", "bert") or (name == "gpt" and mesh_shape == (2, 4)):
         assert any(c.tensor >= 0 and c.kind in ("all-gather", "all-to-all")
                    for c in plan.collectives), result.table()
