@@ -20,10 +20,9 @@ from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..frontend.loops import stacked_tensors
+from ..frontend.loops import stacked_tensors, stacks_born_early
 from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
-from .memory import schedule
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,21 +339,30 @@ class _Builder:
         if budget is None:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
-        events = schedule(g)                  # the events `solve.peak_memory` walks
+        last = g.last_use()
+        dies_at: dict[int, list[int]] = {}
+        for t in g.tensors:
+            if last[t.id] >= 0 and t.kind != TensorKind.CONST:
+                dies_at.setdefault(last[t.id], []).append(t.id)
         tracker = _LiveBytes(self, mesh)
-        for t in events.start:
-            tracker.add(t)
+        for t in g.inputs:
+            if last[t] >= 0:
+                tracker.add(t)
+        early: dict[int, list[int]] = {}      # a loop's stacked ys exist from its start
+        for t, at in stacks_born_early(g).items():
+            early.setdefault(at, []).append(t)
         points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                for o in events.born.get(i, ()):
-                    tracker.add(o)
-                    grown = True
-            if (i in events.freed or i == n) and grown:
+                for o in (*early.get(i, ()), *g.nodes[i].outputs):
+                    if last[o] >= 0:
+                        tracker.add(o)
+                        grown = True
+            if (i in dies_at or i == n) and grown:
                 grown = False
                 if tracker.worst > budget:
                     points.append(tracker.point())
-            for t in events.freed.get(i, ()):
+            for t in dies_at.get(i, ()):
                 tracker.remove(t)
         return points
 

@@ -11,6 +11,7 @@ import numpy as np
 from ..cluster import LogicalMesh
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
+from ..frontend.loops import stacks_born_early
 from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec, num_shards
@@ -20,7 +21,6 @@ from .constraints import method_input_options, method_tensor_rule
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
                   with_extra_bytes)
 from .layers import find_family, group_keys, tie, tied_problem
-from .memory import schedule
 from .rules import RuleContext
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,25 @@ class ShardingAssignment:
 
 
 def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
-    """Max over the schedule (node order) of the bytes per device of live buffers: the
-    arguments and results throughout, the temporaries XLA materializes from producer to last
-    use (`memory.schedule`; the ILP's memory points walk the same events)."""
+    """Max over the schedule (node order) of the bytes per device of live tensors."""
+    last = graph.last_use()
     per = [t.nbytes / num_shards(specs[t.id], mesh_shape) if t.kind != TensorKind.CONST else 0.0
            for t in graph.tensors]
-    events = schedule(graph)
-    live = peak = sum(per[t] for t in events.start)
+    dies: dict[int, float] = {}
+    for t in graph.tensors:
+        if last[t.id] >= 0:
+            dies[last[t.id]] = dies.get(last[t.id], 0.0) + per[t.id]
+    live = sum(per[t] for t in set(graph.inputs) if last[t] >= 0)
+    peak = live
+    early = stacks_born_early(graph)      # a loop's stacked ys exist from its first node
+    born: dict[int, list[int]] = {}
+    for t, at in early.items():
+        born.setdefault(at, []).append(t)
     for node in graph.nodes:
-        live += sum(per[t] for t in events.born.get(node.id, ()))
+        made = [o for o in node.outputs if o not in early] + born.get(node.id, [])
+        live += sum(per[o] for o in made if last[o] >= 0)
         peak = max(peak, live)
-        live -= sum(per[t] for t in events.freed.get(node.id, ()))
+        live -= dies.get(node.id, 0.0)
     return peak
 
 
