@@ -146,10 +146,11 @@ def _worker(out_path: str, scheduler: str) -> None:
             par = autopar.parallelize(step, mesh=mesh, plan_cache=False,
                                       method=autopar.ShardParallel(remat=remat))
             row["predicted"] = float(par.get_plan(state, batch).peak_memory_bytes)
-            m = par.get_compiled(state, batch).memory_analysis()
+            compiled = par.get_compiled(state, batch)
+            m = compiled.memory_analysis()
             row.update(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
-                       temp=m.temp_size_in_bytes, alias=m.alias_size_in_bytes)
-            row["compiled"] = (row["argument"] + row["output"] + row["temp"] - row["alias"])
+                       temp=m.temp_size_in_bytes, alias=m.alias_size_in_bytes,
+                       compiled=compiled_bytes(compiled))
         except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
