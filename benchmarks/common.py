@@ -104,7 +104,7 @@ def revision_text(start: str | None, end: str | None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper", "loops",
-                "real_world", "ilp", "plan_workers")   # in the order they appear
+                "real_world", "ilp", "plan_workers", "memory")   # in the order they appear
 
 
 def markers(key: str) -> tuple[str, str]:

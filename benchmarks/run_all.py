@@ -44,6 +44,7 @@ import sys
 import time
 
 import loops as loops_bench               # benchmarks/loops.py (this script's folder)
+import memory as memory_bench             # benchmarks/memory.py (this script's folder)
 import methods as methods_bench           # benchmarks/methods.py (this script's folder)
 import real_world as real_world_bench     # benchmarks/real_world.py (this script's folder)
 import multihost as multihost_bench       # benchmarks/multihost.py (this script's folder)
@@ -506,6 +507,8 @@ def main(argv=None) -> int:
         others["loops"] = loops_bench.section(loops_bench.run(), args.cmdline)
         _progress("real-world section ...")
         others["real_world"] = real_world_bench.section(real_world_bench.run(), args.cmdline)
+        _progress("memory section ...")
+        others["memory"] = memory_bench.section(memory_bench.run(), args.cmdline)
         _save(text, args.out, others)
     _progress(f"wrote {args.out}")
     print(text)
