@@ -172,6 +172,15 @@ def read_section(path: str, key: str) -> str | None:
     return None
 
 
+def results(args, run) -> dict:
+    """A script's results: read from `--from-json` (re-rendering saved results), else
+    `run(args)`."""
+    if args.from_json:
+        with open(args.from_json) as f:
+            return json.load(f)
+    return run(args)
+
+
 def write_section(text: str, path: str, key: str) -> None:
     """Put the `key` section into `path`: replace the old one, else insert it before `## GPU`,
     else append."""

@@ -33,7 +33,8 @@ import os
 import sys
 import time
 
-from common import Saver, load_avg, progress, run_case, setup_worker, source_revision, utc_now
+from common import (Saver, load_avg, progress, results, run_case, setup_worker, source_revision,
+                    utc_now)
 from paper_configs import (ALL, DEFAULT, FAMILIES, PRESET, SCALE_AUTO_LAYERS, SCALE_BATCH, SCALE_CFG,
                            SCALE_HOSTS, SCALE_LAYERS, SCALE_MICROBATCHES, auto_microbatches,
                            cluster_shape, manual_stage_layout, megatron_grid)
@@ -371,11 +372,7 @@ def main(argv=None) -> int:
         return 0
     args.cmdline = ("benchmarks/paper.py " + " ".join(
         sys.argv[1:] if argv is None else argv)).strip()
-    if args.from_json:
-        with open(args.from_json) as f:
-            res = json.load(f)
-    else:
-        res = run(args)
+    res = results(args, run)
     text = write_outputs(res, args.out, args.plot)
     _progress(f"wrote the paper section of {args.out}")
     print(text)

@@ -41,8 +41,8 @@ import sys
 import time
 
 from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, gpt_state_fn,
-                    gpt_train_step, load_avg, progress, run_case, setup_worker, source_revision,
-                    utc_now)
+                    gpt_train_step, load_avg, progress, results, run_case, setup_worker,
+                    source_revision, utc_now)
 from pipeline_report import (PLAN_CFG, PLAN_FALLBACK_BATCH, PLAN_MICROBATCHES, PRESET, RUN_BATCH,
                              RUN_CFG, RUN_MICROBATCHES, _short, section, write_section)
 
@@ -446,11 +446,7 @@ def main(argv=None) -> int:
         return 0
     args.cmdline = ("benchmarks/pipeline.py " + " ".join(
         sys.argv[1:] if argv is None else argv)).strip()
-    if args.from_json:
-        with open(args.from_json) as f:
-            res = json.load(f)
-    else:
-        res = run(args)
+    res = results(args, run)
     text = section(res)
     write_section(text, args.out)
     _progress(f"wrote the pipeline section of {args.out}")

@@ -24,7 +24,7 @@ import resource
 import sys
 import time
 
-from common import (DEFAULT_OUT, Saver, load_avg, progress, run_case, setup_worker,
+from common import (DEFAULT_OUT, Saver, load_avg, progress, results, run_case, setup_worker,
                     source_revision, utc_now, write_section)
 from paper_configs import ALL, GPT
 
@@ -169,11 +169,7 @@ def main(argv=None) -> int:
         return 0
     args.cmdline = "benchmarks/plan_workers.py " + " ".join(argv if argv is not None
                                                             else sys.argv[1:])
-    if args.from_json:
-        with open(args.from_json) as f:
-            res = json.load(f)
-    else:
-        res = run(args)
+    res = results(args, run)
     text = section(res)
     write_section(text, args.out, KEY)
     print(text)
