@@ -9,7 +9,7 @@ import pytest
 import autopar
 from autopar.graph import RematRegion
 from autopar.inter_op.remat import (CONCRETE, LossRemat, Remat, candidates, choices_of,
-                                    per_layer, policy_of, remat_expand, run_forward,
+                                    policy_of, remat_expand, run_forward,
                                     with_remat)
 from autopar.trace import trace
 from steps import assert_equivalent, long_lm_case, mesh_of, run_steps
@@ -81,14 +81,12 @@ def test_rematerialized_forward_gives_the_same_gradient_behind_a_barrier(choice)
     assert "optimization_barrier" not in plain
 
 
-def test_per_layer_and_candidates():
-    assert per_layer((0, 3, 5, 9), ((0, 1), (2, 2)), ("full", "none")) == (
-        Remat.FULL, Remat.FULL, Remat.NONE)
+def test_candidates_and_loss_remat_record():
     cands = candidates(2)
     assert cands[0] == (Remat.SELECTIVE, Remat.NONE) and cands[-1] == (Remat.FULL,) * 2
     assert len(cands) == 4 and len(set(cands)) == 4
     r = LossRemat(boundaries=(0, 4, 9), choices=(Remat.FULL, Remat.NONE))
-    assert LossRemat.from_json(r.to_json()) == r and r.active
+    assert LossRemat.from_json(r.to_json()) == r
 
 
 def test_remat_expand_checks_the_loss_it_was_made_for():

@@ -91,15 +91,6 @@ def with_remat(forward: OpGraph, boundaries: Sequence[int],
     return dataclasses.replace(forward, nodes=tuple(nodes))
 
 
-def per_layer(boundaries: Sequence[int], spans: Sequence[tuple[int, int]],
-              stage_choices: Sequence[Remat]) -> tuple[Remat, ...]:
-    """Per layer, the choice of the stage whose (first, last) layer span holds it."""
-    out = [Remat.NONE] * (len(boundaries) - 1)
-    for (first, last), choice in zip(spans, stage_choices):
-        out[first:last + 1] = [Remat.of(choice)] * (last - first + 1)
-    return tuple(out)
-
-
 def run_forward(forward: OpGraph, *args):
     """Evaluate `forward` on its inputs (re-emitting its equations, remat regions under
     `jax.checkpoint`); its outputs in order."""
@@ -126,10 +117,6 @@ class LossRemat:
     def from_json(cls, d: dict) -> "LossRemat":
         return cls(boundaries=tuple(int(b) for b in d["layer_boundaries"]),
                    choices=tuple(Remat.of(c) for c in d["layers"]))
-
-    @property
-    def active(self) -> bool:
-        return any(c != Remat.NONE for c in self.choices)
 
 
 def loss_forward(jaxpr: jcore.ClosedJaxpr) -> OpGraph:
