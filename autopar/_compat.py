@@ -24,6 +24,7 @@ INLINE_BODY_PARAM = {
     prims.custom_jvp_call_p.name: "call_jaxpr",
     prims.custom_vjp_call_p.name: "call_jaxpr",
     prims.remat_p.name: "jaxpr",
+    prims.closed_call_p.name: "call_jaxpr",    # e.g. a scan's body, differentiated under remat
 }
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 REMAT = prims.remat_p.name

@@ -103,14 +103,17 @@ def _run_remat(graph, nodes, env, constrain, reshard, entered, region) -> None:
     inside = set(produced)
     reads = list(dict.fromkeys(t for n in nodes for t in n.inputs if t not in inside))
 
+    made: list[int] = []      # the values the region makes (a loop's body values stay inside)
+
     def body(*values):
         local = dict(zip(reads, values))
         _run(graph, nodes, local, constrain, reshard, entered)
-        return [local[t] for t in produced]
+        made[:] = [t for t in produced if t in local]
+        return [local[t] for t in made]
 
     outs = jax.checkpoint(body, policy=region.policy, prevent_cse=region.prevent_cse)(
         *(env[t] for t in reads))
-    env.update(zip(produced, outs))
+    env.update(zip(made, outs))
 
 
 def _run(graph, nodes, env, constrain, reshard, entered) -> None:

@@ -100,3 +100,96 @@ def test_loss_layers_follow_repeated_blocks(blocks, layers):
 def test_loss_layers_of_a_step_without_the_marker():
     plain, plain_state, plain_batches = make_case("mlp", "linen", sgd_momentum_clip())
     assert loss_layers(trace(plain, (plain_state, plain_batches[0]), keep_grad=True)) is None
+
+
+# --- users' styles: NNX modules in place, a scanned layer stack ---------------------------
+
+def test_nnx_in_place_step_recomputes_and_matches_nnx_jit():
+    """An NNX model updated in place (`nnx.Optimizer`), the gradient by
+    `autopar.value_and_grad(loss)(model, batch)`: remat='full' checkpoints its layers and the
+    step still equals nnx.jit's (with nnx.value_and_grad)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(4)])
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = nnx.gelu(layer(x))
+            return self.head(x)
+
+    def loss(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    def make_step(vg):
+        def step(model, optimizer, batch):
+            value, grads = vg(loss)(model, batch)
+            optimizer.update(model, grads)
+            return value
+        return step
+
+    def objects():
+        model = Stack(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+
+    key = jax.random.key(5)
+    batches = [{"x": jax.random.normal(jax.random.fold_in(key, i), (16, 16)),
+                "y": jax.random.normal(jax.random.fold_in(key, 9 + i), (16, 4))}
+               for i in range(3)]
+    ref, got = objects(), objects()
+    par = autopar.parallelize(make_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
+                              batch_argnums=(2,), method=autopar.ShardParallel(remat="full"))
+    plan = par.get_plan(*got, batches[0])
+    assert set(plan.remat["layers"]) == {"full"}
+    assert "optimization_barrier" in par.lower(*got, batches[0]).as_text()
+    ref_step = nnx.jit(make_step(nnx.value_and_grad))
+    for batch in batches:
+        np.testing.assert_allclose(par(*got, batch), ref_step(*ref, batch), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(ref[0], nnx.Param)),
+                    jax.tree.leaves(nnx.state(got[0], nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_scanned_stack_recomputes_and_matches_jax_jit():
+    """A `lax.scan` over stacked layers: the loop is one layer for remat (its body is not
+    checkpointed per iteration); remat='full' keeps only the loop's input, and trains like
+    jax.jit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def forward(p, x):
+        def body(h, w):
+            return jnp.tanh(h @ w), None
+        h = jax.lax.scan(body, x @ p["w_in"], p["ws"])[0]
+        return h @ p["w_out"]
+
+    def make_step(vg):
+        def step(p, batch):
+            value, g = vg(lambda q: jnp.mean((forward(q, batch["x"]) - batch["y"]) ** 2))(p)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+        return step
+
+    key = jax.random.key(7)
+    k = jax.random.split(key, 5)
+    p = {"w_in": jax.random.normal(k[0], (8, 32)) * 0.3,
+         "ws": jax.random.normal(k[1], (4, 32, 32)) * 0.2,
+         "w_out": jax.random.normal(k[2], (32, 4)) * 0.3}
+    batch = {"x": jax.random.normal(k[3], (32, 8)), "y": jax.random.normal(k[4], (32, 4))}
+    par = autopar.parallelize(make_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(remat="full"))
+    plan = par.get_plan(p, batch)
+    assert plan.remat and set(plan.remat["layers"]) == {"full"}
+    got, ref = p, p
+    for _ in range(3):
+        got, got_loss = par(got, batch)
+        ref, ref_loss = jax.jit(make_step(jax.value_and_grad))(ref, batch)
+        np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
