@@ -157,9 +157,9 @@ def test_nnx_in_place_step_recomputes_and_matches_nnx_jit():
 
 
 def test_scanned_stack_recomputes_and_matches_jax_jit():
-    """A `lax.scan` over stacked layers: the loop is one layer for remat (its body is not
-    checkpointed per iteration); remat='full' keeps only the loop's input, and trains like
-    jax.jit."""
+    """A `lax.scan` over stacked layers is one of the loss's layers; under remat='full' its
+    body is checkpointed too (the backward recomputes one iteration at a time); it trains
+    like jax.jit."""
     import jax
     import jax.numpy as jnp
     import numpy as np
