@@ -73,7 +73,7 @@ def test_gpt_pipeline_matches_single_device(api, stages, schedule, microbatches)
     _check("gpt", api, _method(stages, schedule, microbatches))
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [4])
 def test_gpt_manual_layers(stages):
     method = _method(stages, F, 4, layers=autopar.ManualLayerOption())
     par, state, batches = _check("gpt", "linen", method, gpt_config=GPT_MARKED)
@@ -237,9 +237,10 @@ def _model_case(kind: str, *, stage_boundaries: bool):
     return step, state, batches
 
 
+# One case per model (35 s each on 2 cores): the schedules and stage counts they leave out are
+# swept on GPT above.
 @pytest.mark.parametrize("kind,stages,schedule,microbatches,manual", [
-    ("moe", 2, F, 4, True), ("moe", 4, G, 2, False),
-    ("wrn", 2, G, 4, True), ("wrn", 2, F, 2, False)])
+    ("moe", 4, G, 2, False), ("wrn", 2, F, 4, True)])
 def test_moe_and_wide_resnet_pipelines(kind, stages, schedule, microbatches, manual):
     step, state, batches = _model_case(kind, stage_boundaries=manual)
     ref = run_steps(jax.jit(step), state, batches)
