@@ -85,9 +85,12 @@ def _plan_worker(args) -> None:
     method = autopar.PipeshardParallel(
         num_microbatches=PLAN_MICROBATCHES,
         layer_option=autopar.AutoLayerOption(num_layers=args.auto_layers),
-        stage_option=autopar.AutoStageOption(logical_shapes=args.shapes_))
+        stage_option=autopar.AutoStageOption(logical_shapes=args.shapes_,
+                                             workers=args._workers))
+    from autopar.inter_op.parallel import plan_workers
     r["options"] = {"num_microbatches": PLAN_MICROBATCHES, "auto_layers": args.auto_layers,
-                    "logical_shapes": args.shapes_, "schedule": method.schedule.value}
+                    "logical_shapes": args.shapes_, "schedule": method.schedule.value,
+                    "workers": plan_workers(args._workers)}
     r["attempts"] = []
     for batch_size in (args.plan_batch, PLAN_FALLBACK_BATCH):
         if r["attempts"] and batch_size >= r["attempts"][-1]["batch"]:
@@ -350,20 +353,25 @@ def _child(argv: list[str], label: str, timeout_s: float) -> dict:
 def run(args) -> dict:
     """Run every selected case; returns the results for `section`."""
     t0 = time.perf_counter()
-    res: dict = {"started_utc": utc_now(), "plan": [], "run": [], "accumulate": [],
+    res: dict = {"started_utc": utc_now(), "plan": [], "plan_workers": [], "run": [],
+                 "accumulate": [],
                  "load_start": load_avg(), "revision_start": source_revision()}
     if not args.no_plan:
-        for layers in args.plan_layers:
-            for hosts in args.plan_hosts:
-                shapes = args.shapes_1host if hosts == 1 else args.shapes_multihost
-                res["plan"].append(_child(
-                    ["--_plan", str(layers), str(hosts), "--_shapes", shapes,
-                     "--auto-layers", str(args.auto_layers), "--plan-batch",
-                     str(args.plan_batch)],
-                    f"plan L={layers} H={hosts}", args.case_timeout_s))
-                res["plan"][-1].setdefault("layers", layers)
-                res["plan"][-1].setdefault("hosts", hosts)
-                res["plan"][-1].setdefault("shapes", shapes)
+        # The main table with one worker (in-process), then the cases of `--workers-layers`
+        # again with `--workers` worker processes, side by side in the same run.
+        cases = [(layers, hosts, 1) for layers in args.plan_layers for hosts in args.plan_hosts]
+        cases += [(layers, hosts, args.workers) for layers in args.workers_layers
+                  for hosts in args.plan_hosts if args.workers > 1]
+        for layers, hosts, workers in cases:
+            shapes = args.shapes_1host if hosts == 1 else args.shapes_multihost
+            r = _child(["--_plan", str(layers), str(hosts), "--_shapes", shapes,
+                        "--_workers", str(workers), "--auto-layers", str(args.auto_layers),
+                        "--plan-batch", str(args.plan_batch)],
+                       f"plan L={layers} H={hosts} workers={workers}", args.case_timeout_s)
+            r.update({k: v for k, v in (("layers", layers), ("hosts", hosts),
+                                         ("shapes", shapes)) if k not in r})
+            r["workers"] = workers
+            res["plan" if workers == 1 else "plan_workers"].append(r)
     if not args.no_run:
         opts = ["--measure-steps", str(args.measure_steps),
                 "--pipeline-measure-budget-s", str(args.pipeline_measure_budget_s)]
@@ -380,7 +388,7 @@ def run(args) -> dict:
     res["load_end"] = load_avg()
     res["revision_end"] = source_revision()
     res["cmdline"] = args.cmdline
-    res["args"] = {k: getattr(args, k) for k in ("auto_layers", "shapes_1host",
+    res["args"] = {k: getattr(args, k) for k in ("auto_layers", "workers", "shapes_1host",
                                                   "shapes_multihost", "plan_batch",
                                                   "measure_steps")}
     res["args"]["accumulate"] = [] if args.no_accumulate else args.accumulate
@@ -401,6 +409,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan-hosts", type=int, nargs="+", default=list(PLAN_HOSTS))
     g.add_argument("--plan-batch", type=int, default=PLAN_BATCH)
     g.add_argument("--auto-layers", type=int, default=8, help="AutoLayerOption(num_layers=)")
+    g.add_argument("--workers", type=int, default=2,
+                   help="AutoStageOption(workers=) of the side-by-side planning table (the "
+                        "main table plans with 1; 1 here skips the table)")
+    g.add_argument("--workers-layers", type=int, nargs="*", default=[12, 24],
+                   help="layer counts planned again with --workers worker processes")
     g.add_argument("--shapes-1host", default="all", choices=("all", "flat"))
     g.add_argument("--shapes-multihost", default="flat", choices=("all", "flat"))
     g.add_argument("--stages", type=int, nargs="+", default=list(RUN_STAGES),
@@ -430,6 +443,7 @@ def main(argv=None) -> int:
                         "nothing)")
     p.add_argument("--_plan", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shapes", default="all", help=argparse.SUPPRESS)
+    p.add_argument("--_workers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_run", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_accumulate", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)

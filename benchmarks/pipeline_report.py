@@ -94,7 +94,7 @@ def section(res: dict) -> str:
                 "---:|:--|"]
         for r in res["plan"]:
             atts = r.get("attempts", [])
-            ok = next((x for x in atts if "stages" in x), None)
+            ok = _planned(r)
             notes = []
             for x in atts:
                 if "infeasible" in x:
@@ -120,6 +120,7 @@ def section(res: dict) -> str:
                 row += ["–"] * 11 + ["not planned: " + ("; ".join(notes) or "no result")]
             out.append(md_row(row))
         out.append("")
+    out += _workers_table(res)
 
     # --- measured ---
     if res["run"]:
@@ -218,6 +219,36 @@ def section(res: dict) -> str:
         out += _accumulation(res)
     out += ["### Notes", "", *_notes(res), "", END]
     return "\n".join(out)
+
+
+def _planned(r: dict) -> dict | None:
+    return next((x for x in r.get("attempts", []) if "stages" in x), None)
+
+
+def _workers_table(res: dict) -> list[str]:
+    """Planning with 1 worker (the table above) next to N worker processes, same run."""
+    if not res.get("plan_workers"):
+        return []
+    w = res["args"].get("workers", res["plan_workers"][0]["workers"])
+    out = [f"#### Planning with 1 and {w} worker processes", "",
+           f"The cases above planned again with `AutoStageOption(workers={w})` (the layers' "
+           "ILPs solved in worker processes, `autopar/inter_op/parallel.py`), right after the "
+           "table above in the same run. *same plan*: the stages and the predicted step agree "
+           "(the result must not depend on the worker count).", "",
+           f"| layers | hosts | shapes | plan s, 1 worker | plan s, {w} workers | ratio | "
+           "same plan |", "|---:|---:|:--|---:|---:|---:|:--|"]
+    one = {(r["layers"], r["hosts"]): r for r in res["plan"]}
+    for r in res["plan_workers"]:
+        a, b = _planned(one.get((r["layers"], r["hosts"]), {})), _planned(r)
+        same = "–" if not (a and b) else "yes" if (
+            a["stages"] == b["stages"] and a["predicted_step_s"] == b["predicted_step_s"]) \
+            else "**no**"
+        ta, tb = (x["wall_s"] if x else None for x in (a, b))
+        out.append(md_row([str(r["layers"]), str(r["hosts"]), f"`{r['shapes']}`", fmt(ta, 1),
+                           fmt(tb, 1), fmt(tb / ta, 2) if ta and tb else "–", same]))
+    return out + ["", "On a 2-core machine shared with other work, worker processes compete "
+                  "with the main process (tracing, building the ILPs) for the same cores; the "
+                  "ratio is meaningful on a host with idle cores.", ""]
 
 
 def _accumulation(res: dict) -> list[str]:
