@@ -95,6 +95,7 @@ class StageSolver:
         self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
         self.shared: dict[tuple, tuple[OpGraph, str, StageSlice]] = {}  # (slice_key, remat)
         self.act_dims = None
+        self.keys: dict[tuple[int, int], str] = {}      # (start, stop) -> slice_key
         self.num_ilps = self.num_reused = self.num_replayed = 0
         self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
@@ -121,7 +122,10 @@ class StageSolver:
             fwd = self.loss.forward
             self.act_dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in self.loss.batch_inputs
                                              if fwd.tensors[fwd.inputs[p]].rank})
-        key = (slice_key(self.loss, sl, self.act_dims), remat)
+        span = (sl.start, sl.stop)
+        if span not in self.keys:
+            self.keys[span] = slice_key(self.loss, sl, self.act_dims)
+        key = (self.keys[span], remat)
         if key not in self.shared:
             self.shared[key] = (*self.graph(sl, remat), sl)
         return self.shared[key]

@@ -2,7 +2,8 @@
 intra-op plan (Alpa §5.2).
 
 `AutoStageOption` solves the intra-op ILP once per (layer, submesh, logical mesh), reusing
-the result for layers whose training graphs are identical; a span's cost is the sum of its
+the result for layers whose training graphs are identical and for a view that mirrors
+another (`stage_solver.StageSolver`); a span's cost is the sum of its
 layers' costs on one logical mesh plus the reshards between consecutive layers whose plans
 disagree on what one hands the next (`boundary_costs`); the DP in `stage_dp` picks the spans,
 submeshes and (where memory binds) each stage's rematerialization. The DP's choice and its
