@@ -434,3 +434,19 @@ def test_dive_reaches_a_feasible_integral_plan():
     choice = mip.round_solution(model, x, red.choice)
     _assert_close((model.cost @ x + model.offset) * model.scale, evaluate(problem, choice))
     _assert_close(evaluate(problem, choice), brute_force(problem).objective)
+
+
+def test_point_rows_price_every_point_at_once():
+    """`point_rows(points).usage(choice)` is each point's constant plus the chosen bytes of
+    its terms (repeated groups summed), the vector `solve_ilp`'s lazy rounds and
+    `peak_memory_bytes` read."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        problem = _random_problem(rng, with_memory=True)
+        points = problem.memory_points + (MemoryPoint(terms=(), constant_bytes=3.0),)
+        rows = ilp.point_rows(points)
+        assert ilp.point_rows(points) is rows                      # cached by the tuple
+        for c in np.indices(problem.num_strategies).reshape(len(problem.num_strategies), -1).T:
+            want = [p.constant_bytes + sum(float(b[c[g]]) for g, b in p.terms) for p in points]
+            np.testing.assert_allclose(rows.usage(c), want, rtol=1e-12)
+            _assert_close(peak_memory_bytes(problem, c), max(want[:-1]))

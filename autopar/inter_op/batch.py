@@ -1,9 +1,9 @@
 """Many stage-search jobs at once, their ILP solves in worker processes (`parallel.PlanPool`).
 
-A job (one layer on one (submesh, logical view) pair, `stages._layer_options`) builds its
+A job (one layer on one (submesh, logical view) pair, `stage_costs.layer_options`) builds its
 stage ILP here, then solves it through `autopar.intra_op.solve`, which calls
 `solve_ilp` / `min_peak_memory` on an `IlpProblem` (numpy arrays only). `run_jobs` runs every
-job; inside `ilp_scope(key)` (the `_Solver` cache entries: `key` names what is computed) a
+job; inside `ilp_scope(key)` (the `StageSolver` cache entries: `key` names what is computed) a
 job's n-th ILP call is sent to the pool as call (key, n), and the job stops (`_Pending`)
 until it is answered. Once every job has stopped or finished, a stopped job whose call is
 answered runs again from the start: what it built is cached, the calls answered so far return

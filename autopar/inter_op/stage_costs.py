@@ -115,7 +115,7 @@ def try_dp(dp, options, budget, **kw):
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
                   pool=None):
     """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
-    plan `solve(slice, submesh, shape)` gives (`_Solver.solve`: fastest; `.lean`: memory-lean;
+    plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
     under one rematerialization), and the plans; inf latency where it gives none. The jobs'
     ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
     number)."""

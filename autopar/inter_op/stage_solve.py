@@ -325,9 +325,6 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
     n_act, n_out = len(sl.act_inputs), len(sl.outputs)
     param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
                       for t in graph.inputs[:p])
-    zero_split = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
-                     for t in graph.inputs[:p]
-                     if zero_spec(specs[t], graph.tensors[t].shape, logical_shape) is not None)
     split = split_train_graph(graph, sl)
     return StageSolution(
         logical_shape=tuple(logical_shape),
@@ -339,8 +336,38 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         param_bytes=param_bytes,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
-        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp, zero_split_bytes=zero_split,
-        zero_gather_s=CostModel(mesh=logical).all_gather_s(zero_split, (0,))
-        if zero_split else 0.0,
+        grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,
+        **_zero_fields(graph, ins[:p], logical),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph,
                                                                         a.constant_tensors)))
+
+
+def _zero_fields(graph: OpGraph, param_specs, logical: LogicalMesh) -> dict:
+    """`StageSolution`'s ZeRO fields: the parameter bytes per device whose optimizer state
+    the data axis splits, and the per-step all-gather of the updated parameters."""
+    shape = logical.shape
+    split = sum(graph.tensors[t].nbytes / num_shards(spec, shape)
+                for t, spec in zip(graph.inputs, param_specs)
+                if zero_spec(spec, graph.tensors[t].shape, shape) is not None)
+    return dict(zero_split_bytes=split, zero_gather_s=CostModel(mesh=logical).all_gather_s(
+        split, (0,)) if split else 0.0)
+
+
+def mirrored(sol: StageSolution, graph: OpGraph, logical: LogicalMesh) -> StageSolution:
+    """`sol`, a plan on the logical mesh (a, b), as the same plan on `logical` = (b, a): every
+    spec with its two mesh axes swapped. Where the two meshes' axes cost the same (swapped),
+    the ILPs are the same problem up to that renaming, so this is an optimum of the other
+    (its ZeRO fields are recomputed: ZeRO splits over axis 0).
+
+        >>> mirrored(sol_on_1x8, graph, cluster.logical_mesh((8, 1))).logical_shape
+        (8, 1)
+    """
+    swap = lambda spec: tuple(tuple(1 - a for a in dim) for dim in spec)
+    specs = lambda v: tuple(swap(x) for x in v)
+    param_specs = specs(sol.param_specs)
+    return dataclasses.replace(
+        sol, logical_shape=tuple(logical.shape), param_specs=param_specs,
+        data_specs=specs(sol.data_specs), act_specs=specs(sol.act_specs),
+        out_specs=specs(sol.out_specs), grad_specs=specs(sol.grad_specs),
+        constraints=tuple((t, swap(x)) for t, x in sol.constraints),
+        **_zero_fields(graph, param_specs, logical))

@@ -2,7 +2,8 @@
 intra-op plan (Alpa §5.2).
 
 `AutoStageOption` solves the intra-op ILP once per (layer, submesh, logical mesh), reusing
-the result for layers whose training graphs are identical; a span's cost is the sum of its
+the result for layers whose training graphs are identical and for a view that mirrors
+another (`stage_solver.StageSolver`); a span's cost is the sum of its
 layers' costs on one logical mesh plus the reshards between consecutive layers whose plans
 disagree on what one hands the next (`boundary_costs`); the DP in `stage_dp` picks the spans,
 submeshes and (where memory binds) each stage's rematerialization. The DP's choice and its
@@ -22,23 +23,20 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
-from ..graph import InputRole, OpGraph
+from ..graph import OpGraph
 from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, ShardParallel,
                        UniformStageOption)
-from ..plan import graph_fingerprint
 from ..runtime.schedule import make_schedule
-from .batch import ilp_scope
 from .parallel import PlanPool, plan_workers
 from .pipeline import LossGraph, StageSlice, slice_range
-from .remat import Remat, choices_of, with_remat
-from .stage_costs import (boundary_costs, latency, layer_options, reranked, run_dp,
-                          static_bytes, try_dp, zero_variant)
+from .remat import Remat, choices_of
+from .stage_costs import (boundary_costs, layer_options, reranked, run_dp, static_bytes,
+                          try_dp, zero_variant)
 from .stage_dp import candidate_submeshes
-from .stage_solve import (StageSolution, stage_batch_sources, stage_input_paths, stage_problem,
-                          trace_stage)
+from .stage_solver import AXIS_NAMES, StageSolver, opt_ratio_of  # noqa: F401 (AXIS_NAMES)
+from .stage_solve import StageSolution
 
 log = logging.getLogger(__name__)
-AXIS_NAMES = ("data", "model")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,179 +73,6 @@ def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
 
 
-class _Solver:
-    """Solves stage ILPs: each (training graph, submesh, logical shape) is built once (with
-    every memory point, so it can be solved at any budget) and its solutions are cached by
-    budget. A stage's training graph depends on its rematerialization (`remat`, every
-    method below): its layers run under `jax.checkpoint` with that choice's policy."""
-
-    def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: ShardParallel,
-                 boundaries: tuple[int, ...]):
-        self.loss, self.cluster, self.method = loss, cluster, method
-        self.boundaries = boundaries
-        self.losses: dict[Remat, LossGraph] = {Remat.NONE: loss}
-        self.cache: dict = {}
-        self.problems: dict = {}
-        self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
-        self.num_ilps = self.num_reused = self.num_replayed = 0
-        self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
-        self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
-        self.opt_ratio = _opt_ratio(loss.step)
-
-    def graph(self, sl: StageSlice, remat: Remat = Remat.NONE) -> tuple[OpGraph, str]:
-        key = (sl.start, sl.stop, remat)
-        if key not in self.graphs:
-            if remat not in self.losses:
-                layers = len(self.boundaries) - 1
-                self.losses[remat] = dataclasses.replace(self.loss, forward=with_remat(
-                    self.loss.forward, self.boundaries, (remat,) * layers))
-            g = trace_stage(self.losses[remat], sl)
-            self.graphs[key] = (g, graph_fingerprint(g))
-        return self.graphs[key]
-
-    def problem(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-                remat: Remat = Remat.NONE):
-        """The stage's built ILP and its cache key; layers with identical training graphs
-        share one."""
-        graph, fp = self.graph(sl, remat)
-        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
-        key = (fp, submesh, shape, paths)
-        if key not in self.problems:
-            sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
-            self.problems[key] = stage_problem(
-                graph, sl, sub, shape, AXIS_NAMES, self.method, paths, points_above=0.0,
-                batch_sources=stage_batch_sources(self.loss, sl, graph))
-        return self.problems[key], key
-
-    def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-              budget: float | None = None, remat: Remat = Remat.NONE) -> StageSolution | None:
-        """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
-        floor = self.floor(sl, submesh)
-        if floor > self.budget:
-            self._need(sl, floor)
-            return None
-        prob, key = self.problem(sl, submesh, shape, remat)
-        return self._cached(sl, (key, budget), lambda: prob.solve(budget))
-
-    def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-                in_flight: int, remat: Remat = Remat.NONE,
-                zero: bool = False) -> StageSolution | None:
-        """The fastest plan whose pipeline peak (one microbatch's peak, the optimizer state of
-        its parameters, and `in_flight - 1` more microbatches' activations) fits the budget:
-        the DP's memory formula, as an ILP constraint. With `zero`, the optimizer state counts
-        split over the data axis (ZeRO; see `StageSolution.optimizer_bytes`)."""
-        if self.floor(sl, submesh) > self.budget:
-            return self.solve(sl, submesh, shape)     # None, and the need recorded
-        prob, key = self.problem(sl, submesh, shape, remat)
-        return self._cached(sl, (key, "fitting", in_flight, zero), lambda: prob.solve(
-            self.budget, opt_ratio=self._opt_ratio(shape, zero), in_flight=in_flight))
-
-    def _opt_ratio(self, shape: tuple[int, int], zero: bool) -> float:
-        """Optimizer bytes per parameter byte as the ILP counts them (ZeRO: all split)."""
-        return self.opt_ratio / shape[0] if zero else self.opt_ratio
-
-    def _cached(self, sl: StageSlice, key, solve) -> StageSolution | None:
-        if key in self.cache:
-            self.num_reused += 1
-            return self.cache[key]
-        try:
-            with ilp_scope(key):      # in a batch (batch.run_jobs), its ILPs go to the pool
-                sol = solve()
-        except InfeasiblePlanError as e:
-            sol = None
-            self._need(sl, e.needed_bytes)
-        self.num_ilps += 1
-        self.cache[key] = sol
-        return sol
-
-    @property
-    def budget(self) -> float:
-        return float(self.method.memory_budget_bytes or self.cluster.memory_bytes)
-
-    def _need(self, sl: StageSlice, needed: float) -> None:
-        span = (sl.start, sl.stop)
-        self.needed[span] = min(self.needed.get(span, float("inf")), needed)
-
-    def floor(self, sl: StageSlice, submesh: tuple[int, int]) -> float:
-        """A lower bound of the stage's memory per device on `submesh`: its parameters and
-        their optimizer state, split over every device. Above the budget, no plan of it on
-        that submesh can be part of a pipeline that fits, so none is built."""
-        graph = self.graph(sl)[0]
-        params = sum(graph.tensors[t].nbytes for t in graph.inputs[:len(sl.param_inputs)])
-        return params * (1 + self.opt_ratio) / (submesh[0] * submesh[1])
-
-    def lean(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-             remat: Remat = Remat.NONE) -> StageSolution | None:
-        """The fastest plan within 5% of the least memory the stage can take: the
-        memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
-        layer alone may not take."""
-        if self.floor(sl, submesh) > self.budget:
-            return self.solve(sl, submesh, shape)     # None, and the need recorded
-        prob, key = self.problem(sl, submesh, shape, remat)
-        if (key, "least") not in self.cache:
-            with ilp_scope((key, "least")):
-                self.cache[(key, "least")] = prob.least_bytes()
-        least = self.cache[(key, "least")]
-        if least > self.budget:                        # no plan of it fits the device
-            self._need(sl, least)
-            return None
-        fast = self.solve(sl, submesh, shape, remat=remat)
-        if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
-            return fast                           # the fastest plan is lean already
-        return self.solve(sl, submesh, shape, min(1.05 * least, self.budget), remat)
-
-    def best(self, sl: StageSlice, submesh: tuple[int, int], shapes,
-             remat: Remat = Remat.NONE) -> StageSolution | None:
-        sols = [s for s in (self.solve(sl, submesh, v, remat=remat) for v in shapes)
-                if s is not None]
-        return min(sols, key=lambda s: s.latency_s) if sols else None
-
-    def stage(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
-              remats: tuple[Remat, ...], lean: bool = False, zeros: tuple[bool, ...] = (False,),
-              ) -> tuple[StageSolution | None, Remat, bool]:
-        """(solution, remat, zero): the fastest plan of the stage on any of `shapes`, `remats`
-        and `zeros` (ZeRO on its data axis or not) whose peak under the pipeline (`in_flight`
-        microbatches, see `fitting`) fits the budget, its ZeRO all-gather counted per
-        microbatch (`_latency`); the fastest plan of the first choices when it fits already
-        (recomputing or gathering only adds time). None when no plan fits."""
-        def fits(sol, zero):
-            return sol is not None and static_bytes(sol, self.opt_ratio, zero) \
-                + in_flight * sol.activation_bytes <= self.budget * (1 + 1e-9)
-        found = []
-        for n, remat in enumerate(remats):
-            best = None if lean else self.best(sl, submesh, shapes, remat)
-            if n == 0 and fits(best, zeros[0]):
-                return best, remat, zeros[0]
-            for zero in zeros:
-                sol = best if fits(best, zero) else min(
-                    (f for f in (self.fitting(sl, submesh, v, in_flight, remat, zero)
-                                 for v in shapes) if f is not None),
-                    key=lambda f: f.latency_s, default=None)
-                if sol is not None:
-                    found.append((latency(sol, zero, self.method.num_microbatches), n, zero,
-                                  sol))
-        if found:
-            _, n, zero, sol = min(found, key=lambda f: f[:3])
-            return sol, remats[n], zero
-        return None, remats[0], zeros[0]
-
-    def least(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
-              remats: tuple[Remat, ...], zeros: tuple[bool, ...] = (False,)) -> float:
-        """The least pipeline peak per device (as `stage` counts it) of any plan of the stage
-        on `shapes` under `remats` and `zeros`."""
-        return min(self.problem(sl, submesh, v, r)[0].least_bytes(
-            in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
-            for v in shapes for r in remats for z in zeros)
-
-
-def _opt_ratio(step: OpGraph) -> float:
-    """Optimizer-state bytes per parameter byte (Adam: 2), to size a stage's static memory."""
-    by_role = {r: 0 for r in InputRole}
-    for t in step.inputs:
-        by_role[step.tensors[t].role] += step.tensors[t].nbytes
-    return by_role[InputRole.OPT_STATE] / max(by_role[InputRole.PARAM], 1)
-
-
 def _infeasible(what: str, budget: float, needed: float, *, any_mesh: bool = True,
                 what_needs: str = "the least any tried needs is") -> InfeasiblePlanError:
     need = (f"under any logical mesh ({what_needs} {needed:,.0f} bytes)"
@@ -275,7 +100,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
                      budget, remats, zeros, lean=None, given=()):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try,
     `remats[p]` the rematerializations and `zeros[p]` whether ZeRO may split its optimizer
-    state (`_Solver.stage`: the fastest plan that fits with its optimizer state and the
+    state (`StageSolver.stage`: the fastest plan that fits with its optimizer state and the
     activations its schedule keeps in flight; `lean[p]`: the DP chose it from memory-lean
     layer plans, so only plans solved to fit are taken).
     `given[p]`, (stage graph fingerprint, solution) from a saved plan, is taken as stage p's
@@ -358,7 +183,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     num_layers = len(boundaries) - 1
     n = len(device_ids)
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
-    solver = _Solver(loss, cluster, stage_method or method, tuple(boundaries))
+    solver = StageSolver(loss, cluster, stage_method or method, tuple(boundaries))
     pipeline = stage_method is None          # not gradient accumulation
     dp = (0, 0, 0.0)
     dph = cluster.devices_per_host
@@ -408,7 +233,7 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
     in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).in_flight()
-    opt_ratio = _opt_ratio(loss.step)
+    opt_ratio = opt_ratio_of(loss.step)
     out = []
     for st, q in zip(stages, in_flight):
         peak = static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes

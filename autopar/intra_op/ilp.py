@@ -141,8 +141,51 @@ def evaluate(problem: IlpProblem, choice) -> float:
 def peak_memory_bytes(problem: IlpProblem, choice) -> float:
     """Max over memory points of the bytes per device under `choice` (0 without memory points)."""
     c = _check_choice(problem, choice)
-    return max((p.constant_bytes + math.fsum(float(b[c[g]]) for g, b in p.terms)
-                for p in problem.memory_points), default=0.0)
+    if not problem.memory_points:
+        return 0.0
+    return float(point_rows(problem.memory_points).usage(c).max())
+
+
+@dataclass(frozen=True, slots=True)
+class PointRows:
+    """Memory points as flat arrays, to price a choice at every point at once: term n (of
+    point `term_point[n]`, group `term_group[n]`) has its bytes per strategy at
+    `vals[first[n]:first[n] + k]`."""
+    const: np.ndarray
+    term_point: np.ndarray
+    term_group: np.ndarray
+    first: np.ndarray
+    vals: np.ndarray
+
+    def usage(self, choice) -> np.ndarray:
+        """Bytes per device at every point under `choice` (one strategy per group)."""
+        picked = self.vals[self.first + np.asarray(choice, np.int64)[self.term_group]]
+        return self.const + np.bincount(self.term_point, weights=picked,
+                                        minlength=self.const.size)
+
+
+_POINT_ROWS: dict[int, tuple[tuple, PointRows]] = {}   # id(points) -> (points, rows)
+
+
+def point_rows(points: tuple[MemoryPoint, ...]) -> PointRows:
+    """`points` as `PointRows` (the last few tuples' are cached: a stage's problem is solved
+    at several budgets with the same points)."""
+    hit = _POINT_ROWS.get(id(points))
+    if hit is not None and hit[0] is points:
+        return hit[1]
+    terms = [(i, g, b) for i, p in enumerate(points) for g, b in p.terms]
+    lens = np.fromiter((len(b) for _, _, b in terms), np.int64, len(terms))
+    rows = PointRows(
+        const=np.array([p.constant_bytes for p in points], float),
+        term_point=np.fromiter((i for i, _, _ in terms), np.int64, len(terms)),
+        term_group=np.fromiter((g for _, g, _ in terms), np.int64, len(terms)),
+        first=np.cumsum(lens) - lens,
+        vals=np.concatenate([np.asarray(b, float) for _, _, b in terms]) if terms
+        else np.zeros(0))
+    if len(_POINT_ROWS) >= 8:
+        _POINT_ROWS.pop(next(iter(_POINT_ROWS)))
+    _POINT_ROWS[id(points)] = (points, rows)
+    return rows
 
 
 def _require(ok, message: str) -> None:
@@ -249,10 +292,6 @@ LAZY_MEMORY_POINTS = 64    # above this many liveness points, add them as they a
 LAZY_BATCH = 16
 
 
-def _point_bytes(p: MemoryPoint, c) -> float:
-    return p.constant_bytes + math.fsum(float(b[c[g]]) for g, b in p.terms)
-
-
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
               time_limit_s: float = 60.0) -> IlpSolution:
     """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
@@ -263,7 +302,7 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s)
     t0 = time.perf_counter()
     active: list[int] = []
-    rounds, sol = 0, None
+    rounds, sol, rows = 0, None, point_rows(points)
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         sub = replace(problem, memory_points=tuple(points[i] for i in active))
@@ -274,7 +313,7 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
             sol = replace(sol, choice=tuple(choice), objective=evaluate(problem, choice))
             break
-        usage = np.array([_point_bytes(p, sol.choice) for p in points])
+        usage = rows.usage(sol.choice)
         taken = set(active)
         over = [int(i) for i in np.argsort(-usage) if usage[i] > budget and int(i) not in taken]
         if not over or sol.status is not SolveStatus.OPTIMAL:
@@ -367,37 +406,26 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
     _check_args(backend, time_limit_s)
     t0 = time.perf_counter()
     ks = problem.num_strategies
-    points = [_fold_point(p, ks) for p in problem.memory_points]
+    folded = problem.memory_points
+    if not all(p.folded for p in folded):
+        folded = tuple(folded_point(t, c) for c, t in (_fold_point(p, ks) for p in folded))
     free = _presolve(replace(problem, memory_budget_bytes=None))
-    if not any(terms for _, terms in points):
+    if not any(p.terms for p in folded):
         choice = greedy(free)
         return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
-    # Every point as a sparse row over (group, strategy) columns, to price a choice at once.
-    terms = [(g, b) for _, t in points for g, b in t.items()]
-    term_group = np.fromiter((g for g, _ in terms), int, len(terms))
-    lens = np.asarray(ks)[term_group]
-    term_point = np.repeat(np.arange(len(points)), [len(t) for _, t in points])
-    first = np.cumsum(lens) - lens
-    start = np.concatenate([[0], np.cumsum(ks)[:-1]])
-    rows = np.repeat(term_point, lens)
-    cols = (np.repeat(start[term_group], lens) + np.arange(int(lens.sum()))
-            - np.repeat(first, lens))
-    vals = np.concatenate([b for _, b in terms])
-    const = np.array([c for c, _ in points])
-    top = const + np.bincount(term_point, weights=np.maximum.reduceat(vals, first),
-                              minlength=len(points))
+    rows = point_rows(folded)     # every point as a sparse row, to price a choice at once
+    top = rows.const + np.bincount(rows.term_point, minlength=rows.const.size,
+                                   weights=np.maximum.reduceat(rows.vals, rows.first))
     active = [int(i) for i in np.argsort(-top)[:LAZY_MEMORY_POINTS]]
     while True:
-        sub = [points[i] for i in active]
+        sub = [(folded[i].constant_bytes, dict(folded[i].terms)) for i in active]
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         fixed, reason = _min_peak_choice(sub, ks, free.choice, backend, remaining)
         choice = greedy(free, fixed)
         if reason:
             logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
             break
-        picked = np.zeros(int(np.sum(ks)))
-        picked[start + choice] = 1.0
-        usage = const + np.bincount(rows, weights=vals * picked[cols], minlength=len(points))
+        usage = rows.usage(choice)
         bound = float(usage[active].max())
         usage[active] = -np.inf
         over = np.flatnonzero(usage > bound * (1 + 1e-9))

@@ -1,0 +1,351 @@
+"""The stage search's ILP solver: each (stage training graph, submesh, logical view) ILP is
+built once and solved at any budget, its answers cached; layers whose forward slices are
+identical share one traced training graph (`slice_key`), so the search traces each distinct
+layer once per rematerialization.
+
+    >>> solver = StageSolver(loss, cluster, method, boundaries)
+    >>> sol = solver.solve(slice_range(loss, 0, 10), (1, 8), (2, 4))   # fastest plan, or None
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+
+from ..cluster import ClusterSpec
+from ..errors import InfeasiblePlanError
+from ..graph import InputRole, OpGraph, TensorKind
+from .. import _compat
+from ..intra_op.annotations import Annotations
+from ..options import MethodKind, ShardParallel
+# The fingerprint's own digests of equation parameters and literals (same in every run).
+from ..plan import _scalar, _Seen, _stable, graph_fingerprint
+from .batch import ilp_scope
+from .parallel import PlanPool
+from .pipeline import LossGraph, StageSlice
+from .remat import Remat, with_remat
+from .stage_costs import latency, static_bytes
+from ..intra_op.batch_dims import batch_dims
+from .stage_solve import (StageSolution, mirrored, stage_batch_sources, stage_input_paths,
+                          stage_problem, trace_stage)
+
+log = logging.getLogger(__name__)
+AXIS_NAMES = ("data", "model")
+
+
+def slice_key(loss: LossGraph, sl: StageSlice, act_dims=None) -> str:
+    """A digest of the stage's forward nodes with tensors named by their place in the slice
+    (which parameter, data input or activation input, or which node output), their
+    parameters, shapes, dtypes, literal constants and `jax.checkpoint` regions, and of what
+    the slice hands on (`act_dims`: the batch dimension of each forward tensor, see
+    `intra_op.batch_dims`, counted for its activation inputs): two slices with the same key trace to the same training graph
+    (`trace_stage`), as the repeated layers of a transformer do. A slice that reads a
+    non-scalar constant or holds a loop gets a key of its own (never shared)."""
+    fwd = loss.forward
+    position = {tid: pos for pos, tid in enumerate(fwd.inputs)}
+    params = {p: n for n, p in enumerate(sl.param_inputs)}
+    data = {p: n for n, p in enumerate(sl.data_inputs)}
+    acts = {t: n for n, t in enumerate(sl.act_inputs)}
+    h, memo, local, regions = hashlib.sha256(), _Seen(), {}, {}
+    if any(r.start < sl.stop and sl.start < r.stop for r in fwd.regions):
+        h.update(f"loop slice {sl.start}:{sl.stop}".encode())
+
+    def name(t: int) -> str:
+        ten = fwd.tensors[t]
+        if t in local:
+            return local[t]
+        if ten.kind == TensorKind.INPUT:
+            pos = position[t]
+            where = f"p{params[pos]}" if pos in params else f"d{data[pos]}"
+        elif ten.kind == TensorKind.CONST:
+            where = (f"c={_scalar(fwd.const_values[t], ten.dtype)}"
+                     if ten.rank == 0 and t in fwd.const_values else f"const{t}")
+        else:
+            where = f"a{acts[t]}b{None if act_dims is None else act_dims[t]}"
+        return f"{where}{ten.shape}{ten.dtype}"
+    for node in fwd.nodes[sl.start:sl.stop]:
+        ins = ",".join(name(t) for t in node.inputs)
+        for o in node.outputs:
+            local[o] = f"t{len(local)}{fwd.tensors[o].shape}{fwd.tensors[o].dtype}"
+        params_text = ",".join(f"{k}={_stable(v, memo)}"
+                               for k, v in sorted(node.eqn.params.items()))
+        region = "" if node.remat is None else "r{}:{}:{}".format(
+            regions.setdefault(node.remat.id, len(regions)), id(node.remat.policy),
+            node.remat.prevent_cse)
+        h.update(f"{node.primitive}[{params_text}]{region}({ins});".encode())
+    h.update(("->" + ",".join(local[t] for t in sl.outputs)).encode())
+    h.update(f"{len(sl.param_inputs)},{len(sl.data_inputs)},{len(sl.act_inputs)}".encode())
+    return h.hexdigest()[:16]
+
+
+class StageSolver:
+    """Solves stage ILPs: each (training graph, submesh, logical shape) is built once (with
+    every memory point, so it can be solved at any budget) and its solutions are cached by
+    budget. A stage's training graph depends on its rematerialization (`remat`, every
+    method below): its layers run under `jax.checkpoint` with that choice's policy."""
+
+    def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: ShardParallel,
+                 boundaries: tuple[int, ...]):
+        self.loss, self.cluster, self.method = loss, cluster, method
+        self.boundaries = boundaries
+        self.losses: dict[Remat, LossGraph] = {Remat.NONE: loss}
+        self.cache: dict = {}
+        self.problems: dict = {}
+        self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
+        self.shared: dict[tuple, tuple[OpGraph, str, StageSlice]] = {}  # (slice_key, remat)
+        self.act_dims = None
+        self.keys: dict[tuple[int, int], str] = {}      # (start, stop) -> slice_key
+        self.num_ilps = self.num_reused = self.num_replayed = 0
+        self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
+        self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
+        self.opt_ratio = opt_ratio_of(loss.step)
+        self.mirror_ok = _axis_blind(method, loss.forward)
+        self.mirrors: dict = {}
+
+    def graph(self, sl: StageSlice, remat: Remat = Remat.NONE) -> tuple[OpGraph, str]:
+        key = (sl.start, sl.stop, remat)
+        if key not in self.graphs:
+            if remat not in self.losses:
+                layers = len(self.boundaries) - 1
+                self.losses[remat] = dataclasses.replace(self.loss, forward=with_remat(
+                    self.loss.forward, self.boundaries, (remat,) * layers))
+            g = trace_stage(self.losses[remat], sl)
+            self.graphs[key] = (g, graph_fingerprint(g))
+        return self.graphs[key]
+
+    def search_graph(self, sl: StageSlice, remat: Remat = Remat.NONE):
+        """(graph, fingerprint, slice) of the first slice traced with the same `slice_key`:
+        its training graph is this slice's (the search traces each distinct layer once; a
+        chosen stage gets its own trace, `graph`)."""
+        if self.act_dims is None:
+            fwd = self.loss.forward
+            self.act_dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in self.loss.batch_inputs
+                                             if fwd.tensors[fwd.inputs[p]].rank})
+        span = (sl.start, sl.stop)
+        if span not in self.keys:
+            self.keys[span] = slice_key(self.loss, sl, self.act_dims)
+        key = (self.keys[span], remat)
+        if key not in self.shared:
+            self.shared[key] = (*self.graph(sl, remat), sl)
+        return self.shared[key]
+
+    def problem(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+                remat: Remat = Remat.NONE):
+        """The stage's built ILP and its cache key; layers with identical training graphs
+        share one."""
+        graph, fp, first = self.search_graph(sl, remat)
+        paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
+        key = (fp, submesh, shape, paths)
+        if key not in self.problems:
+            t0 = time.perf_counter()
+            sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+            self.problems[key] = stage_problem(
+                graph, first, sub, shape, AXIS_NAMES, self.method, paths, points_above=0.0,
+                batch_sources=stage_batch_sources(self.loss, first, graph))
+            log.debug("stage ILP of nodes %d:%d (%s) on %s as %s built in %.2f s", sl.start,
+                      sl.stop, remat.value, submesh, shape, time.perf_counter() - t0)
+        return self.problems[key], key
+
+    def least_of(self, prob, key) -> float:
+        """The least peak bytes per device of one microbatch of any plan of `prob` (cached)."""
+        if (key, "least") not in self.cache:
+            t0 = time.perf_counter()
+            with ilp_scope((key, "least")):
+                self.cache[(key, "least")] = prob.least_bytes()
+            log.debug("least memory of %s: %.4g bytes, %.2f s", key[1:3],
+                      self.cache[(key, "least")], time.perf_counter() - t0)
+        return self.cache[(key, "least")]
+
+    def _cannot_fit(self, sl: StageSlice, prob, key, budget: float) -> bool:
+        """Whether no plan of `prob` fits `budget` (one microbatch): decided by its least
+        memory where some plan could exceed the budget, and recorded; an infeasible ILP
+        costs more than the least-memory one, which says the same."""
+        points = prob.ilp.built.problem.memory_points
+        if all(p.folded and p.max_bytes <= budget for p in points):
+            return False
+        least = self.least_of(prob, key)
+        if least > budget:
+            self._need(sl, least)
+            return True
+        return False
+
+    def _mirror_of(self, submesh: tuple[int, int], shape: tuple[int, int]):
+        """(b, a) for a view (a, b) with a > b whose ILP is (b, a)'s with the mesh axes
+        swapped (an axis-blind method, axes that cost the same swapped); else None."""
+        if not self.mirror_ok or len(shape) != 2 or shape[0] <= shape[1]:
+            return None
+        sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+        mesh, other = sub.logical_mesh(shape), sub.logical_mesh(shape[::-1])
+        same = (mesh.alpha_s == other.alpha_s[::-1]
+                and mesh.beta_s_per_byte == other.beta_s_per_byte[::-1])
+        return tuple(shape[::-1]) if same else None
+
+    def _mirrored(self, sl, submesh, shape, remat, sol) -> StageSolution | None:
+        """`sol` (solved on the mirror view of `shape`) as a plan on `shape` (cached)."""
+        if sol is None:
+            return None
+        key = (id(sol), submesh, tuple(shape))
+        if key not in self.mirrors:
+            sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
+            self.mirrors[key] = (sol, mirrored(sol, self.search_graph(sl, remat)[0],
+                                               sub.logical_mesh(tuple(shape), AXIS_NAMES)))
+        return self.mirrors[key][1]
+
+    def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+              budget: float | None = None, remat: Remat = Remat.NONE) -> StageSolution | None:
+        """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
+        floor = self.floor(sl, submesh)
+        if floor > self.budget:
+            self._need(sl, floor)
+            return None
+        mirror = self._mirror_of(submesh, shape)
+        if mirror is not None:
+            return self._mirrored(sl, submesh, shape, remat,
+                                  self.solve(sl, submesh, mirror, budget, remat))
+        prob, key = self.problem(sl, submesh, shape, remat)
+        if (key, budget) not in self.cache and self._cannot_fit(
+                sl, prob, key, self.budget if budget is None else budget):
+            self.cache[(key, budget)] = None
+            return None
+        return self._cached(sl, (key, budget), lambda: prob.solve(budget))
+
+    def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+                in_flight: int, remat: Remat = Remat.NONE,
+                zero: bool = False) -> StageSolution | None:
+        """The fastest plan whose pipeline peak (one microbatch's peak, the optimizer state of
+        its parameters, and `in_flight - 1` more microbatches' activations) fits the budget:
+        the DP's memory formula, as an ILP constraint. With `zero`, the optimizer state counts
+        split over the data axis (ZeRO; see `StageSolution.optimizer_bytes`)."""
+        if self.floor(sl, submesh) > self.budget:
+            return self.solve(sl, submesh, shape)     # None, and the need recorded
+        mirror = self._mirror_of(submesh, shape)
+        if mirror is not None and not zero:           # ZeRO splits over axis 0: not mirrored
+            return self._mirrored(sl, submesh, shape, remat,
+                                  self.fitting(sl, submesh, mirror, in_flight, remat))
+        prob, key = self.problem(sl, submesh, shape, remat)
+        return self._cached(sl, (key, "fitting", in_flight, zero), lambda: prob.solve(
+            self.budget, opt_ratio=self._opt_ratio(shape, zero), in_flight=in_flight))
+
+    def _opt_ratio(self, shape: tuple[int, int], zero: bool) -> float:
+        """Optimizer bytes per parameter byte as the ILP counts them (ZeRO: all split)."""
+        return self.opt_ratio / shape[0] if zero else self.opt_ratio
+
+    def _cached(self, sl: StageSlice, key, solve) -> StageSolution | None:
+        if key in self.cache:
+            self.num_reused += 1
+            return self.cache[key]
+        t0 = time.perf_counter()
+        try:
+            with ilp_scope(key):      # in a batch (batch.run_jobs), its ILPs go to the pool
+                sol = solve()
+        except InfeasiblePlanError as e:
+            sol = None
+            self._need(sl, e.needed_bytes)
+        self.num_ilps += 1
+        log.debug("stage ILP %s at %s: %s in %.2f s", key[0][1:3], key[1:], "infeasible"
+                  if sol is None else sol.ilp.status, time.perf_counter() - t0)
+        self.cache[key] = sol
+        return sol
+
+    @property
+    def budget(self) -> float:
+        return float(self.method.memory_budget_bytes or self.cluster.memory_bytes)
+
+    def _need(self, sl: StageSlice, needed: float) -> None:
+        span = (sl.start, sl.stop)
+        self.needed[span] = min(self.needed.get(span, float("inf")), needed)
+
+    def floor(self, sl: StageSlice, submesh: tuple[int, int]) -> float:
+        """A lower bound of the stage's memory per device on `submesh`: its parameters and
+        their optimizer state, split over every device. Above the budget, no plan of it on
+        that submesh can be part of a pipeline that fits, so none is built."""
+        fwd = self.loss.forward
+        params = sum(fwd.tensors[fwd.inputs[p]].nbytes for p in sl.param_inputs)
+        return params * (1 + self.opt_ratio) / (submesh[0] * submesh[1])
+
+    def lean(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+             remat: Remat = Remat.NONE) -> StageSolution | None:
+        """The fastest plan within 5% of the least memory the stage can take: the
+        memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
+        layer alone may not take."""
+        if self.floor(sl, submesh) > self.budget:
+            return self.solve(sl, submesh, shape)     # None, and the need recorded
+        mirror = self._mirror_of(submesh, shape)
+        if mirror is not None:
+            return self._mirrored(sl, submesh, shape, remat,
+                                  self.lean(sl, submesh, mirror, remat))
+        prob, key = self.problem(sl, submesh, shape, remat)
+        least = self.least_of(prob, key)
+        if least > self.budget:                        # no plan of it fits the device
+            self._need(sl, least)
+            return None
+        fast = self.solve(sl, submesh, shape, remat=remat)
+        if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
+            return fast                           # the fastest plan is lean already
+        return self.solve(sl, submesh, shape, min(1.05 * least, self.budget), remat)
+
+    def best(self, sl: StageSlice, submesh: tuple[int, int], shapes,
+             remat: Remat = Remat.NONE) -> StageSolution | None:
+        sols = [s for s in (self.solve(sl, submesh, v, remat=remat) for v in shapes)
+                if s is not None]
+        return min(sols, key=lambda s: s.latency_s) if sols else None
+
+    def stage(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
+              remats: tuple[Remat, ...], lean: bool = False, zeros: tuple[bool, ...] = (False,),
+              ) -> tuple[StageSolution | None, Remat, bool]:
+        """(solution, remat, zero): the fastest plan of the stage on any of `shapes`, `remats`
+        and `zeros` (ZeRO on its data axis or not) whose peak under the pipeline (`in_flight`
+        microbatches, see `fitting`) fits the budget, its ZeRO all-gather counted per
+        microbatch (`_latency`); the fastest plan of the first choices when it fits already
+        (recomputing or gathering only adds time). None when no plan fits."""
+        def fits(sol, zero):
+            return sol is not None and static_bytes(sol, self.opt_ratio, zero) \
+                + in_flight * sol.activation_bytes <= self.budget * (1 + 1e-9)
+        found = []
+        for n, remat in enumerate(remats):
+            best = None if lean else self.best(sl, submesh, shapes, remat)
+            if n == 0 and fits(best, zeros[0]):
+                return best, remat, zeros[0]
+            for zero in zeros:
+                sol = best if fits(best, zero) else min(
+                    (f for f in (self.fitting(sl, submesh, v, in_flight, remat, zero)
+                                 for v in shapes) if f is not None),
+                    key=lambda f: f.latency_s, default=None)
+                if sol is not None:
+                    found.append((latency(sol, zero, self.method.num_microbatches), n, zero,
+                                  sol))
+        if found:
+            _, n, zero, sol = min(found, key=lambda f: f[:3])
+            return sol, remats[n], zero
+        return None, remats[0], zeros[0]
+
+    def least(self, sl: StageSlice, submesh: tuple[int, int], shapes, in_flight: int,
+              remats: tuple[Remat, ...], zeros: tuple[bool, ...] = (False,)) -> float:
+        """The least pipeline peak per device (as `stage` counts it) of any plan of the stage
+        on `shapes` under `remats` and `zeros`."""
+        def view(v, zero):       # without ZeRO, a mirror view's least is its mirror's
+            return (None if zero else self._mirror_of(submesh, v)) or v
+        return min(self.problem(sl, submesh, view(v, z), r)[0].least_bytes(
+            in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
+            for v in shapes for r in remats for z in zeros)
+
+
+def _axis_blind(method: ShardParallel, forward: OpGraph) -> bool:
+    """Whether a stage ILP treats the two mesh axes alike (so a view's mirror image is the
+    same problem): the method pins no batch axis and names no axis in `sharding_rules`, and
+    the user's code annotates no sharding (or the method ignores annotations)."""
+    if method.kind not in (MethodKind.SHARD, MethodKind.PIPESHARD) or method.batch_axis \
+            is not None or method.sharding_rules:
+        return False
+    return method.annotations == Annotations.IGNORE or not any(
+        hasattr(n.eqn, "primitive") and _compat.annotation_of(n.eqn) is not None
+        for n in forward.nodes)
+
+
+def opt_ratio_of(step: OpGraph) -> float:
+    """Optimizer-state bytes per parameter byte (Adam: 2), to size a stage's static memory."""
+    by_role = {r: 0 for r in InputRole}
+    for t in step.inputs:
+        by_role[step.tensors[t].role] += step.tensors[t].nbytes
+    return by_role[InputRole.OPT_STATE] / max(by_role[InputRole.PARAM], 1)

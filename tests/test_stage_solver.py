@@ -1,0 +1,85 @@
+"""The stage search's solver (inter_op/stage_solver.py): identical layers share one trace
+(`slice_key`), and a logical view whose ILP is another's with the mesh axes swapped is solved
+as that view's mirror image, which gives the same plan costs and trains like jax.jit."""
+import jax
+
+import autopar
+from autopar.cluster import ClusterSpec
+from autopar.inter_op.pipeline import slice_range
+from autopar.inter_op.stage_solve import stage_problem, trace_stage
+from autopar.inter_op.stage_solver import AXIS_NAMES, StageSolver, slice_key
+from autopar.spec import is_valid
+
+from test_stages import bounds, cluster, loss, method  # noqa: F401 (fixtures)
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+
+
+def test_slice_key_names_identical_layers(loss, bounds):
+    """Layers 1 and 2 of the four-layer MLP are identical: one key, one trace in the search;
+    every two slices with one key trace to one training graph."""
+    solver = StageSolver(loss, None, method(autopar.AutoStageOption()), tuple(bounds))
+    slices = [slice_range(loss, bounds[i], bounds[j + 1], i) for i in range(4)
+              for j in range(i, 4)]
+    keys = [slice_key(loss, sl) for sl in slices]
+    singles = [slice_key(loss, slice_range(loss, bounds[i], bounds[i + 1], i))
+               for i in range(4)]
+    assert singles[1] == singles[2] and len(set(singles)) == 3
+    assert keys == [slice_key(loss, sl) for sl in slices]             # the same every time
+    fps = [solver.graph(sl)[1] for sl in slices]
+    for a in range(len(slices)):
+        for b in range(len(slices)):
+            assert (keys[a] == keys[b]) <= (fps[a] == fps[b])
+    sl1, sl2 = (slice_range(loss, bounds[i], bounds[i + 1], i) for i in (1, 2))
+    assert solver.search_graph(sl2)[0] is solver.search_graph(sl1)[0]  # traced once
+    assert solver.graph(sl2)[0] is not solver.graph(sl1)[0]           # a stage's own trace
+
+
+def test_mirror_view_is_the_same_problem(loss, bounds, cluster):
+    """(2, 1) on one host is (1, 2) with the axes swapped: solved once, and its mirrored plan
+    costs what (2, 1)'s own ILP gives; ZeRO's fields follow the data axis."""
+    m = method(autopar.AutoStageOption())
+    solver = StageSolver(loss, cluster, m, tuple(bounds))
+    sl = slice_range(loss, bounds[0], bounds[4], 0)
+    sub = (1, 2)
+    assert solver._mirror_of(sub, (2, 1)) == (1, 2) and solver._mirror_of(sub, (1, 2)) is None
+    mirrored, own = solver.solve(sl, sub, (2, 1)), solver.solve(sl, sub, (1, 2))
+    assert solver.num_ilps == 1 and mirrored.logical_shape == (2, 1)
+    direct = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
+        num_hosts=1, devices_per_host=2), (2, 1), AXIS_NAMES, m, points_above=0.0).solve()
+    for field in ("latency_s", "peak_memory_bytes", "activation_bytes", "param_bytes"):
+        a, b = getattr(mirrored, field), getattr(direct, field)
+        assert abs(a - b) <= 1e-9 * max(abs(b), 1e-30), field
+    graph = solver.graph(sl)[0]
+    for t, spec in zip(graph.inputs, mirrored.param_specs):
+        assert is_valid(spec, graph.tensors[t].shape, (2, 1))
+    assert own.zero_split_bytes == 0.0 and mirrored.zero_split_bytes > 0.0   # axis 0: 1 vs 2
+
+
+def test_mirror_only_where_the_axes_cost_the_same(loss, bounds):
+    """Two hosts of four: the flat views mirror each other (both spread over the hosts), the
+    2-D views do not (the host axis is axis 0 in both); a method that names axes never
+    mirrors."""
+    two_hosts = ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2).with_(devices_per_host=4)
+    solver = StageSolver(loss, two_hosts, method(autopar.AutoStageOption()), tuple(bounds))
+    assert solver._mirror_of((2, 4), (8, 1)) == (1, 8)
+    assert solver._mirror_of((2, 4), (4, 2)) is None
+    pinned = StageSolver(loss, two_hosts, method(autopar.AutoStageOption(),
+                                                 batch_axis="data"), tuple(bounds))
+    assert pinned._mirror_of((2, 4), (8, 1)) is None
+
+
+def test_mirrored_stages_train_like_jax_jit():
+    """A pipeline whose stages run on (4, 1) views (mirrors of the (1, 4) ILPs) matches
+    single-device training."""
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), batch_size=16,
+                                     value_and_grad=autopar.value_and_grad, num_layers=4)
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.ManualStageOption(
+            layer_spans=((0, 1), (2, 3)), submesh_shapes=((1, 4), (1, 4)),
+            logical_shapes=((4, 1), (4, 1)))))
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert [s.logical_mesh_shape for s in par.get_plan(state, batches[0]).stages] == \
+        [(4, 1), (4, 1)]
