@@ -19,11 +19,21 @@ from .stage_solve import StageSolution, is_float, stage_io
 log = logging.getLogger(__name__)
 
 
+def held_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
+    """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO):
+    held for the whole step."""
+    return sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
+
+
+def working_bytes(sol: StageSolution) -> float:
+    """The working memory of one microbatch beyond its kept activations (transient: the
+    layers of a stage run one at a time, so a span needs its layers' largest, not their sum)."""
+    return max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
+
+
 def static_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
-    """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO),
-    plus the working memory of one microbatch beyond its kept activations."""
-    working = max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
-    return working + sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
+    """`held_bytes` plus `working_bytes`: a stage's memory besides its in-flight activations."""
+    return working_bytes(sol) + held_bytes(sol, opt_ratio, zero)
 
 
 def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
@@ -65,17 +75,17 @@ def reranked(choice, dp, options, budget, solved, num_microbatches):
     return best
 
 
-def zero_variant(sols, lat, static, opt_ratio: float, num_microbatches: int):
-    """(latency, static bytes) of the layer plans `sols` with ZeRO (see `static_bytes`,
+def zero_variant(sols, lat, held, opt_ratio: float, num_microbatches: int):
+    """(latency, held bytes) of the layer plans `sols` with ZeRO (see `held_bytes`,
     `latency`), or None where ZeRO would split nothing."""
-    zlat, zstatic, split = lat.copy(), static.copy(), False
+    zlat, zheld, split = lat.copy(), held.copy(), False
     for l, row in enumerate(sols):
         for p, sol in enumerate(row):
             if sol is not None and sol.zero_split_bytes > 0:
                 split = True
                 zlat[l, p] = latency(sol, True, num_microbatches)
-                zstatic[l, p] = static_bytes(sol, opt_ratio, True)
-    return (zlat, zstatic) if split else None
+                zheld[l, p] = held_bytes(sol, opt_ratio, True)
+    return (zlat, zheld) if split else None
 
 
 def boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
@@ -114,13 +124,14 @@ def try_dp(dp, options, budget, **kw):
 
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
                   pool=None):
-    """Per layer and (submesh, view) pair: the latency, static and activation bytes of the
-    plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
+    """Per layer and (submesh, view) pair: the latency, held, activation and working bytes
+    (`held_bytes`, `working_bytes`) of the plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
     under one rematerialization), and the plans; inf latency where it gives none. The jobs'
     ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
     number)."""
     shape = (len(boundaries) - 1, len(pairs))
-    lat, static, act = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
+    lat, held, act, work = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
+                            np.zeros(shape))
     sols = [[None] * shape[1] for _ in range(shape[0])]
     slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
     jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs))]
@@ -132,17 +143,18 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     for (l, p), sol in zip(jobs, run_jobs(jobs, job, pool, "layer plans")):
         sols[l][p] = sol
         if sol is not None:
-            lat[l, p], static[l, p] = sol.latency_s, static_bytes(sol, opt_ratio)
-            act[l, p] = sol.activation_bytes
-    return lat, static, act, sols
+            lat[l, p], held[l, p] = sol.latency_s, held_bytes(sol, opt_ratio)
+            act[l, p], work[l, p] = sol.activation_bytes, working_bytes(sol)
+    return lat, held, act, work, sols
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
-    layer plan: fast or lean, under one rematerialization); span costs are the summed layer
-    costs."""
-    lat, static, act, bound = (np.concatenate([o[i] for o in options], axis=1)
-                               for i in range(4))
+    layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
+    boundary, working) arrays; a span's costs are its layers' summed, except the working memory:
+    its largest layer's."""
+    lat, held, act, bound, work = (np.concatenate([o[i] for o in options], axis=1)
+                                   for i in range(5))
     num_layers = lat.shape[0]
     span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
     span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
@@ -150,7 +162,8 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
         # layers i..j: their latencies, and the reshards between consecutive ones
         inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
         span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
-        span_static[i, i:] = np.cumsum(static[i:], axis=0)
+        span_static[i, i:] = (np.cumsum(held[i:], axis=0)
+                              + np.maximum.accumulate(work[i:], axis=0))
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
     finite = np.isfinite(span_lat)
     costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),

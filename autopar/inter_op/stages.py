@@ -271,15 +271,15 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
 
     def add(remat: Remat, lean: bool):
         solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
-        lat, static, act, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
-                                                pairs, solve, solver.opt_ratio, solver.pool)
+        lat, held, act, work, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
+                                                    pairs, solve, solver.opt_ratio, solver.pool)
         bound = boundary_costs(loss, boundaries, sols, meshes)
         kinds.append((remat, lean, False))
-        options.append((lat, static, act, bound))
-        zero = zero_variant(sols, lat, static, solver.opt_ratio, method.num_microbatches)
+        options.append((lat, held, act, bound, work))
+        zero = zero_variant(sols, lat, held, solver.opt_ratio, method.num_microbatches)
         if pipeline and zero is not None:
             kinds.append((remat, lean, True))
-            options.append((*zero, act, bound))
+            options.append((*zero, act, bound, work))
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
