@@ -13,7 +13,7 @@ from autopar.cost import CostModel
 from autopar.intra_op import ilp
 from autopar.intra_op.memory import dead_nodes, memory_model, run_order
 from autopar.intra_op.solve import build_intra_op, peak_memory, solve_built
-from steps import LONG_LM, make_case, mesh_of, sgd_momentum_clip
+from steps import make_case, mesh_of, sgd_momentum_clip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_ilp_memory_points_agree_with_peak_memory(value_and_grad):
     """The ILP's peak (its memory points, built for every budget) of the chosen plan is the
     plan's `peak_memory`, with and without rematerialized layers."""
-    import jax
     kw = {} if value_and_grad == "jax" else dict(value_and_grad=autopar.value_and_grad)
     step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), **kw)
     method = autopar.ShardParallel(remat="full" if kw else "none", memory_budget_bytes=10**9)

@@ -15,7 +15,7 @@ from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
 from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
-from ..spec import Spec, num_shards
+from ..spec import Spec
 from .annotations import Annotations, annotation_specs, both, pin_rule
 from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
 from .constraints import method_input_options, method_tensor_rule
