@@ -40,6 +40,7 @@ from .pipeshard import plan_pipeline
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import cache_key, find_plan
+from .memory_check import verified_plan
 from .remat_plan import plan_step, traced_for
 from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
                      plan_cache_of, plan_graph)
@@ -142,19 +143,24 @@ class ParallelizedFunction:
         check_batch(graph)
         searched = []
 
-        def search():
-            found, traced = plan_step(graph, retrace, lambda g: plan_graph(
-                g, self.cluster, mesh.devices.shape, mesh.axis_names, method,
+        def plan_at(m):
+            return plan_step(graph, retrace, lambda g: plan_graph(
+                g, self.cluster, mesh.devices.shape, mesh.axis_names, m,
                 tuple(int(d.id) for d in mesh.devices.flat),
-                output_pins=self._front.out_pins(g, args, self.mesh)), method)
-            searched.append(traced)
-            return found
+                output_pins=self._front.out_pins(g, args, self.mesh)), m)
+
+        def search():        # compiled and checked against the budget where it binds
+            searched.append(verified_plan(method, plan_at,
+                                          lambda p, g: self._built(args, p, g, mesh)))
+            return searched[0].plan
         if self._saved_plan is not None:
             plan_ = matching(self._saved_plan, graph_fingerprint(graph))
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
-        graph = searched[0] if searched else traced_for(plan_, graph, retrace)
-        entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
+        graph = searched[0].graph if searched else traced_for(plan_, graph, retrace)
+        entry = (searched[0].built if searched and searched[0].built is not None else
+                 _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh)))
+        entry.plan = plan_
         log.info("autopar: %s planned; XLA compiles it on the first call",
                  getattr(self._fun, "__name__", "step"))
         return entry
@@ -205,6 +211,11 @@ class ParallelizedFunction:
                 for pos, spec in self._front.out_pins(graph, args, self.mesh).items()}
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
                       out_pins=pins)
+
+    def _built(self, args, plan_: ParallelPlan, graph: OpGraph, mesh):
+        """(an entry for `plan_`, its compiled executable): what `memory_check` checks."""
+        entry = _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh))
+        return entry, self._compiled(args, entry)
 
     def _compiled(self, args, entry: _Entry):
         if entry.compiled is None:

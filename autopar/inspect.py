@@ -94,7 +94,13 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
         bounds, layers = plan.remat["layer_boundaries"], plan.remat["layers"]
         lines.append("  rematerialization (loss layers, forward operators): " + ", ".join(
             f"{a}..{b - 1} {c}" for a, b, c in zip(bounds, bounds[1:], layers)))
-    if plan.measured:
+    if plan.measured.get("compiled_bytes") is not None:
+        m = plan.measured
+        lines.append(f"  compiled by XLA to {_bytes(m['compiled_bytes'])} per device "
+                     f"(memory_analysis; predicted / compiled "
+                     f"{plan.peak_memory_bytes / max(m['compiled_bytes'], 1):.2f}; checked "
+                     f"against the budget, {m.get('memory_check_rounds', 0)} re-plan(s))")
+    if "step_s" in plan.measured:
         m = plan.measured
         peak = m.get("peak_bytes")
         lines.append(f"measured (autopar.calibrate, {m.get('steps', '?')} steps): step "

@@ -163,10 +163,13 @@ def test_recomputing_stages_keep_fewer_activations(long_lm):
 
 
 def test_auto_stage_search_chooses_remat_when_memory_binds(long_lm, least):
+    # 58% of the 2-stage layout's least: one stage on the whole mesh without recomputation
+    # needs about 60% of it (intra_op/memory.py), so only recomputing stages fit.
     step, state, batches, ref = long_lm
+    budget = int(0.58 * least)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(
-        "auto", int(0.7 * least), autopar.AutoStageOption(logical_shapes="flat")))
+        "auto", budget, autopar.AutoStageOption(logical_shapes="flat")))
     plan = par.get_plan(state, batches[0])
     assert any(s.remat != "none" for s in plan.stages)
-    assert plan.peak_memory_bytes <= int(0.7 * least)
+    assert plan.peak_memory_bytes <= budget
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)

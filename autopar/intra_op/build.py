@@ -20,9 +20,10 @@ from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..frontend.loops import stacked_tensors, stacks_born_early
+from ..frontend.loops import stacked_tensors
 from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
+from .memory import schedule
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,16 +82,22 @@ def option_bytes(graph: OpGraph, tensor_specs, tid: int, mesh_shape) -> np.ndarr
     return np.array([t.nbytes / num_shards(s, mesh_shape) for s in tensor_specs[tid]])
 
 
-def deferred_nodes(graph: OpGraph) -> frozenset[int]:
-    """Nodes from which no heavy operator is reachable (e.g. gradient reductions feeding only
-    the optimizer): XLA combines their independent collectives, so the ILP charges only the
-    bandwidth term of each."""
+def tail_nodes(graph: OpGraph) -> frozenset[int]:
+    """Nodes from which no heavy operator is reachable (the loss value, the weight gradients
+    and the optimizer update after the last matmul that feeds another)."""
     consumers = graph.consumers()
     feeds_heavy = [False] * len(graph.nodes)   # some later heavy op reads what v computes
     for node in reversed(graph.nodes):
         feeds_heavy[node.id] = any(graph.nodes[c].primitive in MATMUL_LIKE or feeds_heavy[c]
                                    for t in node.outputs for c in consumers[t])
-    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id]) | sibling_reductions(graph)
+    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
+
+
+def deferred_nodes(graph: OpGraph) -> frozenset[int]:
+    """Nodes from which no heavy operator is reachable (e.g. gradient reductions feeding only
+    the optimizer): XLA combines their independent collectives, so the ILP charges only the
+    bandwidth term of each."""
+    return tail_nodes(graph) | sibling_reductions(graph)
 
 
 def sibling_reductions(graph: OpGraph) -> frozenset[int]:
@@ -339,30 +346,21 @@ class _Builder:
         if budget is None:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
-        last = g.last_use()
-        dies_at: dict[int, list[int]] = {}
-        for t in g.tensors:
-            if last[t.id] >= 0 and t.kind != TensorKind.CONST:
-                dies_at.setdefault(last[t.id], []).append(t.id)
-        tracker = _LiveBytes(self, mesh)
-        for t in g.inputs:
-            if last[t] >= 0:
-                tracker.add(t)
-        early: dict[int, list[int]] = {}      # a loop's stacked ys exist from its start
-        for t, at in stacks_born_early(g).items():
-            early.setdefault(at, []).append(t)
+        events = schedule(g)                  # the events `solve.peak_memory` walks
+        tracker = _LiveBytes(self, mesh, events.model.size_of)
+        for t in events.start:
+            tracker.add(t)
         points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
-                for o in (*early.get(i, ()), *g.nodes[i].outputs):
-                    if last[o] >= 0:
-                        tracker.add(o)
-                        grown = True
-            if (i in dies_at or i == n) and grown:
+                for o in events.born.get(i, ()):
+                    tracker.add(o)
+                    grown = True
+            if (i in events.freed or i == n) and grown:
                 grown = False
                 if tracker.worst > budget:
                     points.append(tracker.point())
-            for t in dies_at.get(i, ()):
+            for t in events.freed.get(i, ()):
                 tracker.remove(t)
         return points
 
@@ -371,8 +369,8 @@ class _LiveBytes:
     """Bytes per device of the live tensors, per ILP group (immutable vectors, so a recorded
     point keeps its values while the tracker moves on)."""
 
-    def __init__(self, b: _Builder, mesh):
-        self.b, self.mesh = b, mesh
+    def __init__(self, b: _Builder, mesh, size_of):
+        self.b, self.mesh, self.size_of = b, mesh, size_of
         self.live: set[int] = set()
         self.terms: dict[int, np.ndarray] = {}
         self.folded: dict[int, tuple[np.ndarray, float, float]] = {}  # shifted, min, max - min
@@ -391,7 +389,11 @@ class _LiveBytes:
         self.folded[grp] = (vec - lo, lo, float(vec.max()) - lo)
 
     def _bytes(self, tid: int) -> np.ndarray:
-        return option_bytes(self.b.g, self.b.tensor_specs, tid, self.mesh)
+        """Per option of the group of `size_of[tid]`, the bytes of `tid`."""
+        like = self.size_of[tid]
+        vec = option_bytes(self.b.g, self.b.tensor_specs, like, self.mesh)
+        ts = self.b.g.tensors
+        return vec if like == tid else vec * (ts[tid].nbytes / ts[like].nbytes)
 
     def add(self, tid: int) -> None:
         if tid in self.live:
@@ -399,7 +401,7 @@ class _LiveBytes:
         self.live.add(tid)
         vec = self._bytes(tid)
         self.worst += float(vec.max())
-        grp = self.b.tensor_group[tid]
+        grp = self.b.tensor_group[self.size_of[tid]]
         if len(vec) == 1:
             self.const += float(vec[0])
         else:
@@ -412,7 +414,7 @@ class _LiveBytes:
         self.live.discard(tid)
         vec = self._bytes(tid)
         self.worst -= float(vec.max())
-        grp = self.b.tensor_group[tid]
+        grp = self.b.tensor_group[self.size_of[tid]]
         if len(vec) == 1:
             self.const -= float(vec[0])
         else:

@@ -194,8 +194,15 @@ def _multi_output_kernels(graph: OpGraph, fused: list[bool], materialized: list[
     return [(m[0], m) for m in members.values()]
 
 
+def single_output_kernels(graph: OpGraph, fused: list[bool], materialized: list[bool],
+                          ) -> list[tuple[int, list[int]]]:
+    """XLA:CPU's kernels given which nodes run fused and which tensors are written (see
+    `_single_output_kernels`): (the writing node, its nodes) per kernel."""
+    return _single_output_kernels(graph, fused, materialized, None)
+
+
 def _single_output_kernels(graph: OpGraph, fused: list[bool], materialized: list[bool],
-                           consumers: list[list[int]]) -> list[tuple[int, list[int]]]:
+                           consumers: list[list[int]] | None) -> list[tuple[int, list[int]]]:
     """SINGLE_OUTPUT: one kernel per fused node that writes a result: it and, recursively, the
     fused producers of its unmaterialized operands (recomputed in every kernel that needs
     them, as XLA:CPU duplicates cheap producers). Returns (the writing node, its nodes)."""
@@ -215,4 +222,4 @@ def _single_output_kernels(graph: OpGraph, fused: list[bool], materialized: list
     return out
 
 
-__all__ = ["FusionCosts", "OpKind", "fusion_costs", "op_kind"]
+__all__ = ["FusionCosts", "OpKind", "fusion_costs", "op_kind", "single_output_kernels"]

@@ -13,16 +13,16 @@ import numpy as np
 from ..cluster import LogicalMesh
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
-from ..frontend.loops import stacks_born_early
 from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
-from ..spec import Spec, num_shards
+from ..spec import Spec
 from .annotations import Annotations, annotation_specs, both, pin_rule
 from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
 from .constraints import method_input_options, method_tensor_rule
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
                   with_extra_bytes)
 from .layers import find_family, group_keys, tie, tied_problem
+from .memory import peak_bytes
 from .rules import RuleContext
 
 log = logging.getLogger(__name__)
@@ -78,26 +78,11 @@ class ShardingAssignment:
 
 
 def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
-    """Max over the schedule (node order) of the bytes per device of live tensors."""
-    last = graph.last_use()
-    per = [t.nbytes / num_shards(specs[t.id], mesh_shape) if t.kind != TensorKind.CONST else 0.0
-           for t in graph.tensors]
-    dies: dict[int, float] = {}
-    for t in graph.tensors:
-        if last[t.id] >= 0:
-            dies[last[t.id]] = dies.get(last[t.id], 0.0) + per[t.id]
-    live = sum(per[t] for t in set(graph.inputs) if last[t] >= 0)
-    peak = live
-    early = stacks_born_early(graph)      # a loop's stacked ys exist from its first node
-    born: dict[int, list[int]] = {}
-    for t, at in early.items():
-        born.setdefault(at, []).append(t)
-    for node in graph.nodes:
-        made = [o for o in node.outputs if o not in early] + born.get(node.id, [])
-        live += sum(per[o] for o in made if last[o] >= 0)
-        peak = max(peak, live)
-        live -= dies.get(node.id, 0.0)
-    return peak
+    """Max over the schedule (node order) of the bytes per device of live buffers: the
+    arguments and results throughout, the temporaries XLA writes from their producer to the
+    last kernel reading them (`memory.peak_bytes`; the ILP's memory points walk the same
+    events)."""
+    return peak_bytes(graph, specs, mesh_shape)
 
 
 def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:

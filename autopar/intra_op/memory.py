@@ -1,0 +1,292 @@
+"""The memory model: which tensors of a step hold a buffer of their own, and for how long.
+
+The predicted peak per device (`solve.peak_memory`) and the ILP's memory points
+(`build._Builder.memory_points`) both walk the graph's node order with this model, so the ILP
+decides with the same bytes the plan reports. It follows what XLA's buffer assignment does
+(`compiled.memory_analysis()`: arguments + outputs + temp - aliased), as read off the buffer
+assignments of the models in `models/` (benchmarks/memory.py, benchmarks/memory_notes.md):
+
+  - Arguments and results have buffers for the whole step (XLA reports them apart from its
+    temporaries); a result carried into a donated argument shares that argument's buffer.
+  - A temporary has a buffer only if XLA writes it to memory: the fusion model
+    (`fusion.fusion_costs`, XLA:CPU's single-output style) decides, plus the expensive
+    elementwise values (exp, tanh, ...) that several kernels read: XLA does not duplicate
+    them into each kernel but writes them once (`EXPENSIVE`).
+  - A buffer lives until the last kernel that reads it, directly or through the fused
+    values computed from it: a forward value that only feeds a fused elementwise chain whose
+    end the backward reads lives until that backward kernel (`end`).
+  - Views (reshapes of a materialized value, `optimization_barrier` results) share their
+    operand's buffer and keep it alive; a fused elementwise result with the bytes of a
+    temporary operand that dies at that node, and a scatter / dynamic-update-slice result,
+    take their operand's buffer over (in place).
+  - A value computed from constants alone (zeros to scatter into) has no sharding of its
+    own in the plan (XLA places it like its consumer): it counts at its consumer's result's
+    sharding (`size_of`).
+
+The rules depend on the graph only (not on the shardings), so the model is one per graph;
+sizes per device come from the specs (`tensor_bytes`).
+
+Example (`y = exp(x) * 2; z = y @ w`): `exp(x)` is fused into the multiply, whose result is
+read by the matmul and so materialized; it is counted, `exp(x)` is not:
+    >>> model = memory_model(graph)                           # doctest: +SKIP
+    >>> [t.id for t in graph.tensors if model.counted[t.id]]  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..cluster import FusionStyle
+from ..frontend.loops import stacks_born_early
+from ..graph import OpGraph, TensorKind
+from ..spec import num_shards
+from .fusion import OpKind, fusion_costs, op_kind, single_output_kernels
+
+# Elementwise primitives XLA's fusion does not duplicate into several consumers (its
+# `IsExpensive`): a fused value of one of them read by two or more kernels is written once.
+EXPENSIVE = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf",
+                       "erf_inv", "erfc", "pow", "rsqrt", "sqrt", "cbrt", "atan2", "div",
+                       "rem", "lgamma", "digamma", "tan"})
+# Kernels that update their first operand in place when it dies there.
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+                      "scatter-min", "scatter-max", "dynamic_update_slice"})
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    """Per tensor: `whole` (an argument or a result: live for the whole step), `counted` (a
+    temporary with a buffer of its own from its producer on), `end` (the position after which
+    a counted tensor's buffer is freed) and `size_of` (the tensor whose sharding sets its bytes
+    per device: itself, or for a value computed from constants, its consumer's result)."""
+    whole: tuple[bool, ...]
+    counted: tuple[bool, ...]
+    end: tuple[int, ...]
+    size_of: tuple[int, ...]
+    pos: tuple[int, ...]                 # per node, its position in `run_order`
+
+
+def _cheap(graph: OpGraph) -> list[bool]:
+    from .build import cheap_source_tensors      # build imports this module
+    return cheap_source_tensors(graph)
+
+
+def _sized_like(graph: OpGraph, consumers: list[list[int]]) -> list[int]:
+    """Per tensor, the tensor whose sharding sets its bytes (see `MemoryModel.size_of`)."""
+    size_of = list(range(len(graph.tensors)))
+    for t, cheap in enumerate(_cheap(graph)):
+        if not cheap or graph.tensors[t].kind == TensorKind.CONST:
+            continue
+        for c in consumers[t]:
+            same = [o for o in graph.nodes[c].outputs
+                    if graph.tensors[o].nbytes == graph.tensors[t].nbytes]
+            if same:
+                size_of[t] = same[0]
+                break
+    # follow chains (a broadcast of a cheap value sized like a cheap value ...)
+    for t in range(len(size_of)):
+        seen = 0
+        while size_of[size_of[t]] != size_of[t] and seen < 64:
+            size_of[t] = size_of[size_of[t]]
+            seen += 1
+    return size_of
+
+
+def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], list]:
+    """(materialized, fused, kernels) with the expensive shared values written once."""
+    fc = fusion_costs(graph, FusionStyle.SINGLE_OUTPUT)
+    materialized = list(fc.materialized)
+    kinds = [op_kind(n.primitive) for n in graph.nodes]
+    reads_memory = (OpKind.KERNEL, OpKind.BARRIER, OpKind.REDUCE)
+    view = [False] * len(graph.tensors)
+    for node, kind in zip(graph.nodes, kinds):
+        if kind is OpKind.BARRIER or (kind is OpKind.ALIAS
+                                      and all(materialized[i] for i in node.inputs)):
+            for o in node.outputs:
+                view[o] = True
+    fused = [k not in reads_memory and not (n.outputs and all(view[o] for o in n.outputs))
+             for n, k in zip(graph.nodes, kinds)]
+    for _ in range(4):                 # writing one value changes the kernels: a few rounds
+        kernels = single_output_kernels(graph, fused, materialized)
+        in_kernels: dict[int, int] = {}
+        for _, members in kernels:
+            for n in members:
+                in_kernels[n] = in_kernels.get(n, 0) + 1
+        shared = [n for n, k in in_kernels.items() if k > 1
+                  and graph.nodes[n].primitive in EXPENSIVE]
+        changed = False
+        for n in shared:
+            for o in graph.nodes[n].outputs:
+                if not materialized[o]:
+                    materialized[o] = changed = True
+        if not changed:
+            break
+    return materialized, fused, kernels
+
+
+def run_order(graph: OpGraph) -> list[int]:
+    """The node order the model assumes XLA runs: the graph's, with the nodes from which no
+    matmul is reachable (weight gradients, loss value, optimizer update) after all others, as
+    XLA:CPU's memory scheduler places the weight-gradient matmuls after the whole backward."""
+    from .build import tail_nodes                # build imports this module
+    tail = tail_nodes(graph)
+    return ([n.id for n in graph.nodes if n.id not in tail]
+            + [n.id for n in graph.nodes if n.id in tail])
+
+
+def dead_nodes(graph: OpGraph, consumers=None) -> frozenset[int]:
+    """Nodes none of whose results reach a result of the step (XLA removes them)."""
+    consumers = graph.consumers() if consumers is None else consumers
+    needed = [False] * len(graph.tensors)
+    for t in graph.outputs:
+        needed[t] = True
+    dead = set()
+    for node in reversed(graph.nodes):
+        if any(needed[o] for o in node.outputs) or not node.outputs:
+            for i in node.inputs:
+                needed[i] = True
+        else:
+            dead.add(node.id)
+    return frozenset(dead)
+
+
+def memory_model(graph: OpGraph) -> MemoryModel:
+    """The buffers of `graph` (see the module docstring); times are positions in
+    `run_order(graph)`."""
+    tensors, nodes, last = graph.tensors, graph.nodes, graph.last_use()
+    consumers = graph.consumers()
+    n_nodes = len(nodes)
+    pos = [0] * n_nodes
+    for i, n in enumerate(run_order(graph)):
+        pos[n] = i
+    whole = [t.kind != TensorKind.CONST and last[t.id] >= 0
+             and (t.id in graph.inputs or t.id in graph.outputs) for t in tensors]
+    donated = {graph.inputs[p] for p in graph.donated_inputs}
+    for out_pos, in_pos in graph.carried_outputs.items():
+        out, arg = graph.outputs[out_pos], graph.inputs[in_pos]
+        if arg in donated and tensors[out].nbytes == tensors[arg].nbytes and out != arg:
+            whole[out] = False        # written into the donated argument's buffer
+    materialized, fused, kernels = _materialized(graph, consumers)
+    dead = dead_nodes(graph, consumers)     # XLA removes them: they read and write nothing
+    counted = [materialized[t.id] and not whole[t.id] and t.kind != TensorKind.CONST
+               and last[t.id] >= 0 and t.id not in graph.outputs and t.producer not in dead
+               for t in tensors]
+    # When each tensor is read: by a node that reads memory at that node; by a fused node
+    # when the kernel it is part of runs (its writing node).
+    read_at = [-1] * len(tensors)
+    for node in nodes:
+        if not fused[node.id] and node.id not in dead:
+            for i in node.inputs:
+                read_at[i] = max(read_at[i], pos[node.id])
+    in_kernel = [False] * n_nodes
+    for root, members in kernels:
+        for n in members:
+            if n in dead:
+                continue
+            in_kernel[n] = True
+            for i in nodes[n].inputs:
+                read_at[i] = max(read_at[i], pos[root], pos[n])
+    for node in nodes:                  # fused nodes whose results no kernel writes
+        if fused[node.id] and not in_kernel[node.id] and node.id not in dead:
+            for i in node.inputs:
+                read_at[i] = max(read_at[i], pos[node.id])
+    for t in graph.outputs:
+        read_at[t] = n_nodes
+    owner = list(range(len(tensors)))   # the tensor whose buffer a tensor uses
+    for node in nodes:
+        kind = op_kind(node.primitive)
+        if kind is OpKind.BARRIER:
+            for i, o in zip(node.inputs, node.outputs):
+                if not counted[o]:
+                    continue
+                counted[o] = False
+                owner[o] = owner[i]
+        elif kind is OpKind.ALIAS and all(materialized[i] for i in node.inputs):
+            for o in node.outputs:
+                if counted[o] and node.inputs:
+                    counted[o] = False
+                    owner[o] = owner[node.inputs[0]]
+        elif kind is OpKind.FUSIBLE or node.primitive in IN_PLACE:
+            operands = node.inputs[:1] if node.primitive in IN_PLACE else node.inputs
+            free = [i for i in dict.fromkeys(operands)
+                    if counted[owner[i]] and owner[i] == i and read_at[i] == pos[node.id]]
+            for o in node.outputs:
+                donor = next((i for i in free if tensors[i].nbytes == tensors[o].nbytes), None)
+                if counted[o] and donor is not None:
+                    counted[o] = False
+                    free.remove(donor)
+                    owner[o] = owner[donor]
+    end = [-1] * len(tensors)
+    for t in range(len(tensors)):
+        if read_at[t] >= 0:
+            o = owner[t]
+            end[o] = max(end[o], read_at[t])
+    for t in range(len(tensors)):      # a counted buffer lives at least at its producer
+        if counted[t]:
+            made = tensors[t].producer
+            end[t] = max(end[t], pos[made] if made is not None else 0)
+    return MemoryModel(whole=tuple(whole), counted=tuple(counted), end=tuple(end),
+                       size_of=tuple(_sized_like(graph, consumers)), pos=tuple(pos))
+
+
+def tensor_bytes(graph: OpGraph, model: MemoryModel, specs, mesh_shape) -> list[float]:
+    """Per tensor, its bytes per device under `specs` (0 for constants)."""
+    return [0.0 if t.kind == TensorKind.CONST else
+            t.nbytes / num_shards(specs[model.size_of[t.id]], mesh_shape)
+            for t in graph.tensors]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The buffer events over the node order: `start` (tensor ids live from the start: the
+    arguments and results), `born[p]` (counted tensors allocated at the node at position p
+    of `run_order`: its results, or a loop's stacked ys at the loop's first node) and
+    `freed[p]` (freed after it)."""
+    model: MemoryModel
+    start: tuple[int, ...]
+    born: dict[int, tuple[int, ...]]
+    freed: dict[int, tuple[int, ...]]
+
+
+_CACHE: "OrderedDict[int, tuple[OpGraph, Schedule]]" = OrderedDict()   # the last graphs'
+
+
+def schedule(graph: OpGraph) -> Schedule:
+    """`memory_model(graph)` as allocation events along the node order (see `Schedule`).
+
+    Example: the bytes live at every node, given bytes per tensor `per`:
+        >>> s = schedule(graph)                                 # doctest: +SKIP
+        >>> live = sum(per[t] for t in s.start)                 # doctest: +SKIP
+    """
+    hit = _CACHE.get(id(graph))
+    if hit is not None and hit[0] is graph:      # peak_memory runs once per plan drawn
+        _CACHE.move_to_end(id(graph))
+        return hit[1]
+    model = memory_model(graph)
+    early = stacks_born_early(graph)      # a loop's stacked ys exist from its first node
+    born: dict[int, list[int]] = {}
+    freed: dict[int, list[int]] = {}
+    for t in graph.tensors:
+        if model.counted[t.id]:
+            at = early.get(t.id, t.producer)
+            born.setdefault(model.pos[at], []).append(t.id)
+            freed.setdefault(model.end[t.id], []).append(t.id)
+    out = Schedule(model=model, start=tuple(t for t, w in enumerate(model.whole) if w),
+                   born={k: tuple(v) for k, v in born.items()},
+                   freed={k: tuple(v) for k, v in freed.items()})
+    _CACHE[id(graph)] = (graph, out)
+    while len(_CACHE) > 8:
+        _CACHE.popitem(last=False)
+    return out
+
+
+def peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+    """Max over the node order of the bytes per device of the live buffers (see the module
+    docstring): what `solve.peak_memory` reports."""
+    events = schedule(graph)
+    per = tensor_bytes(graph, events.model, specs, mesh_shape)
+    live = peak = sum(per[t] for t in events.start)
+    for p in range(len(graph.nodes)):
+        live += sum(per[t] for t in events.born.get(p, ()))
+        peak = max(peak, live)
+        live -= sum(per[t] for t in events.freed.get(p, ()))
+    return peak
