@@ -3,7 +3,8 @@
 An entry is one JSON file `plan-<key>.json` in the cache directory: a small header (cache format,
 autopar / jax / jaxlib versions, the key, when it was written) and the plan. `cache_key` hashes
 everything a plan depends on (the traced graph, the abstract arguments, the cluster, the method,
-the mesh, the device ids and the library versions), so a change to any of them is a miss.
+the mesh, the device ids and the library versions, with a digest of autopar's own source), so
+a change to any of them is a miss.
 
 Writes are atomic (a temporary file in the same directory, fsync, `os.replace`): two processes
 writing the same key leave one complete entry, never a mixed or partial one, and a reader sees
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -64,14 +66,34 @@ def _package_version(name: str) -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of autopar's own source files: a plan is only as good as the code (cost model,
+    memory model, search) that made it, and a checkout or an editable install changes that
+    code without changing the version number.
+
+    Example:
+        >>> len(source_digest())
+        16
+    """
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def library_versions() -> dict[str, str]:
-    """The versions a cached plan is tied to.
+    """The versions a cached plan is tied to: autopar's (and its source's digest), jax's and
+    jaxlib's.
 
     Example:
         >>> library_versions()
-        {'autopar': '0.1.0', 'jax': '0.10.2', 'jaxlib': '0.10.2'}
+        {'autopar': '0.1.0', 'autopar_source': '3f2a...', 'jax': '0.10.2', 'jaxlib': '0.10.2'}
     """
-    return {name: _package_version(name) for name in ("autopar", "jax", "jaxlib")}
+    versions = {name: _package_version(name) for name in ("autopar", "jax", "jaxlib")}
+    return {"autopar": versions["autopar"], "autopar_source": source_digest(),
+            "jax": versions["jax"], "jaxlib": versions["jaxlib"]}
 
 
 def canonical_text(value: Any) -> str:
@@ -328,9 +350,7 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def _header(key: str) -> dict:
-    v = library_versions()
-    return {"format": FORMAT, "version": VERSION, "autopar": v["autopar"], "jax": v["jax"],
-            "jaxlib": v["jaxlib"], "key": key,
+    return {"format": FORMAT, "version": VERSION, **library_versions(), "key": key,
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 

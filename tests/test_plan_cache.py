@@ -157,7 +157,8 @@ def test_put_then_get_is_a_hit(cache, plan, caplog):
     header = json.loads(path.read_text())
     assert header["format"] == plan_cache.FORMAT and header["version"] == plan_cache.VERSION
     assert header["key"] == key and header["created_utc"].endswith("+00:00")
-    assert {k: header[k] for k in ("autopar", "jax", "jaxlib")} == plan_cache.library_versions()
+    assert {k: header[k] for k in ("autopar", "autopar_source", "jax", "jaxlib")} == \
+        plan_cache.library_versions()
     assert cache.entries() == {key: path}
     assert not [p for p in cache.directory.iterdir() if p != path]   # no temporary files left
 
@@ -414,3 +415,14 @@ def test_parallelize_reuses_a_cached_plan(tmp_path, pipeline):
     assert float(first(state, batches[0])[1]) == float(second(state, batches[0])[1])
     off = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method, plan_cache=False)
     assert off.get_plan(state, batches[0]).origin == "search"
+
+
+def test_a_change_to_autopar_source_is_a_miss(monkeypatch):
+    """The key includes a digest of autopar's source: a plan made by other code (a new cost or
+    memory model in a checkout) is not reused."""
+    args = dict(graph_fingerprint="f", args_signature="s", cluster="c", method="m",
+                mesh_shape=(2, 4), axis_names=("data", "model"), device_ids=tuple(range(8)))
+    before = plan_cache.cache_key(**args)
+    assert len(plan_cache.source_digest()) == 16
+    monkeypatch.setattr(plan_cache, "source_digest", lambda: "0" * 16)
+    assert plan_cache.cache_key(**args) != before
