@@ -161,3 +161,23 @@ def long_lm_case():
     step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=16,
                                      value_and_grad=autopar.value_and_grad, gpt_config=LONG_LM)
     return step, state, batches, run_steps(jax.jit(step), state, batches)
+
+
+def run_under_memory_scheduler(script: str, timeout_s: float = 900):
+    """Run `script` (Python source whose last line of output is JSON) in a fresh process whose
+    XLA:CPU schedules for memory (`--xla_cpu_enable_concurrency_optimized_scheduler=false`,
+    as GPU/TPU do; the flag is process-wide, hence the process), with this repository and
+    tests/ importable and the plan cache off; returns the parsed JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+                         "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+               JAX_PLATFORMS="cpu", AUTOPAR_PLAN_CACHE="off")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=timeout_s)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

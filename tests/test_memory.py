@@ -1,8 +1,5 @@
 """The memory model (`autopar.intra_op.memory`): the planner's peak per device against XLA's
 `memory_analysis()`, and the ILP's memory points against `peak_memory`."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -13,9 +10,8 @@ from autopar.cost import CostModel
 from autopar.intra_op import ilp
 from autopar.intra_op.memory import dead_nodes, memory_model, run_order
 from autopar.intra_op.solve import build_intra_op, peak_memory, solve_built
-from steps import make_case, mesh_of, sgd_momentum_clip
+from steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("value_and_grad", ["jax", "autopar-full"])
@@ -81,15 +77,7 @@ def test_prediction_within_15_percent_under_the_memory_scheduler():
     """An MLP on 1x8 and 2x4 and a GPT (seq 128) on 2x4: predicted peak within 15% of the
     compiled executable's, under XLA:CPU's memory-minimizing scheduler (GPU/TPU schedule for
     memory too; the flag is process-wide, hence the subprocess)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                         "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-               JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", _BAND], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = run_under_memory_scheduler(_BAND, timeout_s=600)
     assert len(rows) == 3
     for name, shape, predicted, compiled in rows:
         assert 0.85 <= predicted / compiled <= 1.15, (name, shape, predicted, compiled)

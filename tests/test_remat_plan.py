@@ -1,6 +1,8 @@
 """Rematerialization on one mesh (`remat_plan`): a step whose fastest plan does not fit its
 budget is re-traced with the loss's layers under `jax.checkpoint`, recomputing as little as
 fits; the plan records the choice, replays it, and trains like jax.jit."""
+import textwrap
+
 import pytest
 
 import autopar
@@ -8,7 +10,7 @@ from autopar.remat_plan import loss_layers
 from autopar.trace import trace
 from models.gpt import GPTConfig
 from steps import (assert_equivalent, long_lm_case, make_case, mesh_of, run_steps,
-                   sgd_momentum_clip)
+                   run_under_memory_scheduler, sgd_momentum_clip)
 
 @pytest.fixture(scope="module")
 def case():
@@ -23,34 +25,59 @@ def _least(step, state, batch) -> int:
     return e.value.needed_bytes
 
 
-def test_shard_parallel_recomputes_to_fit_85_percent_of_its_least_memory(case):
-    """Acceptance: at 85% of the least memory without recomputation, remat='none' raises
-    carrying that least; the default finds a remat plan whose predicted peak fits and which
-    trains like jax.jit; the plan records, dumps and replays the choice. (85%: with the
-    weight gradients after the backward, recomputing every layer saves about 20% here.)"""
-    step, state, batches, ref = case
-    least = _least(step, state, batches[0])
-    budget = int(0.85 * least)
-    with pytest.raises(autopar.InfeasiblePlanError) as e:
-        autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
-            remat="none", memory_budget_bytes=budget)).get_plan(state, batches[0])
-    assert e.value.needed_bytes == least
-    cluster = autopar.parallelize(step, mesh=mesh_of((2, 4))).cluster
-    plan = autopar.plan(step, state, batches[0], cluster=cluster, mesh_shape=(2, 4),
-                        axis_names=("data", "model"),
-                        method=autopar.ShardParallel(memory_budget_bytes=budget))
-    assert plan.peak_memory_bytes <= budget
-    layers = plan.remat["layers"]
-    assert any(c != "none" for c in layers) and len(layers) == len(
-        plan.remat["layer_boundaries"]) - 1
-    assert "remat_search" in plan.timings_s and "rematerialization" in autopar.dump(plan)
-    # A saved plan replays the recomputation (barriers in the lowered step) and trains like
-    # jax.jit.
+_ACCEPTANCE = textwrap.dedent("""
+    import json
+    import jax
+    import autopar
+    from autopar.memory_check import compiled_bytes
+    from models.gpt import GPTConfig
+    from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+
+    config = GPTConfig(vocab_size=64, seq_len=256, num_layers=8, hidden=32, num_heads=2)
+    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=16,
+                                     value_and_grad=autopar.value_and_grad, gpt_config=config)
+    batches = batches[:2]
+
+    def needed(budget):
+        try:
+            autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
+                remat="none", memory_budget_bytes=budget)).get_plan(state, batches[0])
+        except autopar.InfeasiblePlanError as e:
+            return e.needed_bytes
+
+    least = needed(1000)
+    budget = int(0.7 * least)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(memory_budget_bytes=budget))
+    plan = par.get_plan(state, batches[0])
+    assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
+                      compare_params=True, rtol=2e-5)
     again = autopar.ParallelPlan.from_json(plan.to_json())
-    assert again.remat == plan.remat
     replay = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan=again)
-    assert "optimization_barrier" in replay.lower(state, batches[0]).as_text()
-    assert_equivalent(ref, run_steps(replay, state, batches), compare_params=True, rtol=2e-5)
+    print(json.dumps(dict(
+        least=least, budget=budget, none_needed=needed(budget), predicted=plan.peak_memory_bytes,
+        compiled=compiled_bytes(par.get_compiled(state, batches[0])), remat=plan.remat,
+        dumped="rematerialization" in autopar.dump(plan), timings=list(plan.timings_s),
+        replay_barrier="optimization_barrier" in replay.lower(state, batches[0]).as_text(),
+        replay_remat=again.remat == plan.remat)))
+""")
+
+
+def test_shard_parallel_recomputes_to_fit_70_percent_of_its_least_memory():
+    """Acceptance (issue 15): an activation-heavy LM (8 blocks, sequence 256, width 32) on 2x4
+    at 70% of the least memory any plan needs without recomputation: remat='none' raises
+    carrying that least; the default finds a remat plan whose predicted peak fits, whose
+    compiled memory fits, and which trains like jax.jit; the plan records, dumps and replays
+    the choice. Under XLA:CPU's memory-minimizing scheduler (what GPU/TPU do; its default
+    scheduler ignores memory, so recomputation saves little there: see the next test)."""
+    r = run_under_memory_scheduler(_ACCEPTANCE)
+    assert r["none_needed"] == r["least"]
+    assert r["predicted"] <= r["budget"] and r["compiled"] <= r["budget"]
+    layers = r["remat"]["layers"]
+    assert any(c != "none" for c in layers) and len(layers) == len(
+        r["remat"]["layer_boundaries"]) - 1
+    assert r["dumped"] and "remat_search" in r["timings"]
+    assert r["replay_barrier"] and r["replay_remat"]
 
 
 def test_verified_memory_refuses_a_remat_plan_xla_compiles_over_the_budget(case):
