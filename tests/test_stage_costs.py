@@ -3,9 +3,10 @@ of a stage, and the re-ranking of the DP's best layouts by whole-stage solves.""
 import autopar
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solve import solve_stage, trace_stage
+from autopar.cluster import ClusterSpec
 from autopar.inter_op.stages import AXIS_NAMES
 
-from test_stages import bounds, cluster, loss  # noqa: F401  (fixtures: a four-layer MLP loss)
+from test_stages import bounds, cluster, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
 
 
 # -- the DP prices what it builds: boundary reshards, and re-ranking by whole-stage solves ---
@@ -52,3 +53,31 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
             raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
         return whole[1]
     assert len(reranked(two, dp, [], 1.0, infeasible, 4)) == 1
+
+
+def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
+    """On one device (one plan per stage), the DP's memory of a span of layers (their held
+    and resident bytes summed, their working memory's largest, their activations summed)
+    covers the span's own plan: every layer's parameters and gradients are live at the
+    span's first backward. Counting only the largest layer's peak, as before, misses them."""
+    import numpy as np
+    from autopar.inter_op.stage_costs import (held_bytes, resident_bytes, span_held_bytes,
+                                              static_bytes, working_bytes)
+    from autopar.inter_op.stage_solver import StageSolver
+    one = ClusterSpec.preset("v100-p3.16xlarge").with_(devices_per_host=1)
+    solver = StageSolver(loss, one, method(autopar.AutoStageOption()), tuple(bounds))
+    opt = solver.opt_ratio
+    layers = [solver.solve(slice_range(loss, bounds[l], bounds[l + 1], l), (1, 1), (1, 1))
+              for l in range(4)]
+    whole = solver.solve(slice_range(loss, bounds[0], bounds[4], 0), (1, 1), (1, 1))
+    for s in (*layers, whole):
+        assert s.grad_bytes > 0 and resident_bytes(s) == s.param_bytes + s.grad_bytes
+        assert np.isclose(static_bytes(s, opt), s.peak_memory_bytes - s.activation_bytes
+                          + held_bytes(s, opt))
+    span = (sum(span_held_bytes(s, opt) for s in layers) + max(map(working_bytes, layers))
+            + sum(s.activation_bytes for s in layers))
+    before = (sum(held_bytes(s, opt) for s in layers)
+              + max(s.peak_memory_bytes - s.activation_bytes for s in layers)
+              + sum(s.activation_bytes for s in layers))
+    own = static_bytes(whole, opt) + whole.activation_bytes
+    assert span >= own * (1 - 1e-9) and before < own

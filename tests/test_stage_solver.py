@@ -83,3 +83,33 @@ def test_mirrored_stages_train_like_jax_jit():
     assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
     assert [s.logical_mesh_shape for s in par.get_plan(state, batches[0]).stages] == \
         [(4, 1), (4, 1)]
+
+
+def test_a_view_that_splits_no_parameter_is_rejected_before_building(loss, bounds):
+    """The floor of a view counts each parameter split as far as that view can split it: the
+    16 x 16 weights split 8 ways on (1, 8) but not at all on (1, 3), so under a budget between
+    the two floors the (1, 3) view is answered without building its ILP."""
+    sl = slice_range(loss, bounds[0], bounds[1], 0)
+    solver = StageSolver(loss, None, method(autopar.AutoStageOption(),
+                                            memory_budget_bytes=512), tuple(bounds))
+    whole = 16 * 16 * 4 * (1 + solver.opt_ratio)
+    assert solver.floor(sl, (1, 3), (1, 3)) == whole
+    assert solver.floor(sl, (1, 8), (1, 8)) == whole / 8 == solver.floor(sl, (1, 8))
+    assert solver.floor(sl, (1, 8), (2, 4)) == whole / 8
+    assert solver.solve(sl, (1, 3), (1, 3)) is None and solver.lean(sl, (1, 3), (3, 1)) is None
+    assert not solver.problems and solver.num_ilps == 0
+    assert solver.needed[(bounds[0], bounds[1])] == whole
+
+
+def test_leanest_plan_takes_the_least_memory(loss, bounds, cluster):
+    """`lean` with the leanest slack gives a plan at the stage's least memory; the default
+    slack allows 5% more."""
+    from autopar.inter_op.stage_solver import LEANEST_SLACK
+    sl = slice_range(loss, bounds[0], bounds[4], 0)
+    solver = StageSolver(loss, cluster, method(autopar.AutoStageOption()), tuple(bounds))
+    prob, key = solver.problem(sl, (1, 8), (2, 4))
+    least = solver.least_of(prob, key)
+    leanest = solver.lean(sl, (1, 8), (2, 4), slack=LEANEST_SLACK)
+    lean = solver.lean(sl, (1, 8), (2, 4))
+    assert leanest.peak_memory_bytes <= least * LEANEST_SLACK
+    assert lean.peak_memory_bytes <= least * 1.05 and lean.latency_s <= leanest.latency_s

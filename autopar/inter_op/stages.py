@@ -33,7 +33,8 @@ from .remat import Remat, choices_of
 from .stage_costs import (boundary_costs, layer_options, reranked, run_dp, static_bytes,
                           try_dp, zero_variant)
 from .stage_dp import candidate_submeshes
-from .stage_solver import AXIS_NAMES, StageSolver, opt_ratio_of  # noqa: F401 (AXIS_NAMES)
+from .stage_solver import (AXIS_NAMES, LEAN_SLACK, LEANEST_SLACK, StageSolver,  # noqa: F401
+                           opt_ratio_of)
 from .stage_solve import StageSolution
 
 log = logging.getLogger(__name__)
@@ -269,8 +270,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         num_hosts=submeshes[k].num_hosts, devices_per_host=submeshes[k].devices_per_host,
     ).logical_mesh(tuple(shapes_per_k[k][v]), AXIS_NAMES)) for k, v in pairs]
 
-    def add(remat: Remat, lean: bool):
-        solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
+    def add(remat: Remat, lean: bool, slack: float = LEAN_SLACK):
+        solve = functools.partial(solver.lean, remat=remat, slack=slack) if lean else \
+            functools.partial(solver.solve, remat=remat)
         lat, held, act, work, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
                                                     pairs, solve, solver.opt_ratio, solver.pool)
         bound = boundary_costs(loss, boundaries, sols, meshes)
@@ -305,6 +307,10 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         for remat in remats:
             add(remat, True)
         check_layers()
+        choice = try_dp(dp, options, budget)
+    if choice is None:       # the leanest plans, where 5% above the least is still too much
+        for remat in remats:
+            add(remat, True, LEANEST_SLACK)
         choice = dp(options, budget=budget)      # raises the DP's InfeasiblePlanError
     n = len(pairs)
 

@@ -289,7 +289,8 @@ def _rank(problem: IlpProblem, choice) -> tuple[bool, float]:
 
 
 LAZY_MEMORY_POINTS = 64    # above this many liveness points, add them as they are violated
-LAZY_BATCH = 16
+LAZY_BATCH = 32    # points added per round: GPT-39B's layer ILPs (~270 points) solved 2.7x faster
+                   # than with 16 (fewer rounds, each a MIP; benchmarks/ilp_hardness.py)
 
 
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
