@@ -81,3 +81,25 @@ def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
               + sum(s.activation_bytes for s in layers))
     own = static_bytes(whole, opt) + whole.activation_bytes
     assert span >= own * (1 - 1e-9) and before < own
+
+
+def test_dp_asked_again_without_a_banned_span():
+    """`run_dp(banned=...)` offers no span holding the banned layers on that (submesh, view)
+    pair, under any kind of layer plan: the search's answer to a stage that did not fit when
+    solved whole."""
+    import numpy as np
+    from autopar.inter_op.stage_costs import run_dp
+    from autopar.inter_op.stage_dp import SubmeshShape
+    subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
+            SubmeshShape(num_hosts=1, devices_per_host=2))
+    lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
+    kind = (lat, np.zeros_like(lat), np.zeros_like(lat), np.zeros_like(lat),
+            np.zeros_like(lat))
+    m = autopar.PipeshardParallel(num_microbatches=4)
+    dp = lambda **kw: run_dp([kind, kind], submeshes=subs, ks=np.array([0, 1]),
+                             device_ids=(0, 1), method=m, option=autopar.AutoStageOption(),
+                             budget=1.0, **kw)
+    assert dp().layer_spans == ((0, 1),) and dp().submeshes[0] % 2 == 1   # both on 2 devices
+    again = dp(banned=((1, 1, 1),))                       # layer 1 never on the 2 devices
+    assert all(not (i <= 1 <= j and p % 2 == 1)
+               for (i, j), p in zip(again.layer_spans, again.submeshes))

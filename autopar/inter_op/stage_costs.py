@@ -162,11 +162,13 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     return lat, held, act, work, sols
 
 
-def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
+def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
+           banned=()):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
     boundary, working) arrays; a span's costs are its layers' summed, except the working memory:
-    its largest layer's."""
+    its largest layer's. `banned` (first layer, last layer, pair): no span holding those
+    layers is offered on that pair (of any kind)."""
     lat, held, act, bound, work = (np.concatenate([o[i] for o in options], axis=1)
                                    for i in range(5))
     num_layers = lat.shape[0]
@@ -179,6 +181,9 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
         span_static[i, i:] = (np.cumsum(held[i:], axis=0)
                               + np.maximum.accumulate(work[i:], axis=0))
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
+    width = len(ks)
+    for i, j, pair in banned:
+        span_lat[:i + 1, j:, pair::width] = np.inf
     finite = np.isfinite(span_lat)
     costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
                        activation_bytes=np.where(finite, span_act, 0.0),
