@@ -41,7 +41,7 @@ def test_mirror_view_is_the_same_problem(loss, bounds, cluster):
     solver = StageSolver(loss, cluster, m, tuple(bounds))
     sl = slice_range(loss, bounds[0], bounds[4], 0)
     sub = (1, 2)
-    assert solver._mirror_of(sub, (2, 1)) == (1, 2) and solver._mirror_of(sub, (1, 2)) is None
+    assert solver.mirror_of(sub, (2, 1)) == (1, 2) and solver.mirror_of(sub, (1, 2)) is None
     mirrored, own = solver.solve(sl, sub, (2, 1)), solver.solve(sl, sub, (1, 2))
     assert solver.num_ilps == 1 and mirrored.logical_shape == (2, 1)
     direct = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
@@ -61,11 +61,11 @@ def test_mirror_only_where_the_axes_cost_the_same(loss, bounds):
     mirrors."""
     two_hosts = ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2).with_(devices_per_host=4)
     solver = StageSolver(loss, two_hosts, method(autopar.AutoStageOption()), tuple(bounds))
-    assert solver._mirror_of((2, 4), (8, 1)) == (1, 8)
-    assert solver._mirror_of((2, 4), (4, 2)) is None
+    assert solver.mirror_of((2, 4), (8, 1)) == (1, 8)
+    assert solver.mirror_of((2, 4), (4, 2)) is None
     pinned = StageSolver(loss, two_hosts, method(autopar.AutoStageOption(),
                                                  batch_axis="data"), tuple(bounds))
-    assert pinned._mirror_of((2, 4), (8, 1)) is None
+    assert pinned.mirror_of((2, 4), (8, 1)) is None
 
 
 def test_mirrored_stages_train_like_jax_jit():

@@ -316,7 +316,7 @@ def _rig_stage_problems(monkeypatch, rig, least=1000.0):
         return _Rigged(real(graph, sl, sub, shape, *args, **kw), shape, rig, least, calls)
     monkeypatch.setattr(stages_mod, "stage_problem", fake)
     # rigged views are not mirror images of each other: every view gets its own problem
-    monkeypatch.setattr(stages_mod.StageSolver, "_mirror_of", lambda self, sub, shape: None)
+    monkeypatch.setattr(stages_mod.StageSolver, "mirror_of", lambda self, sub, shape: None)
     return calls
 
 

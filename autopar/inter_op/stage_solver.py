@@ -174,7 +174,7 @@ class StageSolver:
             return True
         return False
 
-    def _mirror_of(self, submesh: tuple[int, int], shape: tuple[int, int]):
+    def mirror_of(self, submesh: tuple[int, int], shape: tuple[int, int]):
         """(b, a) for a view (a, b) with a > b whose ILP is (b, a)'s with the mesh axes
         swapped (an axis-blind method, axes that cost the same swapped); else None."""
         if not self.mirror_ok or len(shape) != 2 or shape[0] <= shape[1]:
@@ -203,7 +203,7 @@ class StageSolver:
         if floor > self.budget:
             self._need(sl, floor)
             return None
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None:
             return self._mirrored(sl, submesh, shape, remat,
                                   self.solve(sl, submesh, mirror, budget, remat))
@@ -223,7 +223,7 @@ class StageSolver:
         split over the data axis (ZeRO; see `StageSolution.optimizer_bytes`)."""
         if self.floor(sl, submesh, shape) > self.budget:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None and not zero:           # ZeRO splits over axis 0: not mirrored
             return self._mirrored(sl, submesh, shape, remat,
                                   self.fitting(sl, submesh, mirror, in_flight, remat))
@@ -285,7 +285,7 @@ class StageSolver:
         which the fastest plan of one layer alone may not take."""
         if self.floor(sl, submesh, shape) > self.budget:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None:
             return self._mirrored(sl, submesh, shape, remat,
                                   self.lean(sl, submesh, mirror, remat, slack))
@@ -339,7 +339,7 @@ class StageSolver:
         """The least pipeline peak per device (as `stage` counts it) of any plan of the stage
         on `shapes` under `remats` and `zeros`."""
         def view(v, zero):       # without ZeRO, a mirror view's least is its mirror's
-            return (None if zero else self._mirror_of(submesh, v)) or v
+            return (None if zero else self.mirror_of(submesh, v)) or v
         return min(self.problem(sl, submesh, view(v, z), r)[0].least_bytes(
             in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
             for v in shapes for r in remats for z in zeros)

@@ -345,9 +345,15 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
             break
         except _StageDoesNotFit as e:
             # The DP's layer sums missed what the stage needs whole: no span holding these
-            # layers fits on that (submesh, view) pair, under any kind of layer plan.
+            # layers fits on that (submesh, view) pair, or its mirror view (the same ILP),
+            # under any kind of layer plan.
             pair = int(choice.submeshes[e.stage]) % n
-            banned.append((*e.span, pair))
+            k, view = ks[pair], tuple(shapes_per_k[ks[pair]][vs[pair]])
+            mirror = solver.mirror_of((submeshes[k].num_hosts, submeshes[k].devices_per_host),
+                                       max(view, view[::-1]))
+            banned += [(*e.span, q) for q in range(n) if ks[q] == k and (
+                q == pair or (mirror is not None
+                              and tuple(shapes_per_k[k][vs[q]]) == view[::-1]))]
             log.info("autopar: stage layers %d..%d on %s as %s does not fit when solved "
                      "whole (needs %.4g bytes); the stage DP is asked again without it",
                      *e.span, submeshes[ks[pair]], shapes_per_k[ks[pair]][vs[pair]],
