@@ -274,7 +274,8 @@ class StageSolver:
             t = fwd.tensors[fwd.inputs[p]]
             key = (t.shape, mesh)
             if key not in self._shards:
-                self._shards[key] = max(num_shards(s, mesh) for s in enumerate_specs(t.shape, mesh))
+                self._shards[key] = max(num_shards(s, mesh)
+                                        for s in enumerate_specs(t.shape, mesh))
             total += t.nbytes / self._shards[key]
         return total * (1 + self.opt_ratio)
 
