@@ -279,7 +279,8 @@ def _g39b_goal(res) -> tuple[str, str, str]:
             run += 1
             good = t["status"] == "ok" and t["wall_s"] <= 60
             ok += good
-            cells.append(f"K={k}, M={m}: {t['status']} in {t['wall_s']:.1f} s")
+            cells.append(f"K={k}, M={m}: {t['status']} in {t['wall_s']:.1f} s"
+                         + (f" ({t['source']})" if t.get("source") else ""))
     status = "met" if ok == 4 else ("missed" if run > ok else "not evaluable")
     return G39B_GOAL, status, "; ".join(cells)
 
@@ -312,7 +313,8 @@ def _remat_goal(res) -> tuple[str, str, str]:
                if not p.get("stages") or any("remat" not in s for s in p["stages"])]
     return REMAT_GOAL, "missed" if missing else ("met" if plans else "not evaluable"), (
         f"no remat recorded: {', '.join(missing)}" if missing else
-        "per stage in the throughput table (`+full`, `+selective`; none where not shown): " +
+        "per stage in the throughput table (` full` or ` selective` after a stage; none "
+        "where not shown): " +
         ", ".join(f"{k} {'/'.join(s['remat'] for s in p['stages'])}" for k, p in plans))
 
 
