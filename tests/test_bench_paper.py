@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from paper_configs import (ALL, DEFAULT, FAMILIES, GridPoint, auto_microbatches,  # noqa: E402
                            cluster_shape, manual_stage_layout, megatron_grid, submesh)
-from paper_report import goals, slope  # noqa: E402
+from paper_report import (DENSE_GOAL, G39B_GOAL, MEMORY_GOAL, REMAT_GOAL, goals,  # noqa: E402
+                          memory_bound, slope)
 
 
 def test_grid_covers_every_factorization():
@@ -76,10 +77,31 @@ def _case(key, auto, manual):
 
 def test_goals():
     res = {"configs": [_case("gpt-39B", 50.0, 40.0), _case("moe-10B", 30.0, 10.0),
-                       _case("moe-2.4B", 20.0, 15.0), _case("gpt-1.3B", None, 5.0)]}
+                       _case("moe-2.4B", 20.0, 15.0), _case("gpt-1.3B", None, 5.0),
+                       _case("wrn-2B", 10.0, 10.0)]}
+    res["configs"][0]["auto"]["auto_layers"] = 8
+    res["configs"][0]["auto"]["tries"][0]["m"] = 1024
     g = {name: (status, detail) for name, status, detail in goals(res)}
-    assert g["plan GPT-39B for 64 GPUs in under 60 s"][0] == "met"
-    never = g["autopar's plan never predicted worse than the best manual plan"]
-    assert never[0] == "missed" and "gpt-1.3B" in never[1]
-    moe = g["at least 2x the manual plan on MoE"]
-    assert moe[0] == "missed" and "moe-2.4B 1.33x" in moe[1]
+    g39 = g[G39B_GOAL]
+    assert g39[0] == "not evaluable" and "K=8, M=1024: ok in 1.0 s" in g39[1]
+    assert "K=16, M=64: not run here" in g39[1]
+    res["g39b"] = [{"auto_layers": k, "m": m, "status": "ok", "wall_s": 30.0}
+                   for k in (8, 16) for m in (64, 1024) if (k, m) != (8, 1024)]
+    assert goals(res)[0][1] == "met"
+    res["g39b"][0]["wall_s"] = 61.0
+    assert goals(res)[0][1] == "missed"
+    dense = g[DENSE_GOAL]
+    assert dense[0] == "missed" and "gpt-1.3B" in dense[1] and "wrn-2B 1.00x" in dense[1]
+    memory = g[MEMORY_GOAL]       # moe-2.4B 1.33x, moe-10B 3x, gpt-39B 1.25x: all >= 1.2
+    assert memory[0] == "met" and "moe-2.4B 1.33x" in memory[1] and "gpt-39B 1.25x" in memory[1]
+    assert memory_bound("gpt-6.7B") and not memory_bound("gpt-1.3B") and memory_bound("moe-380M")
+    assert not memory_bound("wrn-13B")
+    assert g[REMAT_GOAL][0] == "missed"          # the cases' stages record no remat
+
+
+def test_goals_report_the_remat_of_every_stage():
+    res = {"configs": [_case("gpt-6.7B", 11.0, 10.0)]}
+    res["configs"][0]["auto"]["tries"][0]["stages"] = [{"remat": "full"}, {"remat": "none"}]
+    name, status, detail = goals(res)[3]
+    assert name == REMAT_GOAL and status == "met" and "gpt-6.7B full/none" in detail
+    assert goals(res)[2][1] == "missed"          # 1.2x wanted on GPT >= 6.7B

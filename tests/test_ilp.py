@@ -1,6 +1,8 @@
 """Tests for autopar.intra_op.ilp: against brute force, presolve rules, limits, fallbacks."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -450,3 +452,27 @@ def test_point_rows_price_every_point_at_once():
             want = [p.constant_bytes + sum(float(b[c[g]]) for g, b in p.terms) for p in points]
             np.testing.assert_allclose(rows.usage(c), want, rtol=1e-12)
             _assert_close(peak_memory_bytes(problem, c), max(want[:-1]))
+
+
+def test_with_extra_bytes_is_the_points_with_the_bytes_added():
+    """`with_extra_bytes` (summed and folded as flat arrays) prices every choice as the
+    original points plus the extra bytes of the chosen strategies, at every point."""
+    rng = np.random.default_rng(3)
+    ks = (3, 1, 4, 2, 5)
+    points = tuple(ilp.MemoryPoint(
+        terms=tuple((g, rng.uniform(0, 100, ks[g])) for g in rng.choice(5, 3, replace=False))
+        + ((0, rng.uniform(0, 100, 3)),), constant_bytes=float(rng.uniform(0, 50)))
+        for _ in range(7))
+    problem = ilp.IlpProblem(node_costs=tuple(np.zeros(k) for k in ks), edges=(),
+                             memory_points=points, memory_budget_bytes=1e9)
+    extra = {0: rng.uniform(0, 10, 3), 1: np.array([4.0]), 4: rng.uniform(0, 10, 5)}
+    held = ilp.with_extra_bytes(problem, extra)
+    assert all(p.folded for p in held.memory_points)
+    for choice in itertools.product(*(range(k) for k in ks)):
+        add = sum(float(b[choice[g]]) for g, b in extra.items())
+        want = ilp.point_rows(points).usage(choice) + add
+        got = ilp.point_rows(held.memory_points).usage(choice)
+        assert np.allclose(got, want, rtol=1e-12)
+    for p in held.memory_points:
+        assert all(b.min() == 0 and b.max() > 0 for _, b in p.terms)
+        assert np.isclose(p.max_bytes, p.constant_bytes + sum(b.max() for _, b in p.terms))

@@ -3,9 +3,10 @@ of a stage, and the re-ranking of the DP's best layouts by whole-stage solves.""
 import autopar
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solve import solve_stage, trace_stage
+from autopar.cluster import ClusterSpec
 from autopar.inter_op.stages import AXIS_NAMES
 
-from test_stages import bounds, cluster, loss  # noqa: F401  (fixtures: a four-layer MLP loss)
+from test_stages import bounds, cluster, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
 
 
 # -- the DP prices what it builds: boundary reshards, and re-ranking by whole-stage solves ---
@@ -52,3 +53,53 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
             raise autopar.InfeasiblePlanError("no", needed_bytes=2, budget_bytes=1)
         return whole[1]
     assert len(reranked(two, dp, [], 1.0, infeasible, 4)) == 1
+
+
+def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
+    """On one device (one plan per stage), the DP's memory of a span of layers (their held
+    and resident bytes summed, their working memory's largest, their activations summed)
+    covers the span's own plan: every layer's parameters and gradients are live at the
+    span's first backward. Counting only the largest layer's peak, as before, misses them."""
+    import numpy as np
+    from autopar.inter_op.stage_costs import (held_bytes, resident_bytes, span_held_bytes,
+                                              static_bytes, working_bytes)
+    from autopar.inter_op.stage_solver import StageSolver
+    one = ClusterSpec.preset("v100-p3.16xlarge").with_(devices_per_host=1)
+    solver = StageSolver(loss, one, method(autopar.AutoStageOption()), tuple(bounds))
+    opt = solver.opt_ratio
+    layers = [solver.solve(slice_range(loss, bounds[l], bounds[l + 1], l), (1, 1), (1, 1))
+              for l in range(4)]
+    whole = solver.solve(slice_range(loss, bounds[0], bounds[4], 0), (1, 1), (1, 1))
+    for s in (*layers, whole):
+        assert s.grad_bytes > 0 and resident_bytes(s) == s.param_bytes + s.grad_bytes
+        assert np.isclose(static_bytes(s, opt), s.peak_memory_bytes - s.activation_bytes
+                          + held_bytes(s, opt))
+    span = (sum(span_held_bytes(s, opt) for s in layers) + max(map(working_bytes, layers))
+            + sum(s.activation_bytes for s in layers))
+    before = (sum(held_bytes(s, opt) for s in layers)
+              + max(s.peak_memory_bytes - s.activation_bytes for s in layers)
+              + sum(s.activation_bytes for s in layers))
+    own = static_bytes(whole, opt) + whole.activation_bytes
+    assert span >= own * (1 - 1e-9) and before < own
+
+
+def test_dp_asked_again_without_a_banned_span():
+    """`run_dp(banned=...)` offers no span holding the banned layers on that (submesh, view)
+    pair, under any kind of layer plan: the search's answer to a stage that did not fit when
+    solved whole."""
+    import numpy as np
+    from autopar.inter_op.stage_costs import run_dp
+    from autopar.inter_op.stage_dp import SubmeshShape
+    subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
+            SubmeshShape(num_hosts=1, devices_per_host=2))
+    lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
+    kind = (lat, np.zeros_like(lat), np.zeros_like(lat), np.zeros_like(lat),
+            np.zeros_like(lat))
+    m = autopar.PipeshardParallel(num_microbatches=4)
+    dp = lambda **kw: run_dp([kind, kind], submeshes=subs, ks=np.array([0, 1]),
+                             device_ids=(0, 1), method=m, option=autopar.AutoStageOption(),
+                             budget=1.0, **kw)
+    assert dp().layer_spans == ((0, 1),) and dp().submeshes[0] % 2 == 1   # both on 2 devices
+    again = dp(banned=((1, 1, 1),))                       # layer 1 never on the 2 devices
+    assert all(not (i <= 1 <= j and p % 2 == 1)
+               for (i, j), p in zip(again.layer_spans, again.submeshes))

@@ -41,7 +41,7 @@ def test_mirror_view_is_the_same_problem(loss, bounds, cluster):
     solver = StageSolver(loss, cluster, m, tuple(bounds))
     sl = slice_range(loss, bounds[0], bounds[4], 0)
     sub = (1, 2)
-    assert solver._mirror_of(sub, (2, 1)) == (1, 2) and solver._mirror_of(sub, (1, 2)) is None
+    assert solver.mirror_of(sub, (2, 1)) == (1, 2) and solver.mirror_of(sub, (1, 2)) is None
     mirrored, own = solver.solve(sl, sub, (2, 1)), solver.solve(sl, sub, (1, 2))
     assert solver.num_ilps == 1 and mirrored.logical_shape == (2, 1)
     direct = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
@@ -61,11 +61,11 @@ def test_mirror_only_where_the_axes_cost_the_same(loss, bounds):
     mirrors."""
     two_hosts = ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2).with_(devices_per_host=4)
     solver = StageSolver(loss, two_hosts, method(autopar.AutoStageOption()), tuple(bounds))
-    assert solver._mirror_of((2, 4), (8, 1)) == (1, 8)
-    assert solver._mirror_of((2, 4), (4, 2)) is None
+    assert solver.mirror_of((2, 4), (8, 1)) == (1, 8)
+    assert solver.mirror_of((2, 4), (4, 2)) is None
     pinned = StageSolver(loss, two_hosts, method(autopar.AutoStageOption(),
                                                  batch_axis="data"), tuple(bounds))
-    assert pinned._mirror_of((2, 4), (8, 1)) is None
+    assert pinned.mirror_of((2, 4), (8, 1)) is None
 
 
 def test_mirrored_stages_train_like_jax_jit():
@@ -83,3 +83,33 @@ def test_mirrored_stages_train_like_jax_jit():
     assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
     assert [s.logical_mesh_shape for s in par.get_plan(state, batches[0]).stages] == \
         [(4, 1), (4, 1)]
+
+
+def test_a_view_that_splits_no_parameter_is_rejected_before_building(loss, bounds):
+    """The floor of a view counts each parameter split as far as that view can split it: the
+    16 x 16 weights split 8 ways on (1, 8) but not at all on (1, 3), so under a budget between
+    the two floors the (1, 3) view is answered without building its ILP."""
+    sl = slice_range(loss, bounds[0], bounds[1], 0)
+    solver = StageSolver(loss, None, method(autopar.AutoStageOption(),
+                                            memory_budget_bytes=512), tuple(bounds))
+    whole = 16 * 16 * 4 * (1 + solver.opt_ratio)
+    assert solver.floor(sl, (1, 3), (1, 3)) == whole
+    assert solver.floor(sl, (1, 8), (1, 8)) == whole / 8 == solver.floor(sl, (1, 8))
+    assert solver.floor(sl, (1, 8), (2, 4)) == whole / 8
+    assert solver.solve(sl, (1, 3), (1, 3)) is None and solver.lean(sl, (1, 3), (3, 1)) is None
+    assert not solver.problems and solver.num_ilps == 0
+    assert solver.needed[(bounds[0], bounds[1])] == whole
+
+
+def test_leanest_plan_takes_the_least_memory(loss, bounds, cluster):
+    """`lean` with the leanest slack gives a plan at the stage's least memory; the default
+    slack allows 5% more."""
+    from autopar.inter_op.stage_solver import LEANEST_SLACK
+    sl = slice_range(loss, bounds[0], bounds[4], 0)
+    solver = StageSolver(loss, cluster, method(autopar.AutoStageOption()), tuple(bounds))
+    prob, key = solver.problem(sl, (1, 8), (2, 4))
+    least = solver.least_of(prob, key)
+    leanest = solver.lean(sl, (1, 8), (2, 4), slack=LEANEST_SLACK)
+    lean = solver.lean(sl, (1, 8), (2, 4))
+    assert leanest.peak_memory_bytes <= least * LEANEST_SLACK
+    assert lean.peak_memory_bytes <= least * 1.05 and lean.latency_s <= leanest.latency_s

@@ -25,15 +25,29 @@ def held_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> floa
     return sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
 
 
+def resident_bytes(sol: StageSolution) -> float:
+    """Bytes of one microbatch's peak that stay live to the end of the stage's step: its
+    parameters (inputs) and their gradients (outputs, live from their backward on). In a span
+    of layers every layer's are live at its first layer's backward, so a span sums them."""
+    return sol.param_bytes + sol.grad_bytes
+
+
 def working_bytes(sol: StageSolution) -> float:
-    """The working memory of one microbatch beyond its kept activations (transient: the
-    layers of a stage run one at a time, so a span needs its layers' largest, not their sum)."""
-    return max(sol.peak_memory_bytes - sol.activation_bytes, 0.0)
+    """The working memory of one microbatch beyond its kept activations and its resident
+    bytes (transient: the layers of a stage run one at a time, so a span needs its layers'
+    largest, not their sum)."""
+    return max(sol.peak_memory_bytes - sol.activation_bytes - resident_bytes(sol), 0.0)
+
+
+def span_held_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
+    """What a layer adds to every span holding it whole: `held_bytes` and `resident_bytes`."""
+    return held_bytes(sol, opt_ratio, zero) + resident_bytes(sol)
 
 
 def static_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
-    """`held_bytes` plus `working_bytes`: a stage's memory besides its in-flight activations."""
-    return working_bytes(sol) + held_bytes(sol, opt_ratio, zero)
+    """`span_held_bytes` plus `working_bytes`: a stage's memory besides its in-flight
+    activations."""
+    return working_bytes(sol) + span_held_bytes(sol, opt_ratio, zero)
 
 
 def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
@@ -76,7 +90,7 @@ def reranked(choice, dp, options, budget, solved, num_microbatches):
 
 
 def zero_variant(sols, lat, held, opt_ratio: float, num_microbatches: int):
-    """(latency, held bytes) of the layer plans `sols` with ZeRO (see `held_bytes`,
+    """(latency, held bytes) of the layer plans `sols` with ZeRO (see `span_held_bytes`,
     `latency`), or None where ZeRO would split nothing."""
     zlat, zheld, split = lat.copy(), held.copy(), False
     for l, row in enumerate(sols):
@@ -84,7 +98,7 @@ def zero_variant(sols, lat, held, opt_ratio: float, num_microbatches: int):
             if sol is not None and sol.zero_split_bytes > 0:
                 split = True
                 zlat[l, p] = latency(sol, True, num_microbatches)
-                zheld[l, p] = held_bytes(sol, opt_ratio, True)
+                zheld[l, p] = span_held_bytes(sol, opt_ratio, True)
     return (zlat, zheld) if split else None
 
 
@@ -125,7 +139,7 @@ def try_dp(dp, options, budget, **kw):
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
                   pool=None):
     """Per layer and (submesh, view) pair: the latency, held, activation and working bytes
-    (`held_bytes`, `working_bytes`) of the plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
+    (`span_held_bytes`, `working_bytes`) of the plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
     under one rematerialization), and the plans; inf latency where it gives none. The jobs'
     ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
     number)."""
@@ -143,16 +157,18 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     for (l, p), sol in zip(jobs, run_jobs(jobs, job, pool, "layer plans")):
         sols[l][p] = sol
         if sol is not None:
-            lat[l, p], held[l, p] = sol.latency_s, held_bytes(sol, opt_ratio)
+            lat[l, p], held[l, p] = sol.latency_s, span_held_bytes(sol, opt_ratio)
             act[l, p], work[l, p] = sol.activation_bytes, working_bytes(sol)
     return lat, held, act, work, sols
 
 
-def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None):
+def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
+           banned=()):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
     boundary, working) arrays; a span's costs are its layers' summed, except the working memory:
-    its largest layer's."""
+    its largest layer's. `banned` (first layer, last layer, pair): no span holding those
+    layers is offered on that pair (of any kind)."""
     lat, held, act, bound, work = (np.concatenate([o[i] for o in options], axis=1)
                                    for i in range(5))
     num_layers = lat.shape[0]
@@ -165,6 +181,9 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
         span_static[i, i:] = (np.cumsum(held[i:], axis=0)
                               + np.maximum.accumulate(work[i:], axis=0))
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
+    width = len(ks)
+    for i, j, pair in banned:
+        span_lat[:i + 1, j:, pair::width] = np.inf
     finite = np.isfinite(span_lat)
     costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
                        activation_bytes=np.where(finite, span_act, 0.0),

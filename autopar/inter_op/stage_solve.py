@@ -128,6 +128,7 @@ class StageSolution:
     peak_memory_bytes: float     # per device, one microbatch in flight
     activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
     param_bytes: float           # per device
+    grad_bytes: float = 0.0      # per device: its parameters' gradients (the graph's outputs)
     param_specs: tuple[Spec, ...]
     data_specs: tuple[Spec, ...]
     act_specs: tuple[Spec, ...]  # float acts then int acts (as StageIO orders them)
@@ -325,6 +326,8 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
     n_act, n_out = len(sl.act_inputs), len(sl.outputs)
     param_bytes = sum(graph.tensors[t].nbytes / num_shards(specs[t], logical_shape)
                       for t in graph.inputs[:p])
+    grad_bytes = sum(graph.tensors[t].nbytes / num_shards(s, logical_shape)
+                     for t, s in zip(graph.outputs[n_out:n_out + p], outs[n_out:n_out + p]))
     split = split_train_graph(graph, sl)
     return StageSolution(
         logical_shape=tuple(logical_shape),
@@ -333,7 +336,7 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
-        param_bytes=param_bytes,
+        param_bytes=param_bytes, grad_bytes=grad_bytes,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
         grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,

@@ -19,6 +19,7 @@ from ..graph import InputRole, OpGraph, TensorKind
 from .. import _compat
 from ..intra_op.annotations import Annotations
 from ..options import MethodKind, ShardParallel
+from ..spec import enumerate_specs, num_shards
 # The fingerprint's own digests of equation parameters and literals (same in every run).
 from ..plan import _scalar, _Seen, _stable, graph_fingerprint
 from .batch import ilp_scope
@@ -32,6 +33,8 @@ from .stage_solve import (StageSolution, mirrored, stage_batch_sources, stage_in
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
+LEAN_SLACK = 1.05          # a memory-lean plan: within 5% of the least memory
+LEANEST_SLACK = 1 + 1e-6  # the leanest: at the least memory (the DP's last resort)
 
 
 def slice_key(loss: LossGraph, sl: StageSlice, act_dims=None) -> str:
@@ -102,6 +105,7 @@ class StageSolver:
         self.opt_ratio = opt_ratio_of(loss.step)
         self.mirror_ok = _axis_blind(method, loss.forward)
         self.mirrors: dict = {}
+        self._shards: dict = {}       # (tensor shape, view) -> the most pieces it splits into
 
     def graph(self, sl: StageSlice, remat: Remat = Remat.NONE) -> tuple[OpGraph, str]:
         key = (sl.start, sl.stop, remat)
@@ -170,7 +174,7 @@ class StageSolver:
             return True
         return False
 
-    def _mirror_of(self, submesh: tuple[int, int], shape: tuple[int, int]):
+    def mirror_of(self, submesh: tuple[int, int], shape: tuple[int, int]):
         """(b, a) for a view (a, b) with a > b whose ILP is (b, a)'s with the mesh axes
         swapped (an axis-blind method, axes that cost the same swapped); else None."""
         if not self.mirror_ok or len(shape) != 2 or shape[0] <= shape[1]:
@@ -195,11 +199,11 @@ class StageSolver:
     def solve(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
               budget: float | None = None, remat: Remat = Remat.NONE) -> StageSolution | None:
         """The fastest plan of the stage; with `budget`, the fastest whose ILP peak fits it."""
-        floor = self.floor(sl, submesh)
+        floor = self.floor(sl, submesh, shape)
         if floor > self.budget:
             self._need(sl, floor)
             return None
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None:
             return self._mirrored(sl, submesh, shape, remat,
                                   self.solve(sl, submesh, mirror, budget, remat))
@@ -217,9 +221,9 @@ class StageSolver:
         its parameters, and `in_flight - 1` more microbatches' activations) fits the budget:
         the DP's memory formula, as an ILP constraint. With `zero`, the optimizer state counts
         split over the data axis (ZeRO; see `StageSolution.optimizer_bytes`)."""
-        if self.floor(sl, submesh) > self.budget:
+        if self.floor(sl, submesh, shape) > self.budget:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None and not zero:           # ZeRO splits over axis 0: not mirrored
             return self._mirrored(sl, submesh, shape, remat,
                                   self.fitting(sl, submesh, mirror, in_flight, remat))
@@ -256,34 +260,45 @@ class StageSolver:
         span = (sl.start, sl.stop)
         self.needed[span] = min(self.needed.get(span, float("inf")), needed)
 
-    def floor(self, sl: StageSlice, submesh: tuple[int, int]) -> float:
-        """A lower bound of the stage's memory per device on `submesh`: its parameters and
-        their optimizer state, split over every device. Above the budget, no plan of it on
-        that submesh can be part of a pipeline that fits, so none is built."""
+    def floor(self, sl: StageSlice, submesh: tuple[int, int],
+              shape: tuple[int, int] | None = None) -> float:
+        """A lower bound of the stage's memory per device on `submesh` (as the logical view
+        `shape`): its parameters and their optimizer state, each split as far as any of its
+        shardings on that view can (over every device without a view). Above the budget, no
+        plan of it there can be part of a pipeline that fits, so none is built: e.g. a view of
+        24 devices, which splits no power-of-two dimension, holds its parameters whole."""
         fwd = self.loss.forward
-        params = sum(fwd.tensors[fwd.inputs[p]].nbytes for p in sl.param_inputs)
-        return params * (1 + self.opt_ratio) / (submesh[0] * submesh[1])
+        mesh = (submesh[0] * submesh[1],) if shape is None else tuple(shape)
+        total = 0.0
+        for p in sl.param_inputs:
+            t = fwd.tensors[fwd.inputs[p]]
+            key = (t.shape, mesh)
+            if key not in self._shards:
+                self._shards[key] = max(num_shards(s, mesh)
+                                        for s in enumerate_specs(t.shape, mesh))
+            total += t.nbytes / self._shards[key]
+        return total * (1 + self.opt_ratio)
 
     def lean(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-             remat: Remat = Remat.NONE) -> StageSolution | None:
-        """The fastest plan within 5% of the least memory the stage can take: the
-        memory-lean end of the choice (e.g. every weight split), which the fastest plan of one
-        layer alone may not take."""
-        if self.floor(sl, submesh) > self.budget:
+             remat: Remat = Remat.NONE, slack: float = LEAN_SLACK) -> StageSolution | None:
+        """The fastest plan within `slack` of the least memory the stage can take (5%; 1 +
+        1e-6 for the leanest): the memory-lean end of the choice (e.g. every weight split),
+        which the fastest plan of one layer alone may not take."""
+        if self.floor(sl, submesh, shape) > self.budget:
             return self.solve(sl, submesh, shape)     # None, and the need recorded
-        mirror = self._mirror_of(submesh, shape)
+        mirror = self.mirror_of(submesh, shape)
         if mirror is not None:
             return self._mirrored(sl, submesh, shape, remat,
-                                  self.lean(sl, submesh, mirror, remat))
+                                  self.lean(sl, submesh, mirror, remat, slack))
         prob, key = self.problem(sl, submesh, shape, remat)
         least = self.least_of(prob, key)
         if least > self.budget:                        # no plan of it fits the device
             self._need(sl, least)
             return None
         fast = self.solve(sl, submesh, shape, remat=remat)
-        if fast is not None and fast.peak_memory_bytes <= 1.05 * least:
+        if fast is not None and fast.peak_memory_bytes <= slack * least:
             return fast                           # the fastest plan is lean already
-        return self.solve(sl, submesh, shape, min(1.05 * least, self.budget), remat)
+        return self.solve(sl, submesh, shape, min(slack * least, self.budget), remat)
 
     def best(self, sl: StageSlice, submesh: tuple[int, int], shapes,
              remat: Remat = Remat.NONE) -> StageSolution | None:
@@ -325,7 +340,7 @@ class StageSolver:
         """The least pipeline peak per device (as `stage` counts it) of any plan of the stage
         on `shapes` under `remats` and `zeros`."""
         def view(v, zero):       # without ZeRO, a mirror view's least is its mirror's
-            return (None if zero else self._mirror_of(submesh, v)) or v
+            return (None if zero else self.mirror_of(submesh, v)) or v
         return min(self.problem(sl, submesh, view(v, z), r)[0].least_bytes(
             in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
             for v in shapes for r in remats for z in zeros)

@@ -33,7 +33,8 @@ from .remat import Remat, choices_of
 from .stage_costs import (boundary_costs, layer_options, reranked, run_dp, static_bytes,
                           try_dp, zero_variant)
 from .stage_dp import candidate_submeshes
-from .stage_solver import AXIS_NAMES, StageSolver, opt_ratio_of  # noqa: F401 (AXIS_NAMES)
+from .stage_solver import (AXIS_NAMES, LEAN_SLACK, LEANEST_SLACK, StageSolver,  # noqa: F401
+                           opt_ratio_of)
 from .stage_solve import StageSolution
 
 log = logging.getLogger(__name__)
@@ -127,16 +128,29 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
         sol, remat, zero = solver.stage(sl, sub, shape, in_flight[p], remats[p], lean[p],
                                         zeros[p])
         if sol is None:
-            raise _infeasible(
+            raise _StageDoesNotFit(p, (i, j), _infeasible(
                 f"stage {p} (layers {i}..{j}) on submesh {sub} with its optimizer state and "
                 f"{in_flight[p]} microbatch(es) of activations in flight "
                 f"(rematerialization tried: {', '.join(r.value for r in remats[p])}; ZeRO "
                 f"tried: {'yes' if True in zeros[p] else 'no'})", budget,
                 _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
                                 remats, zeros),
-                what_needs="every stage of this layout needs at least")
+                what_needs="every stage of this layout needs at least"))
         stages.append(chosen(sol, remat, zero))
     return stages
+
+
+class _StageDoesNotFit(InfeasiblePlanError):
+    """A stage of a DP layout that does not fit when solved whole: which one (its index and
+    layer span), so the search can rule the span out and ask the DP again."""
+
+    def __init__(self, stage: int, span: tuple[int, int], error: InfeasiblePlanError):
+        super().__init__(str(error), needed_bytes=error.needed_bytes,
+                         budget_bytes=error.budget_bytes)
+        self.stage, self.span = stage, span
+
+
+REDO_DP = 3      # times the DP is asked again after its layout's stage did not fit whole
 
 
 def _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
@@ -269,8 +283,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         num_hosts=submeshes[k].num_hosts, devices_per_host=submeshes[k].devices_per_host,
     ).logical_mesh(tuple(shapes_per_k[k][v]), AXIS_NAMES)) for k, v in pairs]
 
-    def add(remat: Remat, lean: bool):
-        solve = functools.partial(solver.lean if lean else solver.solve, remat=remat)
+    def add(remat: Remat, lean: bool, slack: float = LEAN_SLACK):
+        solve = functools.partial(solver.lean, remat=remat, slack=slack) if lean else \
+            functools.partial(solver.solve, remat=remat)
         lat, held, act, work, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
                                                     pairs, solve, solver.opt_ratio, solver.pool)
         bound = boundary_costs(loss, boundaries, sols, meshes)
@@ -305,6 +320,10 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         for remat in remats:
             add(remat, True)
         check_layers()
+        choice = try_dp(dp, options, budget)
+    if choice is None:       # the leanest plans, where 5% above the least is still too much
+        for remat in remats:
+            add(remat, True, LEANEST_SLACK)
         choice = dp(options, budget=budget)      # raises the DP's InfeasiblePlanError
     n = len(pairs)
 
@@ -319,5 +338,29 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                                 [(r,) for r, _, _ in stage_kinds],
                                 [(z,) for _, _, z in stage_kinds],
                                 [lean for _, lean, _ in stage_kinds])
-    stages = reranked(choice, dp, options, budget, solved, method.num_microbatches)
+    banned: list[tuple[int, int, int]] = []
+    for redo in range(REDO_DP + 1):
+        try:
+            stages = reranked(choice, dp, options, budget, solved, method.num_microbatches)
+            break
+        except _StageDoesNotFit as e:
+            # The DP's layer sums missed what the stage needs whole: no span holding these
+            # layers fits on that (submesh, view) pair, or its mirror view (the same ILP),
+            # under any kind of layer plan.
+            pair = int(choice.submeshes[e.stage]) % n
+            k, view = ks[pair], tuple(shapes_per_k[ks[pair]][vs[pair]])
+            mirror = solver.mirror_of((submeshes[k].num_hosts, submeshes[k].devices_per_host),
+                                       max(view, view[::-1]))
+            banned += [(*e.span, q) for q in range(n) if ks[q] == k and (
+                q == pair or (mirror is not None
+                              and tuple(shapes_per_k[k][vs[q]]) == view[::-1]))]
+            log.info("autopar: stage layers %d..%d on %s as %s does not fit when solved "
+                     "whole (needs %.4g bytes); the stage DP is asked again without it",
+                     *e.span, submeshes[ks[pair]], shapes_per_k[ks[pair]][vs[pair]],
+                     e.needed_bytes)
+            dp = functools.partial(dp, banned=tuple(banned))
+            again = try_dp(dp, options, budget)
+            if again is None or redo == REDO_DP:
+                raise
+            choice = again
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
