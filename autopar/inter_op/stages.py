@@ -150,7 +150,8 @@ class _StageDoesNotFit(InfeasiblePlanError):
         self.stage, self.span = stage, span
 
 
-REDO_DP = 3      # times the DP is asked again after its layout's stage did not fit whole
+REDO_DP = 1      # times the DP is asked again after its layout's stage did not fit whole (each
+                # retry re-solves whole stages: on GPT-39B about 100-200 s; 3 found nothing more)
 
 
 def _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
