@@ -22,6 +22,8 @@ import numpy as np
 
 from autopar.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
+from autopar.intra_op.memory_points import (MemoryPoint, PointRows, _fold_point,  # noqa: F401
+                                            folded_point, point_rows)
 from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolverBackend, SolveStatus,
                                   build_mip, columns_of, round_solution, run_mip)
 
@@ -37,30 +39,6 @@ class IlpEdge:
     u: int
     v: int
     cost: np.ndarray
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryPoint:
-    """Bytes per device live at one program point: `constant_bytes` plus, for each (group,
-    bytes-vector) term, the bytes of the strategy that group picks."""
-    terms: tuple[tuple[int, np.ndarray], ...]
-    constant_bytes: float
-    folded: bool = False     # one term per group, each with min 0 and max > 0 (see `folded_point`)
-    max_bytes: float = 0.0   # when folded: the most the point can reach
-
-
-def folded_point(terms: dict[int, np.ndarray], constant_bytes: float) -> MemoryPoint:
-    """A point already in presolve's form (per-group minimums moved into the constant, constant
-    terms dropped), so every later solve reads it without folding it again."""
-    const, out, top = float(constant_bytes), [], 0.0
-    for g, b in terms.items():
-        lo, hi = float(b.min()), float(b.max())
-        const += lo
-        if hi > lo:
-            out.append((g, b - lo))
-            top += hi - lo
-    return MemoryPoint(terms=tuple(out), constant_bytes=const, folded=True,
-                       max_bytes=const + top)
 
 
 def with_extra_bytes(problem: IlpProblem, extra: dict[int, np.ndarray]) -> IlpProblem:
@@ -175,48 +153,6 @@ def peak_memory_bytes(problem: IlpProblem, choice) -> float:
     return float(point_rows(problem.memory_points).usage(c).max())
 
 
-@dataclass(frozen=True, slots=True)
-class PointRows:
-    """Memory points as flat arrays, to price a choice at every point at once: term n (of
-    point `term_point[n]`, group `term_group[n]`) has its bytes per strategy at
-    `vals[first[n]:first[n] + k]`."""
-    const: np.ndarray
-    term_point: np.ndarray
-    term_group: np.ndarray
-    first: np.ndarray
-    vals: np.ndarray
-
-    def usage(self, choice) -> np.ndarray:
-        """Bytes per device at every point under `choice` (one strategy per group)."""
-        picked = self.vals[self.first + np.asarray(choice, np.int64)[self.term_group]]
-        return self.const + np.bincount(self.term_point, weights=picked,
-                                        minlength=self.const.size)
-
-
-_POINT_ROWS: dict[int, tuple[tuple, PointRows]] = {}   # id(points) -> (points, rows)
-
-
-def point_rows(points: tuple[MemoryPoint, ...]) -> PointRows:
-    """`points` as `PointRows` (the last few tuples' are cached: a stage's problem is solved
-    at several budgets with the same points)."""
-    hit = _POINT_ROWS.get(id(points))
-    if hit is not None and hit[0] is points:
-        return hit[1]
-    terms = [(i, g, b) for i, p in enumerate(points) for g, b in p.terms]
-    lens = np.fromiter((len(b) for _, _, b in terms), np.int64, len(terms))
-    rows = PointRows(
-        const=np.array([p.constant_bytes for p in points], float),
-        term_point=np.fromiter((i for i, _, _ in terms), np.int64, len(terms)),
-        term_group=np.fromiter((g for _, g, _ in terms), np.int64, len(terms)),
-        first=np.cumsum(lens) - lens,
-        vals=np.concatenate([np.asarray(b, float) for _, _, b in terms]) if terms
-        else np.zeros(0))
-    if len(_POINT_ROWS) >= 8:
-        _POINT_ROWS.pop(next(iter(_POINT_ROWS)))
-    _POINT_ROWS[id(points)] = (points, rows)
-    return rows
-
-
 def _require(ok, message: str) -> None:
     if not ok:
         raise InvalidArgumentError(message)
@@ -241,21 +177,6 @@ class _Reduced:
     edges: tuple[tuple[int, int, np.ndarray], ...]
     mem_rows: tuple[tuple[tuple[tuple[int, np.ndarray], ...], float], ...]
     infeasible: bool
-
-
-def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
-    """Sum repeated groups; fold single-strategy groups and per-term minimums into the constant."""
-    if p.folded:
-        return p.constant_bytes, dict(p.terms)
-    merged: dict[int, np.ndarray] = {}
-    for g, b in p.terms:
-        merged[g] = merged[g] + np.asarray(b, float) if g in merged else np.array(b, float)
-    const, terms = float(p.constant_bytes), {}
-    for g, b in merged.items():
-        const += float(b.min())
-        if ks[g] > 1 and b.max() > b.min():
-            terms[g] = b - b.min()
-    return const, terms
 
 
 def _presolve(problem: IlpProblem) -> _Reduced:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import OpGraph
-from .ilp import IlpEdge, IlpProblem, folded_point
+from .ilp import IlpEdge, IlpProblem
+from .memory_points import folded_point
 
 _NUMBERED = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z][A-Za-z0-9]*)_(\d+)(?![A-Za-z0-9_])")
 MIN_REPEATS = 4
