@@ -18,13 +18,14 @@ Jaxpr = jcore.Jaxpr
 ClosedJaxpr = jcore.ClosedJaxpr
 Tracer = jax.core.Tracer          # a value under a JAX transformation (jit, grad, vmap)
 
+CLOSED_CALL = prims.closed_call_p.name    # "closed_call" up to jax 0.11, "eval_jaxpr" in 0.12
 # Call-like primitives whose body is inlined by the trace pass, and the param holding the body.
 INLINE_BODY_PARAM = {
     prims.jit_p.name: "jaxpr",
     prims.custom_jvp_call_p.name: "call_jaxpr",
     prims.custom_vjp_call_p.name: "call_jaxpr",
     prims.remat_p.name: "jaxpr",
-    prims.closed_call_p.name: "call_jaxpr",    # e.g. a scan's body, differentiated under remat
+    CLOSED_CALL: "call_jaxpr",    # e.g. a scan's body, differentiated under remat
 }
 SHARDING_CONSTRAINT = prims.sharding_constraint_p.name
 REMAT = prims.remat_p.name

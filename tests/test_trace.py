@@ -92,7 +92,7 @@ def test_call_primitives_are_inlined():
     x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
     # closed_call has no public constructor: JAX makes it when it differentiates a scan
     # under jax.checkpoint (tests/test_remat_plan.py's scanned stack covers it).
-    call_prims = set(_compat.INLINE_BODY_PARAM) - {"closed_call"}
+    call_prims = set(_compat.INLINE_BODY_PARAM) - {_compat.CLOSED_CALL}
     # The test is meaningful only if the function really contains every call-like primitive.
     assert call_prims <= _outer_prims(_calls, x, w)
     graph = trace(_calls, (x, w))
