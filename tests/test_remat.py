@@ -173,3 +173,21 @@ def test_auto_stage_search_chooses_remat_when_memory_binds(long_lm, least):
     assert any(s.remat != "none" for s in plan.stages)
     assert plan.peak_memory_bytes <= budget
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    # No stage recomputes more than it must: the same layout with one stage recomputing less
+    # does not fit, or is not faster (the DP prices layers' fastest and leanest plans; the
+    # whole-stage solve may take a plan of less recomputation that fits the schedule).
+    order = ["none", "selective", "full"]
+    for i, st in enumerate(plan.stages):
+        for lighter in order[:order.index(st.remat)]:
+            remats = tuple(lighter if j == i else s.remat for j, s in enumerate(plan.stages))
+            manual = autopar.ManualStageOption(
+                layer_spans=tuple(tuple(s.layers) for s in plan.stages),
+                submesh_shapes=tuple(tuple(s.submesh) for s in plan.stages),
+                logical_shapes=tuple(tuple(s.logical_mesh_shape) for s in plan.stages),
+                remat=remats, zero=tuple(s.zero for s in plan.stages))
+            try:
+                other = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(
+                    "auto", budget, manual)).get_plan(state, batches[0])
+            except autopar.InfeasiblePlanError:
+                continue
+            assert other.predicted_step_s >= plan.predicted_step_s * (1 - 1e-6), (i, lighter)

@@ -325,7 +325,7 @@ class StageSolver:
             for zero in zeros:
                 sol = best if fits(best, zero) else min(
                     (f for f in (self.fitting(sl, submesh, v, in_flight, remat, zero)
-                                 for v in shapes) if f is not None),
+                                 for v in shapes) if fits(f, zero)),
                     key=lambda f: f.latency_s, default=None)
                 if sol is not None:
                     found.append((latency(sol, zero, self.method.num_microbatches), n, zero,

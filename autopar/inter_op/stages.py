@@ -329,14 +329,18 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     n = len(pairs)
 
     def solved(choice):
-        """The stages of a DP choice, each solved whole on its submesh and view."""
+        """The stages of a DP choice, each solved whole on its submesh and view. A stage the
+        DP gave recomputation may take less of it where a plan solved to fit its schedule's
+        memory (`StageSolver.stage`) is faster: the DP prices a layer's fastest or leanest
+        plans only, not the fastest that fits (GPT-39B, 8 one-layer stages on 1x8: the DP's
+        full recomputation on the first two stages, where selective fits, cost 8%)."""
         subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
                 for p in choice.submeshes]
         shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
         stage_kinds = [kinds[p // n] for p in choice.submeshes]
         return _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
                                 device_ids, solver, method, budget,
-                                [(r,) for r, _, _ in stage_kinds],
+                                [remats[:remats.index(r) + 1] for r, _, _ in stage_kinds],
                                 [(z,) for _, _, z in stage_kinds],
                                 [lean for _, lean, _ in stage_kinds])
     banned: list[tuple[int, int, int]] = []
