@@ -22,6 +22,10 @@ assignments of the models in `models/` (benchmarks/memory.py, benchmarks/memory_
   - A value computed from constants alone (zeros to scatter into) has no sharding of its
     own in the plan (XLA places it like its consumer): it counts at its consumer's result's
     sharding (`size_of`).
+  - A result's buffer holds temporaries of at most its size before the result is written
+    (`hosted_temporaries`): `predicted_peak_bytes`, what a plan reports, leaves them out;
+    `peak_bytes`, which the ILP's memory points count, does not (it depends on the
+    shardings of both, which linear memory rows cannot express), so it bounds the prediction.
 
 The rules depend on the graph only (not on the shardings), so the model is one per graph;
 sizes per device come from the specs (`tensor_bytes`).
@@ -33,6 +37,7 @@ read by the matmul and so materialized; it is counted, `exp(x)` is not:
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -319,7 +324,6 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
     Example (`per` from `tensor_bytes`): the peak without the hosted temporaries:
         >>> hosted = hosted_temporaries(graph, schedule(graph), per)     # doctest: +SKIP
     """
-    import bisect
     model = events.model
     results = sorted(written_results(graph, model), key=lambda r: (per[r], r))
     sizes = [per[r] for r in results]
@@ -345,7 +349,8 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
     (`Plan.peak_memory_bytes`); at most `peak_bytes`, which the ILP bounds.
 
     Example:
-        >>> predicted_peak_bytes(graph, specs, (2, 4)) <= peak_bytes(graph, specs, (2, 4))  # doctest: +SKIP
+        >>> bound = peak_bytes(graph, specs, (2, 4))                    # doctest: +SKIP
+        >>> predicted_peak_bytes(graph, specs, (2, 4)) <= bound         # doctest: +SKIP
         True
     """
     events = schedule(graph)
