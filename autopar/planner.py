@@ -5,6 +5,7 @@ import math
 
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
+from .intra_op.memory import predicted_peak_bytes
 from .intra_op.predict import implied_reshards, predict_collectives
 from .plan import (FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
                    constrained_tensors, graph_fingerprint)
@@ -41,6 +42,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     predicted resharding collectives."""
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
+    # The ILP bounds `assignment.peak_memory_bytes`; XLA also reuses result buffers.
+    peak = predicted_peak_bytes(graph, specs, assignment.mesh_shape)
     operators, trips = [], graph.node_trips()
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:
@@ -61,7 +64,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
                       logical_mesh_shape=assignment.mesh_shape, axis_names=assignment.axis_names,
                       compute_s=assignment.compute_s, comm_s=assignment.comm_s,
                       reshard_s=assignment.reshard_s,
-                      peak_memory_bytes=assignment.peak_memory_bytes)
+                      peak_memory_bytes=peak)
     ilp = {k: getattr(assignment.ilp, k) for k in assignment.ilp.__slots__}
     assert math.prod(assignment.mesh_shape) == len(device_ids)
     return ParallelPlan(
@@ -76,5 +79,5 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
         predicted_reshard_s=assignment.reshard_s, predicted_overhead_s=call_overhead_s,
-        peak_memory_bytes=assignment.peak_memory_bytes,
+        peak_memory_bytes=peak,
         memory_budget_bytes=float(memory_budget_bytes), ilp=ilp, timings_s=dict(timings_s or {}))

@@ -5,7 +5,8 @@
 
 Every model of `models/` (MLP, GPT, MoE, Wide-ResNet, BERT, lm1b, Gemma-like NNX; small
 configs) as a training step, planned by `ShardParallel` on 8 simulated CPU devices as a 1 x 8
-and a 2 x 4 mesh, plus the GPT with full rematerialization. Per case: the plan's predicted peak
+and a 2 x 4 mesh, plus the GPT with full rematerialization and a GPT (vocabulary 512, width
+128, state donated) under `Zero3Parallel` on 2 x 4. Per case: the plan's predicted peak
 bytes per device (`Plan.peak_memory_bytes`) and the compiled executable's
 (`memory_analysis()`: arguments + outputs + temp - aliased), and their ratio, under both
 XLA:CPU schedulers: the default concurrency-optimized one (ignores memory) and the
@@ -59,9 +60,10 @@ def cases():
         return (*_linen(mlp.MLP(num_layers=4, hidden=256), (batch["x"],),
                         lambda f, p, b: mlp.mse_loss(f(p, b["x"]), b["y"])), batch)
 
-    def gpt_case(value_and_grad=None):
-        cfg = gpt.GPTConfig(vocab_size=256, seq_len=128, num_layers=2, hidden=64, num_heads=4)
-        batch = gpt.make_gpt_batch(key, 16, cfg)
+    def gpt_case(value_and_grad=None, cfg=None, batch_size=16):
+        cfg = cfg or gpt.GPTConfig(vocab_size=256, seq_len=128, num_layers=2, hidden=64,
+                                   num_heads=4)
+        batch = gpt.make_gpt_batch(key, batch_size, cfg)
         return (*_linen(gpt.GPT(cfg), (batch["tokens"],),
                         lambda f, p, b: gpt.gpt_loss(f(p, b["tokens"]), b["tokens"]),
                         value_and_grad=value_and_grad), batch)
@@ -112,7 +114,11 @@ def cases():
             return (optax.apply_updates(params, updates), opt), loss
         return step, (params, tx.init(params)), gemma.make_gemma_batch(key, 16, cfg)
 
-    return {"MLP": mlp_case, "GPT": gpt_case, "MoE": moe_case, "Wide-ResNet": wrn_case,
+    def zero3_case():       # tests/test_init.py's GPT: a wide vocabulary, short sequences
+        return gpt_case(cfg=gpt.GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128,
+                                          num_heads=4), batch_size=8)
+
+    return {"MLP": mlp_case, "GPT": gpt_case, "GPT-ZeRO-3": zero3_case, "MoE": moe_case, "Wide-ResNet": wrn_case,
             "BERT": bert_case, "lm1b": lm1b_case, "Gemma": gemma_case}
 
 
@@ -134,8 +140,10 @@ def _worker(out_path: str, scheduler: str) -> None:
     rows, only = [], os.environ.get("AUTOPAR_MEMORY_CASES")
     made = cases()
     gpt_remat = lambda: made["GPT"](value_and_grad=autopar.value_and_grad)   # noqa: E731
+    zero3 = made.pop("GPT-ZeRO-3")
     runs = [(name, make, shape, "none") for name, make in made.items()
-            for shape in MESHES] + [("GPT", gpt_remat, (2, 4), "full")]
+            for shape in MESHES] + [("GPT", gpt_remat, (2, 4), "full"),
+                                    ("GPT-ZeRO-3", zero3, (2, 4), "none")]
     for name, make, shape, remat in runs:
         if only and name not in only.split(","):
             continue
@@ -143,8 +151,12 @@ def _worker(out_path: str, scheduler: str) -> None:
         try:
             step, state, batch = make()
             mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:8])
-            par = autopar.parallelize(step, mesh=mesh, plan_cache=False,
-                                      method=autopar.ShardParallel(remat=remat))
+            if name == "GPT-ZeRO-3":      # the state donated, as ZeRO users do
+                par = autopar.parallelize(step, mesh=mesh, plan_cache=False,
+                                          donate_argnums=(0,), method=autopar.Zero3Parallel())
+            else:
+                par = autopar.parallelize(step, mesh=mesh, plan_cache=False,
+                                          method=autopar.ShardParallel(remat=remat))
             row["predicted"] = float(par.get_plan(state, batch).peak_memory_bytes)
             compiled = par.get_compiled(state, batch)
             m = compiled.memory_analysis()
@@ -183,7 +195,8 @@ def section(res: dict, cmdline: str) -> str:
     """The section; the analysis in benchmarks/memory_notes.md (if there) is appended."""
     out = section_head("memory", "Memory fidelity (predicted vs compiled peak per device)",
                        res, cmdline) + [
-        "ShardParallel plans (remat none unless said) on 8 simulated CPU devices. *predicted*: "
+        "ShardParallel plans (remat none unless said; GPT-ZeRO-3: Zero3Parallel) on 8 simulated "
+        "CPU devices. *predicted*: "
         "`Plan.peak_memory_bytes`; *compiled*: `memory_analysis()` arguments + outputs + temp "
         "- aliased, per device (MiB). *ratio*: predicted / compiled (goal 0.85 to 1.15). "
         "*memory sched.*: XLA:CPU with `--xla_cpu_enable_concurrency_optimized_scheduler=false` "

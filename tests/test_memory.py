@@ -3,12 +3,15 @@
 import textwrap
 
 import numpy as np
+import optax
 import pytest
 
 import autopar
 from autopar.cost import CostModel
 from autopar.intra_op import ilp
-from autopar.intra_op.memory import dead_nodes, memory_model, run_order
+from autopar.intra_op.memory import (dead_nodes, hosted_temporaries, memory_model,
+                                     predicted_peak_bytes, run_order, schedule, tensor_bytes,
+                                     written_results)
 from autopar.intra_op.solve import build_intra_op, peak_memory, solve_built
 from steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
 
@@ -60,11 +63,14 @@ _BAND = textwrap.dedent("""
     import json, sys
     import autopar, optax
     from autopar.memory_check import compiled_bytes
+    from models.gpt import GPTConfig
     from steps import LONG_LM, make_case, mesh_of
+    wide = GPTConfig(vocab_size=256, seq_len=128, num_layers=2, hidden=64, num_heads=4)
     out = []
     for name, kw, shape in [("mlp", dict(hidden=256, batch_size=128, num_layers=4), (1, 8)),
                             ("mlp", dict(hidden=256, batch_size=128, num_layers=4), (2, 4)),
-                            ("gpt", dict(gpt_config=LONG_LM), (2, 4))]:
+                            ("gpt", dict(gpt_config=LONG_LM), (2, 4)),
+                            ("gpt", dict(gpt_config=wide), (2, 4))]:
         step, state, batches = make_case(name, "linen", optax.adam(1e-3), **kw)
         par = autopar.parallelize(step, mesh=mesh_of(shape), plan_cache=False)
         out.append([name, list(shape), par.get_plan(state, batches[0]).peak_memory_bytes,
@@ -74,10 +80,44 @@ _BAND = textwrap.dedent("""
 
 
 def test_prediction_within_15_percent_under_the_memory_scheduler():
-    """An MLP on 1x8 and 2x4 and a GPT (seq 128) on 2x4: predicted peak within 15% of the
+    """An MLP on 1x8 and 2x4 and two GPTs (seq 128) on 2x4: predicted peak within 15% of the
     compiled executable's, under XLA:CPU's memory-minimizing scheduler (GPU/TPU schedule for
-    memory too; the flag is process-wide, hence the subprocess)."""
+    memory too; the flag is process-wide, hence the subprocess). The width-64 GPT with Adam
+    needs the result-buffer rule (`hosted_temporaries`): without it, 1.16 x compiled."""
     rows = run_under_memory_scheduler(_BAND, timeout_s=600)
-    assert len(rows) == 3
+    assert len(rows) == 4
     for name, shape, predicted, compiled in rows:
         assert 0.85 <= predicted / compiled <= 1.15, (name, shape, predicted, compiled)
+
+
+def test_temporaries_hosted_in_result_buffers():
+    """XLA puts temporaries into the buffers of results not yet written: each hosted temporary
+    fits a result's buffer and ends before that result is written, and the plan reports the
+    peak without them (below the ILP's bound, at least the arguments and results)."""
+    step, state, batches = make_case("gpt", "linen", optax.adam(1e-3))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False)
+    plan = par.get_plan(state, batches[0])
+    graph = par.get_graph(state, batches[0])
+    cost = CostModel(mesh=par.cluster.logical_mesh((2, 4), ("data", "model")))
+    specs = build_and_solve(graph, cost).tensor_specs
+    events = schedule(graph)
+    per = tensor_bytes(graph, events.model, specs, (2, 4))
+    hosted = hosted_temporaries(graph, events, per)
+    assert hosted
+    born = {t: p for p, ts in events.born.items() for t in ts}
+    results = written_results(graph, events.model)
+    ranges = [(born[t], events.model.end[t], per[t]) for t in hosted]
+    for a, b, size in ranges:
+        assert any(per[r] >= size and events.model.pos[graph.tensors[r].producer] > b
+                   for r in results)
+    bound = peak_memory(graph, specs, (2, 4))
+    whole = sum(per[t] for t in events.start) + sum(per[t] for t in results
+                                                     if t not in events.start)
+    predicted = predicted_peak_bytes(graph, specs, (2, 4))
+    assert plan.peak_memory_bytes == pytest.approx(predicted, rel=1e-9)
+    assert whole <= predicted < bound
+
+
+def build_and_solve(graph, cost):
+    return solve_built(build_intra_op(graph, cost, autopar.ShardParallel(),
+                                      graph.carried_outputs))

@@ -22,6 +22,10 @@ assignments of the models in `models/` (benchmarks/memory.py, benchmarks/memory_
   - A value computed from constants alone (zeros to scatter into) has no sharding of its
     own in the plan (XLA places it like its consumer): it counts at its consumer's result's
     sharding (`size_of`).
+  - A result's buffer holds temporaries of at most its size before the result is written
+    (`hosted_temporaries`): `predicted_peak_bytes`, what a plan reports, leaves them out;
+    `peak_bytes`, which the ILP's memory points count, does not (it depends on the
+    shardings of both, which linear memory rows cannot express), so it bounds the prediction.
 
 The rules depend on the graph only (not on the shardings), so the model is one per graph;
 sizes per device come from the specs (`tensor_bytes`).
@@ -33,6 +37,7 @@ read by the matmul and so materialized; it is counted, `exp(x)` is not:
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -228,6 +233,14 @@ def memory_model(graph: OpGraph) -> MemoryModel:
                        size_of=tuple(_sized_like(graph, consumers)), pos=tuple(pos))
 
 
+def written_results(graph: OpGraph, model: MemoryModel) -> frozenset[int]:
+    """The results with a buffer of their own that a node of the step writes (not an argument
+    passed through, not a result carried into a donated argument)."""
+    inputs = set(graph.inputs)
+    return frozenset(t for t in graph.outputs if model.whole[t] and t not in inputs
+                     and graph.tensors[t].producer is not None)
+
+
 def tensor_bytes(graph: OpGraph, model: MemoryModel, specs, mesh_shape) -> list[float]:
     """Per tensor, its bytes per device under `specs` (0 for constants)."""
     return [0.0 if t.kind == TensorKind.CONST else
@@ -279,14 +292,69 @@ def schedule(graph: OpGraph) -> Schedule:
     return out
 
 
-def peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
-    """Max over the node order of the bytes per device of the live buffers (see the module
-    docstring): what `solve.peak_memory` reports."""
-    events = schedule(graph)
-    per = tensor_bytes(graph, events.model, specs, mesh_shape)
+def _walk(events: Schedule, per, n_nodes: int) -> float:
     live = peak = sum(per[t] for t in events.start)
-    for p in range(len(graph.nodes)):
+    for p in range(n_nodes):
         live += sum(per[t] for t in events.born.get(p, ()))
         peak = max(peak, live)
         live -= sum(per[t] for t in events.freed.get(p, ()))
     return peak
+
+
+def peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+    """Max over the node order of the bytes per device of the live buffers (see the module
+    docstring), every temporary in a buffer of its own: what `solve.peak_memory` and the ILP's
+    memory points count (an upper bound of `predicted_peak_bytes`)."""
+    events = schedule(graph)
+    return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes))
+
+
+def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
+    """The temporaries XLA places in a result's buffer before the result is written.
+
+    XLA's buffer assignment gives every result (a live-out value) an allocation for the whole
+    step, and then, taking temporaries largest first, puts each into the smallest allocation
+    already made that is at least its size and holds no value live at the same time; only the
+    rest go to the temporaries' heap (`temp_size_in_bytes`). A result's own value occupies its
+    allocation from the node that writes it to the end, so the allocations of the results the
+    optimizer writes last hold the activations of the forward and backward. This does the
+    same greedy assignment with the bytes per device `per` (live ranges: positions in
+    `run_order`); the result buffers are `written_results`.
+
+    Example (`per` from `tensor_bytes`): the peak without the hosted temporaries:
+        >>> hosted = hosted_temporaries(graph, schedule(graph), per)     # doctest: +SKIP
+    """
+    model = events.model
+    results = sorted(written_results(graph, model), key=lambda r: (per[r], r))
+    sizes = [per[r] for r in results]
+    busy = {r: [(model.pos[graph.tensors[r].producer], len(graph.nodes))] for r in results}
+    born = {t: p for p, ts in events.born.items() for t in ts}
+    hosted = []
+    for t in sorted(born, key=lambda t: (-per[t], born[t], t)):
+        if per[t] <= 0:
+            continue
+        a, b = born[t], model.end[t]
+        for r in results[bisect.bisect_left(sizes, per[t]):]:
+            if all(b < s or a > e for s, e in busy[r]):
+                busy[r].append((a, b))
+                hosted.append(t)
+                break
+    return frozenset(hosted)
+
+
+def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+    """The peak per device XLA's buffer assignment reaches (`memory_analysis()`: arguments +
+    outputs + temp - aliased): `peak_bytes` without the temporaries that live in result
+    buffers before the results are written (`hosted_temporaries`). What a plan reports
+    (`Plan.peak_memory_bytes`); at most `peak_bytes`, which the ILP bounds.
+
+    Example:
+        >>> bound = peak_bytes(graph, specs, (2, 4))                    # doctest: +SKIP
+        >>> predicted_peak_bytes(graph, specs, (2, 4)) <= bound         # doctest: +SKIP
+        True
+    """
+    events = schedule(graph)
+    per = tensor_bytes(graph, events.model, specs, mesh_shape)
+    for t in hosted_temporaries(graph, events, per):
+        per[t] = 0.0
+    return _walk(events, per, len(graph.nodes))
