@@ -43,7 +43,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
     # The ILP bounds `assignment.peak_memory_bytes`; XLA also reuses result buffers.
-    peak = predicted_peak_bytes(graph, specs, assignment.mesh_shape)
+    peak = predicted_peak_bytes(graph, specs, assignment.mesh_shape,
+                                assignment.node_collective_bytes or None)
     operators, trips = [], graph.node_trips()
     for node in graph.nodes:
         if node.primitive not in HEAVY_OPERATORS:

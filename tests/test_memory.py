@@ -12,7 +12,7 @@ from autopar.intra_op import ilp
 from autopar.intra_op.memory import (dead_nodes, hosted_temporaries, memory_model,
                                      predicted_peak_bytes, run_order, schedule, tensor_bytes,
                                      written_results)
-from autopar.intra_op.solve import build_intra_op, peak_memory, solve_built
+from autopar.intra_op.solve import build_intra_op, choice_peak, peak_memory, solve_built
 from steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
 
 
@@ -35,10 +35,8 @@ def test_ilp_memory_points_agree_with_peak_memory(value_and_grad):
     choices += [(rng.random(len(problem.built.group_size)) * problem.built.group_size
                  ).astype(int) for _ in range(3)]
     for choice in choices:
-        specs = [problem.built.tensor_specs[t][choice[g]]
-                 for t, g in enumerate(problem.built.tensor_group)]
         assert ilp.peak_memory_bytes(problem.built.problem, tuple(choice)) == pytest.approx(
-            peak_memory(graph, specs, (2, 4)), rel=1e-9)
+            choice_peak(graph, problem.built, choice, (2, 4)), rel=1e-9)
     assert assignment.peak_memory_bytes > 0
 
 
@@ -99,7 +97,8 @@ def test_temporaries_hosted_in_result_buffers():
     plan = par.get_plan(state, batches[0])
     graph = par.get_graph(state, batches[0])
     cost = CostModel(mesh=par.cluster.logical_mesh((2, 4), ("data", "model")))
-    specs = build_and_solve(graph, cost).tensor_specs
+    solved = build_and_solve(graph, cost)
+    specs, collective = solved.tensor_specs, solved.node_collective_bytes
     events = schedule(graph)
     per = tensor_bytes(graph, events.model, specs, (2, 4))
     hosted = hosted_temporaries(graph, events, per)
@@ -110,10 +109,10 @@ def test_temporaries_hosted_in_result_buffers():
     for a, b, size in ranges:
         assert any(per[r] >= size and events.model.pos[graph.tensors[r].producer] > b
                    for r in results)
-    bound = peak_memory(graph, specs, (2, 4))
+    bound = peak_memory(graph, specs, (2, 4), collective)
     whole = sum(per[t] for t in events.start) + sum(per[t] for t in results
                                                      if t not in events.start)
-    predicted = predicted_peak_bytes(graph, specs, (2, 4))
+    predicted = predicted_peak_bytes(graph, specs, (2, 4), collective)
     assert plan.peak_memory_bytes == pytest.approx(predicted, rel=1e-9)
     assert whole <= predicted < bound
 

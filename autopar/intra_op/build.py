@@ -23,7 +23,7 @@ from .ilp import IlpEdge, IlpProblem, MemoryPoint
 from ..frontend.loops import stacked_tensors
 from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
-from .memory import schedule
+from .memory import collective_buffers, schedule
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -350,19 +350,40 @@ class _Builder:
         tracker = _LiveBytes(self, mesh, events.model.size_of)
         for t in events.start:
             tracker.add(t)
+        born_x, freed_x = self._collective_events(events)
         points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
                 for o in events.born.get(i, ()):
                     tracker.add(o)
                     grown = True
-            if (i in events.freed or i == n) and grown:
+                for key, grp, vec in born_x.get(i, ()):
+                    tracker.add_vector(key, grp, vec)
+                    grown = True
+            if (i in events.freed or i in freed_x or i == n) and grown:
                 grown = False
                 if tracker.worst > budget:
                     points.append(tracker.point())
             for t in events.freed.get(i, ()):
                 tracker.remove(t)
+            for key, grp, vec in freed_x.get(i, ()):
+                tracker.remove_vector(key, grp, vec)
         return points
+
+    def _collective_events(self, events) -> tuple[dict, dict]:
+        """The buffers of the gradient collectives (`memory.collective_buffers`) as
+        ({position: [(key, group, bytes per strategy)]}, {position freed after: [...]}),
+        only where some strategy of the node's group has one."""
+        born: dict[int, list] = {}
+        freed: dict[int, list] = {}
+        for n, (a, b) in collective_buffers(self.g, events).items():
+            grp, strategies = self.node_group[n], self.node_strategies[n]
+            for what, at in (("partial_bytes", a), ("collective_out_bytes", b)):
+                vec = np.array([getattr(s, what) for s in strategies], float)
+                if grp >= 0 and vec.any():
+                    born.setdefault(at, []).append(((what, n), grp, vec))
+                    freed.setdefault(b, []).append(((what, n), grp, vec))
+        return born, freed
 
 
 class _LiveBytes:
@@ -399,9 +420,19 @@ class _LiveBytes:
         if tid in self.live:
             return
         self.live.add(tid)
-        vec = self._bytes(tid)
+        self._add(self.b.tensor_group[self.size_of[tid]], self._bytes(tid))
+
+    def add_vector(self, key, grp: int, vec: np.ndarray) -> None:
+        """A buffer that is no tensor's (`key`), of `vec[i]` bytes under strategy i of `grp`."""
+        self.live.add(key)
+        self._add(grp, vec)
+
+    def remove_vector(self, key, grp: int, vec: np.ndarray) -> None:
+        self.live.discard(key)
+        self._drop(grp, vec)
+
+    def _add(self, grp: int, vec: np.ndarray) -> None:
         self.worst += float(vec.max())
-        grp = self.b.tensor_group[self.size_of[tid]]
         if len(vec) == 1:
             self.const += float(vec[0])
         else:
@@ -412,9 +443,10 @@ class _LiveBytes:
         if tid not in self.live:
             return
         self.live.discard(tid)
-        vec = self._bytes(tid)
+        self._drop(self.b.tensor_group[self.size_of[tid]], self._bytes(tid))
+
+    def _drop(self, grp: int, vec: np.ndarray) -> None:
         self.worst -= float(vec.max())
-        grp = self.b.tensor_group[self.size_of[tid]]
         if len(vec) == 1:
             self.const -= float(vec[0])
         else:

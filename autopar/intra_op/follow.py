@@ -7,6 +7,8 @@ input spec drops those axes and the reshard cost is charged to the node.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Callable
 
@@ -155,8 +157,9 @@ def reduce(ctx, node, pos, spec):
     comm_s = ctx.all_reduce(node, nbytes, red)
     comm = ctx.all_reduce_label(nbytes, red)
     # The work is split as the operand is: a reduced split dim leaves partial results.
-    return _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm,
-                     shards=num_shards(spec, ctx.mesh_shape))
+    s = _strategy(ctx, node, [spec], [out_spec] * len(node.outputs), "follow", comm_s, comm,
+                  shards=num_shards(spec, ctx.mesh_shape))
+    return dataclasses.replace(s, partial_bytes=nbytes) if red else s
 
 
 def gather_on_axis(ctx, node, pos, spec):

@@ -292,21 +292,68 @@ def schedule(graph: OpGraph) -> Schedule:
     return out
 
 
-def _walk(events: Schedule, per, n_nodes: int) -> float:
+def collective_buffers(graph: OpGraph, events: Schedule) -> dict[int, tuple[int, int]]:
+    """Per node whose gradient collective XLA combines at the end of the backward (a node of
+    the tail, `build.tail_nodes`), the positions in `run_order` (born, freed after) of the
+    buffer of partial sums its collective reads: from the node to the combined collective,
+    which runs after the last weight-gradient matmul (the tail's last matmul); a tail node
+    after that one reduces at its own position. A node's strategy says how many bytes (its
+    `partial_bytes`, and its `collective_out_bytes` written at the collective); a node
+    outside the tail reduces at once and is not counted (its partial sums are its result).
+
+    XLA:CPU combines every gradient all-reduce into one at the end of the backward (the ZeRO-3
+    GPT's `all-reduce.30`: a tuple of all gradients, whole, its operands and results live
+    together) and has no reduce-scatter (a reduce-scatter is an all-reduce and a slice).
+    XLA:GPU combines them too (its all-reduce / reduce-scatter combiners, by size thresholds)
+    and turns an all-reduce feeding a dynamic-slice into a reduce-scatter
+    (`ReduceScatterCreator`), whose result is the shard: there only the partial sums count."""
+    from .build import tail_nodes                # build imports this module
+    from ..primitives import MATMUL_LIKE
+    pos = events.model.pos
+    tail = tail_nodes(graph)
+    dots = [pos[n] for n in tail if graph.nodes[n].primitive in MATMUL_LIKE]
+    combined = max(dots, default=-1)
+    return {n: (pos[n], max(pos[n], combined)) for n in sorted(tail)}
+
+
+def _walk(events: Schedule, per, n_nodes: int, extra=None) -> float:
+    """The peak of the live bytes along the node order; `extra` (`collective_extra`): bytes
+    born and freed per position besides the tensors'."""
+    born_x, freed_x = extra or ({}, {})
     live = peak = sum(per[t] for t in events.start)
     for p in range(n_nodes):
-        live += sum(per[t] for t in events.born.get(p, ()))
+        live += sum(per[t] for t in events.born.get(p, ())) + born_x.get(p, 0.0)
         peak = max(peak, live)
-        live -= sum(per[t] for t in events.freed.get(p, ()))
+        live -= sum(per[t] for t in events.freed.get(p, ())) + freed_x.get(p, 0.0)
     return peak
 
 
-def peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+def collective_extra(graph: OpGraph, events: Schedule, collective) -> tuple[dict, dict]:
+    """({position: bytes born}, {position: bytes freed after}) of the collectives' buffers
+    (`collective_buffers`) under `collective`: per node, (partial_bytes,
+    collective_out_bytes) of its strategy."""
+    born: dict[int, float] = {}
+    freed: dict[int, float] = {}
+    if collective is None:
+        return born, freed
+    for n, (a, b) in collective_buffers(graph, events).items():
+        partial, out = collective[n]
+        for at, until, size in ((a, b, partial), (b, b, out)):
+            if size > 0:
+                born[at] = born.get(at, 0.0) + size
+                freed[until] = freed.get(until, 0.0) + size
+    return born, freed
+
+
+def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     """Max over the node order of the bytes per device of the live buffers (see the module
     docstring), every temporary in a buffer of its own: what `solve.peak_memory` and the ILP's
-    memory points count (an upper bound of `predicted_peak_bytes`)."""
+    memory points count (an upper bound of `predicted_peak_bytes`). `collective`: per node,
+    (partial_bytes, collective_out_bytes) of its strategy (`collective_buffers`; None: not
+    counted)."""
     events = schedule(graph)
-    return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes))
+    return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes),
+                 collective_extra(graph, events, collective))
 
 
 def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
@@ -342,7 +389,7 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
     return frozenset(hosted)
 
 
-def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
+def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     """The peak per device XLA's buffer assignment reaches (`memory_analysis()`: arguments +
     outputs + temp - aliased): `peak_bytes` without the temporaries that live in result
     buffers before the results are written (`hosted_temporaries`). What a plan reports
@@ -357,4 +404,4 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape) -> float:
     per = tensor_bytes(graph, events.model, specs, mesh_shape)
     for t in hosted_temporaries(graph, events, per):
         per[t] = 0.0
-    return _walk(events, per, len(graph.nodes))
+    return _walk(events, per, len(graph.nodes), collective_extra(graph, events, collective))

@@ -32,6 +32,11 @@ class Strategy:
     compute_s: float
     comm_s: float
     comm: str = ""            # e.g. "all-reduce(model) 32.0 KiB"
+    # Memory of the collective (per device): the unreduced partial sums it reads (a buffer
+    # of their own until the collective runs), and what it writes beyond the node's result
+    # (a reduce-scatter the backend runs as an all-reduce then a slice: the whole sum).
+    partial_bytes: float = 0.0
+    collective_out_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +146,8 @@ def _loop_strategies(ctx: RuleContext, node: Node, loops, reduce_loops: set[int]
         strategies.append(Strategy(name=name, in_specs=tuple(specs[:-1]), out_specs=(specs[-1],),
                                    compute_s=compute_s,
                                    comm_s=ctx.all_reduce(node, out_bytes, red_axes),
-                                   comm=ctx.all_reduce_label(out_bytes, red_axes)))
+                                   comm=ctx.all_reduce_label(out_bytes, red_axes),
+                                   partial_bytes=out_bytes if red_axes else 0.0))
         if red_axes and node.id in ctx.deferred:
             strategies += _reduce_scatter_variants(ctx, node, strategies[-1], red_axes,
                                                    out_bytes)
@@ -157,6 +163,7 @@ def _reduce_scatter_variants(ctx: RuleContext, node: Node, s: Strategy, red_axes
     out = []
     spec, shape = s.out_specs[0], ctx.t(node.outputs[0]).shape
     n = math.prod(ctx.mesh_shape[a] for a in red_axes)
+    whole = ctx.cost.mesh.reduce_scatter_is_all_reduce   # XLA:CPU: all-reduce, then a slice
     for d in range(len(shape)):
         if spec[d] or shape[d] % n:
             continue
@@ -166,7 +173,8 @@ def _reduce_scatter_variants(ctx: RuleContext, node: Node, s: Strategy, red_axes
         label = (f"reduce-scatter({ctx.axis_label(red_axes)}) {format_bytes(in_bytes)}")
         out.append(Strategy(name=f"{s.name} rs{d}", in_specs=s.in_specs,
                             out_specs=(scattered,), compute_s=s.compute_s, comm_s=comm_s,
-                            comm=label))
+                            comm=label, partial_bytes=in_bytes,
+                            collective_out_bytes=in_bytes if whole else 0.0))
     return out
 
 

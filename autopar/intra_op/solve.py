@@ -75,14 +75,30 @@ class ShardingAssignment:
     constant_tensors: frozenset[int]         # computed from constants: left for XLA to place
     node_in_specs: tuple[tuple[Spec | None, ...], ...] = ()   # per node id: the operand specs
                                              # its strategy wants (None: any)
+    node_collective_bytes: tuple[tuple[float, float], ...] = ()   # per node id: its
+                                             # collective's buffers (`collective_bytes`)
 
 
-def peak_memory(graph: OpGraph, specs, mesh_shape) -> float:
+def peak_memory(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     """Max over the schedule (node order) of the bytes per device of live buffers: the
     arguments and results throughout, the temporaries XLA writes from their producer to the
-    last kernel reading them (`memory.peak_bytes`; the ILP's memory points walk the same
-    events)."""
-    return peak_bytes(graph, specs, mesh_shape)
+    last kernel reading them, the partial sums of the gradient collectives (`collective`, see
+    `memory.peak_bytes`; the ILP's memory points walk the same events)."""
+    return peak_bytes(graph, specs, mesh_shape, collective)
+
+
+def collective_bytes(strategies) -> tuple[tuple[float, float], ...]:
+    """Per node, (partial_bytes, collective_out_bytes) of its strategy (`memory.peak_bytes`)."""
+    return tuple((s.partial_bytes, s.collective_out_bytes) if s is not None else (0.0, 0.0)
+                 for s in strategies)
+
+
+def choice_peak(graph: OpGraph, built, choice, mesh_shape) -> float:
+    """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`."""
+    specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
+    return peak_memory(graph, specs, mesh_shape, collective_bytes(
+        built.node_strategies[n][choice[g]] if g >= 0 else None
+        for n, g in enumerate(built.node_group)))
 
 
 def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:
@@ -213,8 +229,7 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             problem, memory_budget_bytes=budget))
     sol, reuse = _solve(graph, built, p.method, budget)
     if sol.status == SolveStatus.INFEASIBLE:
-        specs = [built.tensor_specs[t][sol.choice[g]] for t, g in enumerate(built.tensor_group)]
-        needed = peak_memory(graph, specs, mesh.shape)
+        needed = choice_peak(graph, built, sol.choice, mesh.shape)
         raise InfeasiblePlanError(
             f"memory: no sharding of this step fits {budget:,.0f} bytes per device on mesh "
             f"{mesh.shape}; the plan with the least memory needs {needed:,.0f} bytes per "
@@ -275,8 +290,7 @@ def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: floa
         redraw = rng.random(len(sizes)) < fraction
         choice = np.where(redraw, (rng.random(len(sizes)) * sizes).astype(int),
                           np.asarray(sol.choice))
-        specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
-        if peak_memory(graph, specs, mesh_shape) <= budget:
+        if choice_peak(graph, built, choice, mesh_shape) <= budget:
             return dataclasses.replace(
                 sol, choice=tuple(int(c) for c in choice), status=SolveStatus.FEASIBLE,
                 message=f"random plan: seed {seed}, {int(redraw.sum())} of {len(sizes)} "
@@ -309,6 +323,7 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
         node_comm_s=tuple(s.comm_s for s in strat), output_specs=tuple(out_specs),
         compute_s=float(np.sum([s.compute_s for s in strat])),
         comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
-        peak_memory_bytes=peak_memory(graph, specs, mesh.shape), ilp=stats,
+        peak_memory_bytes=peak_memory(graph, specs, mesh.shape, collective_bytes(strat)),
+        node_collective_bytes=collective_bytes(strat), ilp=stats,
         fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors,
         node_in_specs=tuple(s.in_specs for s in strat))
