@@ -316,10 +316,14 @@ def collective_buffers(graph: OpGraph, events: Schedule) -> dict[int, tuple[int,
     return {n: (pos[n], max(pos[n], combined)) for n in sorted(tail)}
 
 
-def _walk(events: Schedule, per, n_nodes: int, extra=None) -> float:
-    """The peak of the live bytes along the node order; `extra` (`collective_extra`): bytes
-    born and freed per position besides the tensors'."""
-    born_x, freed_x = extra or ({}, {})
+def _walk(events: Schedule, per, n_nodes: int, extra=()) -> float:
+    """The peak of the live bytes along the node order; `extra` (`collective_extra`): buffers
+    (born, freed after, bytes) besides the tensors'."""
+    born_x: dict[int, float] = {}
+    freed_x: dict[int, float] = {}
+    for a, b, size in extra:
+        born_x[a] = born_x.get(a, 0.0) + size
+        freed_x[b] = freed_x.get(b, 0.0) + size
     live = peak = sum(per[t] for t in events.start)
     for p in range(n_nodes):
         live += sum(per[t] for t in events.born.get(p, ())) + born_x.get(p, 0.0)
@@ -328,21 +332,16 @@ def _walk(events: Schedule, per, n_nodes: int, extra=None) -> float:
     return peak
 
 
-def collective_extra(graph: OpGraph, events: Schedule, collective) -> tuple[dict, dict]:
-    """({position: bytes born}, {position: bytes freed after}) of the collectives' buffers
-    (`collective_buffers`) under `collective`: per node, (partial_bytes,
-    collective_out_bytes) of its strategy."""
-    born: dict[int, float] = {}
-    freed: dict[int, float] = {}
+def collective_extra(graph: OpGraph, events: Schedule, collective) -> list[tuple[int, int, float]]:
+    """The collectives' buffers (`collective_buffers`) as (born, freed after, bytes) under
+    `collective`: per node, (partial_bytes, collective_out_bytes) of its strategy."""
     if collective is None:
-        return born, freed
+        return []
+    out = []
     for n, (a, b) in collective_buffers(graph, events).items():
-        partial, out = collective[n]
-        for at, until, size in ((a, b, partial), (b, b, out)):
-            if size > 0:
-                born[at] = born.get(at, 0.0) + size
-                freed[until] = freed.get(until, 0.0) + size
-    return born, freed
+        partial, written = collective[n]
+        out += [(at, b, size) for at, size in ((a, partial), (b, written)) if size > 0]
+    return out
 
 
 def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
@@ -356,7 +355,7 @@ def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
                  collective_extra(graph, events, collective))
 
 
-def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
+def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> frozenset:
     """The temporaries XLA places in a result's buffer before the result is written.
 
     XLA's buffer assignment gives every result (a live-out value) an allocation for the whole
@@ -366,7 +365,9 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
     allocation from the node that writes it to the end, so the allocations of the results the
     optimizer writes last hold the activations of the forward and backward. This does the
     same greedy assignment with the bytes per device `per` (live ranges: positions in
-    `run_order`); the result buffers are `written_results`.
+    `run_order`); the result buffers are `written_results`. `extra`: more temporaries
+    (born, freed after, bytes), e.g. the collectives' buffers (`collective_extra`), hosted
+    ones named by their index ("x", i).
 
     Example (`per` from `tensor_bytes`): the peak without the hosted temporaries:
         >>> hosted = hosted_temporaries(graph, schedule(graph), per)     # doctest: +SKIP
@@ -375,13 +376,15 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per) -> frozenset[int]:
     results = sorted(written_results(graph, model), key=lambda r: (per[r], r))
     sizes = [per[r] for r in results]
     busy = {r: [(model.pos[graph.tensors[r].producer], len(graph.nodes))] for r in results}
-    born = {t: p for p, ts in events.born.items() for t in ts}
+    temps = [(per[t], p, model.end[t], t) for p, ts in events.born.items() for t in ts]
+    temps += [(size, a, b, ("x", i)) for i, (a, b, size) in enumerate(extra)]
     hosted = []
-    for t in sorted(born, key=lambda t: (-per[t], born[t], t)):
-        if per[t] <= 0:
+    for size, a, b, t in sorted(temps, key=lambda x: (-x[0], x[1], isinstance(x[3], tuple),
+                                                      x[3][1] if isinstance(x[3], tuple)
+                                                      else x[3])):
+        if size <= 0:
             continue
-        a, b = born[t], model.end[t]
-        for r in results[bisect.bisect_left(sizes, per[t]):]:
+        for r in results[bisect.bisect_left(sizes, size):]:
             if all(b < s or a > e for s, e in busy[r]):
                 busy[r].append((a, b))
                 hosted.append(t)
@@ -402,6 +405,10 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> 
     """
     events = schedule(graph)
     per = tensor_bytes(graph, events.model, specs, mesh_shape)
-    for t in hosted_temporaries(graph, events, per):
-        per[t] = 0.0
-    return _walk(events, per, len(graph.nodes), collective_extra(graph, events, collective))
+    extra = collective_extra(graph, events, collective)
+    hosted = hosted_temporaries(graph, events, per, extra)
+    for t in hosted:
+        if not isinstance(t, tuple):
+            per[t] = 0.0
+    return _walk(events, per, len(graph.nodes),
+                 [x for i, x in enumerate(extra) if ("x", i) not in hosted])
