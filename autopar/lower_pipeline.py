@@ -39,12 +39,14 @@ class StageExecutable:
     act_shardings: dict[int, NamedSharding]      # per act input tensor id
     out_shardings: dict[int, NamedSharding]      # per output tensor id
     forward: Callable     # (params, data, float_acts, int_acts) -> (outs, int_outs, residuals)
-    backward: Callable    # (residuals, cts, acc) -> (acc, act_grads); acc=None the first time
+    backward: Callable    # ((residuals, params, data, saved acts), cts, acc) -> (acc,
+                          # act_grads); acc=None the first time
     fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
                           # acc, act_grads)
     reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
+    saved_acts: tuple[int, ...] = ()  # positions of the activation inputs the backward reads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -110,15 +112,26 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
                 [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
 
+    # The forward returns the residuals it computes; those that are the stage's inputs (its
+    # parameters, data and activations) the executor keeps and hands the backward as they are
+    # (returned by the forward, each would be a copy per microbatch in flight).
+    n_pd = len(sl.param_inputs) + len(sl.data_inputs)
+    param_data, act_ids = graph.inputs[:n_pd], graph.inputs[n_pd:n_in]
+    computed = tuple(t for t in split.residuals if t not in set(graph.inputs[:n_in]))
+    wanted = set(split.residuals)
+    saved_acts = tuple(i for i, t in enumerate(act_ids) if t in wanted)
+
     def forward(params, data, float_acts, int_acts):
         env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
         run_nodes(graph, fwd_nodes, env, constrain)
         out = [env[t] for t in graph.outputs[:n_out]]
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
-            [env[t] for t in split.residuals]
+            [env[t] for t in computed]
 
-    def backward(residuals, cts, acc):
-        env = env_of((*split.residuals, *graph.inputs[n_in:]), [*residuals, *cts])
+    def backward(saved, cts, acc):
+        residuals, params, data, acts = saved
+        env = env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts),
+                      *graph.inputs[n_in:]), [*residuals, *params, *data, *acts, *cts])
         run_bwd(env, bwd_nodes)
         return finish(env, acc)
 
@@ -135,7 +148,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
-        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0)
+        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
+        saved_acts=saved_acts)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:

@@ -231,8 +231,9 @@ class Executor:
         o, o_int, residuals = self._dispatched(
             st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
         self._outputs(state, st, m, o, o_int)
-        live = state.residuals[st.index]
-        live[m] = residuals
+        live = state.residuals[st.index]     # with the inputs the backward reads (no copies)
+        live[m] = (residuals, state.params[st.index], state.data[st.index][m],
+                   [acts[i] for i in st.saved_acts])
         peak = self.stats.max_live_microbatches
         peak[st.index] = max(peak[st.index], len(live))
 
