@@ -2,9 +2,9 @@
 bind their budget is compiled stage by stage during planning and each stage's peak, composed
 from the `memory_analysis()` of the executables XLA compiled for it, checked against the
 budget; over it the plan is re-made with the search's budget set to the worst stage's
-prediction scaled by budget / compiled (at most `ROUNDS` times, logged), and `InfeasiblePlanError` names the
-stage, its predicted and compiled bytes when nothing fits (as `memory_check` does for one
-mesh, with the same `BINDING` and `ROUNDS`).
+prediction scaled by budget / compiled (at most `ROUNDS` times, logged), and
+`InfeasiblePlanError` names the stage, its predicted and compiled bytes when nothing fits (as
+`memory_check` does for one mesh, with the same `BINDING` and `ROUNDS`).
 
 How a stage's peak is composed (per device, `StageMemory`): the executables are compiled by
 walking one step of the executor on abstract values (`runtime.compile_only`), so they are the
@@ -15,8 +15,9 @@ very executables the first call runs (jax.jit keeps them). On stage s:
 - `data`: the microbatches' copies of its batch inputs (the executor splits them up front);
 - `accumulator`: the gradient accumulator (the backward's donated output);
 - `stash`: one microbatch's residuals, the forward executable's outputs kept until its
-  backward (with the activation inputs the backward reads), times `in_flight`, the most microbatches whose residuals the executor keeps at
-  once under the schedule (1F1B: up to stages - s; 0 where forward and backward are fused);
+  backward (with the activation inputs the backward reads), times `in_flight`, the most
+  microbatches whose residuals the executor keeps at once under the schedule (1F1B: up to
+  stages - s; 0 where forward and backward are fused);
 - `work`: the largest of the forward, backward, fused and reduce executables' arguments +
   outputs + temp - aliased, less what the terms above count already (their parameters,
   data, accumulator and residuals): activations in and out, cotangents, temporaries;
@@ -46,7 +47,7 @@ import jax
 
 from .errors import InfeasiblePlanError
 from .frontend.meshes import no_context_mesh
-from .memory_check import BINDING, ROUNDS
+from .memory_check import BINDING, ROUNDS, compiled_bytes
 from .plan import ParallelPlan
 from .runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 
@@ -84,18 +85,6 @@ class VerifiedPipeline:
     program: Any = None
 
 
-def _footprint(compiled) -> int | None:
-    """arguments + outputs + temp - aliased; None when the backend reports no analysis."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:               # noqa: BLE001 - some backends do not implement it
-        return None
-    if m is None:
-        return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-
-
 def _held_bytes(call: Call, positions: tuple[int, ...] | None = None) -> int:
     """Bytes of the call's arguments (at `positions`; default all) that are step inputs."""
     out, i = 0, 0
@@ -127,7 +116,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
     for st in program.stages:
         s = st.index
         mine = [c for c in calls if c.stage == s]
-        feet = {id(c): _footprint(c.compiled) for c in mine}
+        feet = {id(c): compiled_bytes(c.compiled) for c in mine}
         if any(f is None for f in feet.values()):
             return None
         held = sum(shard_bytes(a) for a, where in zip(args, placement.input_stage) if where == s)

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import re
-import types
 
 import jax
 import pytest
@@ -156,4 +155,23 @@ def test_no_memory_analysis_keeps_the_plan(gpt, monkeypatch):
     monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: None)
     made = pmc.verified_pipeline(lambda b: (plan, None, None), lambda parts: "p", [])
     assert made.plan.measured["compiled_stage_bytes"] is None and made.program == "p"
-    assert pmc._footprint(types.SimpleNamespace(memory_analysis=lambda: None)) is None
+
+
+def test_gradient_accumulation_is_checked_as_a_one_stage_pipeline():
+    """ShardParallel(num_microbatches=2) runs as a one-stage pipeline: under a binding budget
+    its executables are compiled and the plan records (and dumps) the stage's compiled peak;
+    the step still equals jax.jit's."""
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(),
+                                     value_and_grad=autopar.value_and_grad)
+    free = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False,
+                               method=autopar.ShardParallel(num_microbatches=2))
+    predicted = free.get_plan(state, batches[0]).peak_memory_bytes
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False,
+                              method=autopar.ShardParallel(num_microbatches=2,
+                                                           memory_budget_bytes=int(1.9 * predicted)))
+    plan = par.get_plan(state, batches[0])
+    got = plan.measured["compiled_stage_bytes"]
+    assert len(got) == 1 and 0 < got[0] <= 1.9 * predicted
+    assert "compiled by XLA to" in autopar.dump(plan)
+    assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
+                      compare_params=True)

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..lower import has_sharding
 from ..lower_pipeline import PipelineProgram
 from .executor import Executor
 from .microbatch import add_all
@@ -144,18 +143,13 @@ class _CompileOnly(Executor):
         self.stats.num_dispatches += 1
         return out
 
-    def _put(self, value, sharding):
-        if has_sharding(value, sharding):
-            return value
-        self.stats.num_transfers += 1
+    def _move(self, value, sharding):
         return abstract(value, sharding)
 
-    def _const(self, key, make):
+    def _made(self, make):
         """Constants the executor places (loss seeds, zero cotangents): made (they are small
         or made by the real step too) and kept abstract."""
-        if key not in self._consts:
-            self._consts[key] = abstract(make())
-        return self._consts[key]
+        return abstract(make())
 
 
 def compile_program(program: PipelineProgram, args: list) -> tuple[tuple[Call, ...],
