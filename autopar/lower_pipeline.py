@@ -3,12 +3,13 @@
 
 A stage's executables re-emit its training graph (the one its ILP solved) cut in two by
 `split_train_graph`, with every intermediate pinned to the ILP's sharding: the forward returns
-the stage outputs and the residuals (a list of arrays that stays on the stage's devices); the
-backward reads the residuals and the output cotangents and adds the parameter gradients into
-the accumulator (donated). Where the last stage's backward of a microbatch directly follows
-its forward (1F1B, and so every microbatch of gradient accumulation) `fused` runs both in one
-executable and keeps no residuals. Values move between submeshes with
-`jax.device_put` (see `runtime.executor`).
+the stage outputs and the residuals it computes (a list of arrays that stays on the stage's
+devices); the backward reads them, the stage's parameters, data and the activation inputs it
+needs (the executor keeps those by reference: no copy per microbatch in flight) and the output
+cotangents, and adds the parameter gradients into the accumulator (donated). Where the last
+stage's backward of a microbatch directly follows its forward (1F1B, and so every microbatch
+of gradient accumulation) `fused` runs both in one executable and keeps no residuals. Values
+move between submeshes with `jax.device_put` (see `runtime.executor`).
 """
 from __future__ import annotations
 
