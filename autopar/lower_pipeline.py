@@ -153,9 +153,11 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         saved_acts=saved_acts)
 
 
-def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:
+def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],
+                donate: tuple[int, ...] = ()) -> Callable:
     """One apply-gradient segment as a jit; `pinned` outputs (the next step's state) come out
-    exactly on the sharding the step's inputs expect, the others where XLA puts them."""
+    exactly on the sharding the step's inputs expect, the others where XLA puts them; the
+    inputs at positions `donate` are donated (see `donated_inputs`)."""
     step = loss.step
     nodes = [step.nodes[n] for n in seg.nodes]
 
@@ -165,7 +167,27 @@ def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding])
         run_nodes(step, nodes, env)
         return [env[t] for t in seg.outputs]
 
-    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs])
+    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs],
+                   donate_argnums=donate)
+
+
+def donated_inputs(loss: LossGraph, placement: Placement, index: int) -> tuple[int, ...]:
+    """Positions of segment `index`'s inputs it donates: state the user donated
+    (`donate_argnums`) whose new value (its carried output) the segment makes on the same
+    stage and sharding, read by no later segment and not itself a result. Without it the
+    update would hold the old state and the new one at once.
+
+    Example:
+        >>> donated_inputs(loss, placement, 2)      # the update of stage 0's parameters
+        (0, 1, 3, 4)
+    """
+    step, seg = loss.step, placement.segments[index]
+    later = {t for s in placement.segments[index + 1:] for t in s.inputs} | set(step.outputs)
+    replaced = {step.inputs[i] for o, i in step.carried_outputs.items()
+                if i in step.donated_inputs and step.outputs[o] in seg.outputs
+                and placement.input_stage[i] == seg.stage == placement.output_stage[o]
+                and placement.output_spec[o] == placement.input_spec[i]}
+    return tuple(k for k, t in enumerate(seg.inputs) if t in replaced and t not in later)
 
 
 def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
@@ -182,7 +204,7 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
     in_sh = tuple(named(meshes[s], spec)
                   for s, spec in zip(placement.input_stage, placement.input_spec))
     segment_fns = []
-    for seg in placement.segments:
+    for index, seg in enumerate(placement.segments):
         if seg.stage == PIPELINE:
             segment_fns.append(None)
             continue
@@ -192,7 +214,8 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
             if spec is not None and placement.output_stage[pos] == seg.stage \
                     and tid in seg.outputs:
                 pinned[tid] = named(meshes[seg.stage], spec)
-        segment_fns.append(_segment_fn(loss, seg, pinned))
+        segment_fns.append(_segment_fn(loss, seg, pinned,
+                                       donated_inputs(loss, placement, index)))
     cpu = all(d.platform == "cpu" for d in devices)
     return PipelineProgram(
         loss=loss, placement=placement, stages=execs, in_shardings=in_sh,

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import re
+import warnings
 
 import jax
 import pytest
@@ -30,7 +31,7 @@ def gpt():
                                      value_and_grad=autopar.value_and_grad)
     free = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(), plan_cache=False)
     plan = free.get_plan(state, batches[0])
-    return step, state, batches, plan
+    return step, state, batches, plan, run_steps(jax.jit(step), state, batches)
 
 
 def _terms(c):
@@ -44,7 +45,7 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     stage's compiled peak, equal to its composition from a direct memory_analysis() of the
     stage's executables; the dump shows them with the ratio; the first call compiles no stage
     executable again; the step equals jax.jit's."""
-    step, state, batches, free = gpt
+    step, state, batches, free, ref = gpt
     assert "compiled_stage_bytes" not in free.measured        # a loose budget: not compiled
     budget = int(1.4 * max(s.peak_memory_bytes for s in free.stages))
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(budget),
@@ -79,7 +80,6 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     assert "predicted / compiled" in text and "compiled" in text.split("stage  ")[1]
     again = autopar.ParallelPlan.from_json(plan.to_json())
     assert again.measured["compiled_stage_bytes"] == got
-    ref = run_steps(jax.jit(step), state, batches)
     caplog.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         par(state, batches[0])                 # the first call
@@ -93,7 +93,7 @@ def test_budget_below_the_compiled_peak_replans_then_refuses_naming_bytes(gpt):
     """A budget the prediction fits but the compiled peak does not: re-planned at scaled
     budgets (logged), and here refused: the error names the stage, the predicted and compiled
     bytes and the budget."""
-    step, state, batches, free = gpt
+    step, state, batches, free, ref = gpt
     budget = int(1.02 * max(s.peak_memory_bytes for s in free.stages))
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(budget),
                               plan_cache=False)
@@ -112,7 +112,7 @@ def _memory(peak):
 
 
 def test_replans_at_scaled_budgets_until_a_stage_fits(gpt, monkeypatch):
-    *_, free = gpt
+    *_, free, _ = gpt
     plan = dataclasses.replace(free, memory_budget_bytes=1000.0, stages=free.stages[:1])
     plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0],
                                                                  peak_memory_bytes=900.0),))
@@ -133,7 +133,7 @@ def test_replans_at_scaled_budgets_until_a_stage_fits(gpt, monkeypatch):
 
 
 def test_never_fitting_raises_after_the_rounds(gpt, monkeypatch):
-    *_, free = gpt
+    *_, free, _ = gpt
     plan = dataclasses.replace(free, memory_budget_bytes=1000.0)
     monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: _memory(2000))
     asked = []
@@ -149,7 +149,7 @@ def test_never_fitting_raises_after_the_rounds(gpt, monkeypatch):
 
 
 def test_no_memory_analysis_keeps_the_plan(gpt, monkeypatch):
-    *_, free = gpt
+    *_, free, _ = gpt
     plan = dataclasses.replace(free, memory_budget_bytes=max(
         s.peak_memory_bytes for s in free.stages))
     monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: None)
@@ -175,3 +175,27 @@ def test_gradient_accumulation_is_checked_as_a_one_stage_pipeline():
     assert "compiled by XLA to" in autopar.dump(plan)
     assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
                       compare_params=True)
+
+
+def test_donated_state_is_updated_in_place_by_the_apply_segments(gpt):
+    """With donate_argnums=(0,) the apply-gradient segments donate the old state that their
+    new state replaces (lower_pipeline.donated_inputs): XLA aliases it (the apply phase holds
+    one copy of the state, not two), the caller's buffers are consumed as under jax.jit, and
+    the step still equals jax.jit's."""
+    step, state, batches, _, ref = gpt
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(), plan_cache=False,
+                              donate_argnums=(0,))
+    par.get_plan(state, batches[0])
+    program = par._entry_of((state, batches[0]))[0].executor.p
+    calls, _ = compile_program(program, abstract_args(jax.tree.leaves((state, batches[0])),
+                                                      program.in_shardings))
+    aliased = {c.stage: c.compiled.memory_analysis().alias_size_in_bytes
+               for c in calls if c.role is Role.APPLY
+               and c.compiled.memory_analysis().alias_size_in_bytes > 0}
+    assert set(aliased) == {0, 1}
+    mine = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+    with warnings.catch_warnings():      # every donated buffer is used
+        warnings.filterwarnings("error", message=".*donated buffers were not usable")
+        got = run_steps(par, mine, batches)
+    assert jax.tree.leaves(mine.params)[0].is_deleted()
+    assert_equivalent(ref, got, compare_params=True)
