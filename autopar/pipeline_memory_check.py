@@ -22,7 +22,9 @@ very executables the first call runs (jax.jit keeps them). On stage s:
   outputs + temp - aliased, less what the terms above count already (their parameters,
   data, accumulator and residuals): activations in and out, cotangents, temporaries;
 - `apply`: the apply-gradient segments on s, arguments + outputs + temp - aliased less the
-  step inputs among their arguments (they run after the pipeline, its residuals freed).
+  step inputs among their arguments (they run after the pipeline, its residuals freed; the
+  new state aliases the old only where the user donated it, see
+  `lower_pipeline.donated_inputs`).
 
 peak = max(held + data + accumulator + in_flight * stash + work, held + apply).
 
@@ -121,7 +123,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
             return None
         held = sum(shard_bytes(a) for a, where in zip(args, placement.input_stage) if where == s)
         derived = data = acc = stash = work = apply = 0
-        split = loss.batch_inputs | program_rng_inputs(program)
+        split = loss.batch_inputs | _rng_inputs(program)
         for c in mine:
             if c.role in (Role.FORWARD, Role.FUSED):
                 derived = max(derived, shard_bytes(c.args[0]) - _held_bytes(c, (0,)))
@@ -157,7 +159,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
     return tuple(out)
 
 
-def program_rng_inputs(program) -> frozenset[int]:
+def _rng_inputs(program) -> frozenset[int]:
     """Forward input positions the executor folds into one key per microbatch."""
     red = program.loss.reduction
     if red is None or program.num_microbatches <= 1:
