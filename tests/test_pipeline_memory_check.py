@@ -59,7 +59,10 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     calls, live = compile_program(program, abstract_args(jax.tree.leaves((state, batches[0])),
                                                          program.in_shardings))
     terms = plan.measured["compiled_stage_memory"]
+    flat = abstract_args(jax.tree.leaves((state, batches[0])), program.in_shardings)
     for s, t in enumerate(terms):
+        assert t["held"] == sum(shard_bytes(a) for a, where in zip(
+            flat, program.placement.input_stage) if where == s)       # state + batch on s
         mine = {c.role: c for c in calls if c.stage == s}
         fwd = mine.get(Role.FORWARD)
         stash = shard_bytes(fwd.outs[2]) + shard_bytes(
@@ -101,6 +104,7 @@ def test_budget_below_the_compiled_peak_replans_then_refuses_naming_bytes(gpt):
         par.get_plan(state, batches[0])
     text = str(e.value)
     assert "stage" in text and "predicted" in text and f"{budget:,}" in text
+    assert "re-plan" in text
     assert e.value.needed_bytes > budget and e.value.budget_bytes == budget
 
 
