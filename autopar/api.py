@@ -41,6 +41,7 @@ from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import cache_key, find_plan
 from .memory_check import verified_plan
+from .pipeline_memory_check import verified_pipeline, with_budget
 from .remat_plan import plan_step, traced_for
 from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
                      plan_cache_of, plan_graph)
@@ -173,19 +174,27 @@ class ParallelizedFunction:
         step = trace(self._fun, args, keep_grad=True, **kw)
         fingerprint = graph_fingerprint(step)
 
-        def run(m, solutions=()):
+        def run(m, sm=stage_method, solutions=()):
             return plan_pipeline(self._fun, args, cluster=cluster,
                                  device_ids=tuple(int(d.id) for d in mesh.devices.flat),
                                  mesh_shape=tuple(mesh.devices.shape), method=m,
-                                 stage_method=stage_method, step_graph=step,
+                                 stage_method=sm, step_graph=step,
                                  stage_solutions=solutions, **kw)
 
-        replay, searched = self._saved_plan, None
+        def program_of(parts):
+            return lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
+                                  list(mesh.devices.flat), method.schedule,
+                                  method.num_microbatches, method.max_in_flight_calls,
+                                  parts.local_grads)
+
+        replay, searched, program = self._saved_plan, None, None
         if replay is None:
-            def search():
-                nonlocal searched
-                searched = run(method)
-                return searched[0]
+            def search():       # compiled and checked against the budget where a stage binds
+                nonlocal searched, program
+                made = verified_pipeline(lambda b: run(*with_budget(method, stage_method, b)),
+                                         program_of, self._front.leaves(args))
+                searched, program = (made.plan, *made.planned[1:]), made.program
+                return made.plan
             replay = self._find(args, fingerprint, mesh, search, method)
         if searched is not None:
             plan_, parts, graph = searched
@@ -193,15 +202,12 @@ class ParallelizedFunction:
             matching(replay, fingerprint)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
-                method, stage_option=replay.stage_option()), replay.stage_solutions)
+                method, stage_option=replay.stage_option()), solutions=replay.stage_solutions)
             origin = "saved plan" if self._saved_plan is not None else replay.origin
             plan_ = dataclasses.replace(plan_, origin=origin, timings_s={
                 **plan_.timings_s, "plan_lookup": replay.timings_s.get("plan_lookup", 0.0)
                 + time.perf_counter() - t0})
-        program = lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
-                                 list(mesh.devices.flat), method.schedule,
-                                 method.num_microbatches, method.max_in_flight_calls,
-                                 parts.local_grads)
+        program = program or program_of(parts)
         log.info("autopar: %s planned as %s; XLA compiles each stage on the first call",
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else

@@ -32,34 +32,50 @@ def _pipeline_lines(plan: ParallelPlan) -> list[str]:
                "sums, reduced once per step" if local else "")
     if p.get("microbatch_combine"):      # per loss output: mean, sum, ratio, concat, unknown
         reduced += "; loss outputs over microbatches: " + ", ".join(p["microbatch_combine"])
+    compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
     if p.get("gradient_accumulation"):
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
                 f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
                 f"then the update; predicted step {_time(p['predicted_latency_s'])}, peak "
-                f"memory {_bytes(s.peak_memory_bytes)} per device; remat {s.remat}{reduced}"]
+                f"memory {_bytes(s.peak_memory_bytes)} per device"
+                + (f" (compiled by XLA to {_bytes(compiled[0])})" if compiled[0] else "")
+                + f"; remat {s.remat}{reduced}"] + _compiled_stages_line(plan)
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
              "(sum t_i + (B - 1) max t_i)"]
     rows = []
-    for s, q in zip(plan.stages, p["in_flight"]):
+    for s, q, c in zip(plan.stages, p["in_flight"], compiled):
         devs = f"{s.device_ids[0]}..{s.device_ids[-1]}" if len(s.device_ids) > 1 else \
             str(s.device_ids[0])
         rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", devs,
                      "x".join(map(str, s.submesh)),
                      " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
                      _time(s.latency_s), str(q), s.remat + (" +zero" if s.zero else ""),
-                     _bytes(s.peak_memory_bytes),
+                     _bytes(s.peak_memory_bytes), _bytes(c) if c is not None else "-",
                      ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
     lines += ["  " + r for r in _table(rows, ("stage", "layers", "devices", "submesh",
                                                "logical mesh", "fwd+bwd/mb", "in flight",
-                                               "remat/zero", "peak mem", "model code"))]
+                                               "remat/zero", "peak mem", "compiled",
+                                               "model code"))]
+    lines += _compiled_stages_line(plan)
     lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
                  f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
                  f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "
                  f"in {p['segments'] - 1} segment(s){reduced}")
     return lines
+
+
+def _compiled_stages_line(plan: ParallelPlan) -> list[str]:
+    """The stages' compiled peaks (pipeline_memory_check), where the plan was checked."""
+    got = plan.measured.get("compiled_stage_bytes")
+    if not got:
+        return []
+    ratios = ", ".join(f"{s.peak_memory_bytes / max(c, 1):.2f}" for s, c in zip(plan.stages, got))
+    return [f"  compiled by XLA (memory_analysis of each stage's executables, composed per "
+            f"stage): predicted / compiled {ratios}; checked against the budget, "
+            f"{plan.measured.get('memory_check_rounds', 0)} re-plan(s)"]
 
 
 def dump(plan: ParallelPlan, *, max_operators: int | None = None,

@@ -3,12 +3,13 @@
 
 A stage's executables re-emit its training graph (the one its ILP solved) cut in two by
 `split_train_graph`, with every intermediate pinned to the ILP's sharding: the forward returns
-the stage outputs and the residuals (a list of arrays that stays on the stage's devices); the
-backward reads the residuals and the output cotangents and adds the parameter gradients into
-the accumulator (donated). Where the last stage's backward of a microbatch directly follows
-its forward (1F1B, and so every microbatch of gradient accumulation) `fused` runs both in one
-executable and keeps no residuals. Values move between submeshes with
-`jax.device_put` (see `runtime.executor`).
+the stage outputs and the residuals it computes (a list of arrays that stays on the stage's
+devices); the backward reads them, the stage's parameters, data and the activation inputs it
+needs (the executor keeps those by reference: no copy per microbatch in flight) and the output
+cotangents, and adds the parameter gradients into the accumulator (donated). Where the last
+stage's backward of a microbatch directly follows its forward (1F1B, and so every microbatch
+of gradient accumulation) `fused` runs both in one executable and keeps no residuals. Values
+move between submeshes with `jax.device_put` (see `runtime.executor`).
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ class StageExecutable:
     act_shardings: dict[int, NamedSharding]      # per act input tensor id
     out_shardings: dict[int, NamedSharding]      # per output tensor id
     forward: Callable     # (params, data, float_acts, int_acts) -> (outs, int_outs, residuals)
-    backward: Callable    # (residuals, cts, acc) -> (acc, act_grads); acc=None the first time
+    backward: Callable    # ((residuals, params, data, saved acts), cts, acc) -> (acc,
+                          # act_grads); acc=None the first time
     fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
                           # acc, act_grads)
     reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
+    saved_acts: tuple[int, ...] = ()  # positions of the activation inputs the backward reads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -110,15 +113,26 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
                 [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
 
+    # The forward returns the residuals it computes; those that are the stage's inputs (its
+    # parameters, data and activations) the executor keeps and hands the backward as they are
+    # (returned by the forward, each would be a copy per microbatch in flight).
+    n_pd = len(sl.param_inputs) + len(sl.data_inputs)
+    param_data, act_ids = graph.inputs[:n_pd], graph.inputs[n_pd:n_in]
+    computed = tuple(t for t in split.residuals if t not in set(graph.inputs[:n_in]))
+    wanted = set(split.residuals)
+    saved_acts = tuple(i for i, t in enumerate(act_ids) if t in wanted)
+
     def forward(params, data, float_acts, int_acts):
         env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
         run_nodes(graph, fwd_nodes, env, constrain)
         out = [env[t] for t in graph.outputs[:n_out]]
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
-            [env[t] for t in split.residuals]
+            [env[t] for t in computed]
 
-    def backward(residuals, cts, acc):
-        env = env_of((*split.residuals, *graph.inputs[n_in:]), [*residuals, *cts])
+    def backward(saved, cts, acc):
+        residuals, params, data, acts = saved
+        env = env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts),
+                      *graph.inputs[n_in:]), [*residuals, *params, *data, *acts, *cts])
         run_bwd(env, bwd_nodes)
         return finish(env, acc)
 
@@ -135,12 +149,15 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
-        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0)
+        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
+        saved_acts=saved_acts)
 
 
-def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding]) -> Callable:
+def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],
+                donate: tuple[int, ...] = ()) -> Callable:
     """One apply-gradient segment as a jit; `pinned` outputs (the next step's state) come out
-    exactly on the sharding the step's inputs expect, the others where XLA puts them."""
+    exactly on the sharding the step's inputs expect, the others where XLA puts them; the
+    inputs at positions `donate` are donated (see `donated_inputs`)."""
     step = loss.step
     nodes = [step.nodes[n] for n in seg.nodes]
 
@@ -150,7 +167,27 @@ def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding])
         run_nodes(step, nodes, env)
         return [env[t] for t in seg.outputs]
 
-    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs])
+    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs],
+                   donate_argnums=donate)
+
+
+def donated_inputs(loss: LossGraph, placement: Placement, index: int) -> tuple[int, ...]:
+    """Positions of segment `index`'s inputs it donates: state the user donated
+    (`donate_argnums`) whose new value (its carried output) the segment makes on the same
+    stage and sharding, read by no later segment and not itself a result. Without it the
+    update would hold the old state and the new one at once.
+
+    Example:
+        >>> donated_inputs(loss, placement, 2)      # the update of stage 0's parameters
+        (0, 1, 3, 4)
+    """
+    step, seg = loss.step, placement.segments[index]
+    later = {t for s in placement.segments[index + 1:] for t in s.inputs} | set(step.outputs)
+    replaced = {step.inputs[i] for o, i in step.carried_outputs.items()
+                if i in step.donated_inputs and step.outputs[o] in seg.outputs
+                and placement.input_stage[i] == seg.stage == placement.output_stage[o]
+                and placement.output_spec[o] == placement.input_spec[i]}
+    return tuple(k for k, t in enumerate(seg.inputs) if t in replaced and t not in later)
 
 
 def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
@@ -167,7 +204,7 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
     in_sh = tuple(named(meshes[s], spec)
                   for s, spec in zip(placement.input_stage, placement.input_spec))
     segment_fns = []
-    for seg in placement.segments:
+    for index, seg in enumerate(placement.segments):
         if seg.stage == PIPELINE:
             segment_fns.append(None)
             continue
@@ -177,7 +214,8 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
             if spec is not None and placement.output_stage[pos] == seg.stage \
                     and tid in seg.outputs:
                 pinned[tid] = named(meshes[seg.stage], spec)
-        segment_fns.append(_segment_fn(loss, seg, pinned))
+        segment_fns.append(_segment_fn(loss, seg, pinned,
+                                       donated_inputs(loss, placement, index)))
     cpu = all(d.platform == "cpu" for d in devices)
     return PipelineProgram(
         loss=loss, placement=placement, stages=execs, in_shardings=in_sh,

@@ -112,12 +112,18 @@ class Executor:
         if has_sharding(value, sharding):
             return value
         self.stats.num_transfers += 1
+        return self._move(value, sharding)
+
+    def _move(self, value, sharding):
         return put(value, sharding)
 
     def _const(self, key, make):
         if key not in self._consts:
-            self._consts[key] = make()
+            self._consts[key] = self._made(make)
         return self._consts[key]
+
+    def _made(self, make):
+        return make()
 
     def _step_const(self, tid: int, sharding):
         """The step's constant `tid` (an array the step closes over, e.g. a numpy table the
@@ -231,8 +237,9 @@ class Executor:
         o, o_int, residuals = self._dispatched(
             st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
         self._outputs(state, st, m, o, o_int)
-        live = state.residuals[st.index]
-        live[m] = residuals
+        live = state.residuals[st.index]     # with the inputs the backward reads (no copies)
+        live[m] = (residuals, state.params[st.index], state.data[st.index][m],
+                   [acts[i] for i in st.saved_acts])
         peak = self.stats.max_live_microbatches
         peak[st.index] = max(peak[st.index], len(live))
 
