@@ -92,20 +92,30 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
 
 
-def test_budget_below_the_compiled_peak_replans_then_refuses_naming_bytes(gpt):
-    """A budget the prediction fits but the compiled peak does not: re-planned at scaled
-    budgets (logged), and here refused: the error names the stage, the predicted and compiled
-    bytes and the budget."""
+def test_budget_below_the_compiled_peak_replans_naming_bytes(gpt, caplog):
+    """A budget the prediction fits but the compiled peak does not (the tiny GPT's stage 0
+    compiles to ~3% over its prediction): re-planned at a scaled budget, logged with the stage
+    and its bytes; the re-made plan's compiled peaks fit, or, where none does within the
+    rounds, the error names the stage, the predicted and compiled bytes and the budget (the
+    refusal after the last round: test_never_fitting_raises_after_the_rounds)."""
     step, state, batches, free, ref = gpt
     budget = int(1.02 * max(s.peak_memory_bytes for s in free.stages))
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(budget),
                               plan_cache=False)
-    with pytest.raises(autopar.InfeasiblePlanError, match="XLA compiled it to") as e:
-        par.get_plan(state, batches[0])
-    text = str(e.value)
-    assert "stage" in text and "predicted" in text and f"{budget:,}" in text
-    assert "re-plan" in text
-    assert e.value.needed_bytes > budget and e.value.budget_bytes == budget
+    with caplog.at_level(logging.WARNING, logger="autopar.pipeline_memory_check"):
+        try:
+            plan = par.get_plan(state, batches[0])
+        except autopar.InfeasiblePlanError as e:
+            text = str(e)
+            assert "XLA compiled it to" in text and "predicted" in text
+            assert f"{budget:,}" in text and "re-plan" in text
+            assert e.needed_bytes > budget and e.budget_bytes == budget
+        else:
+            assert plan.measured["memory_check_rounds"] >= 1
+            assert max(plan.measured["compiled_stage_bytes"]) <= budget
+            assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+    replans = [r.getMessage() for r in caplog.records if "re-planning" in r.getMessage()]
+    assert replans and "XLA compiled it to" in replans[0] and f"{budget:,}" in replans[0]
 
 
 # --- the re-plan loop on stand-in plans (no compiling) --------------------------------------
