@@ -412,7 +412,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["gpt", "mlp"], choices=["gpt", "mlp"])
     p.add_argument("--only", nargs="+", default=None, metavar="CANDIDATE",
-                   help=f"a subset of: {list(CANDIDATES)}")
+                   help="a subset of: " + ", ".join(CANDIDATES).replace("%", "%%"))
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--case-timeout-s", type=float, default=120.0, help="for profiling")
     p.add_argument("--model-timeout-s", type=float, default=900.0)
