@@ -99,13 +99,19 @@ def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
     return trace(stage_train_fn(loss, sl, io), args, batch_argnums=(1,))
 
 
-def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph) -> dict[int, int]:
+def forward_batch_dims(loss: LossGraph) -> dict:
+    """`intra_op.batch_dims` of the loss's forward graph from its batch inputs."""
+    fwd = loss.forward
+    return batch_dims(fwd, {fwd.inputs[p]: 0 for p in loss.batch_inputs
+                            if fwd.tensors[fwd.inputs[p]].rank})
+
+
+def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph,
+                        dims: dict | None = None) -> dict[int, int]:
     """The batch dimension of each input of the stage's training graph (`trace_stage`): its
     data inputs' leading one, and for activations and output cotangents the one they have
-    in the loss's forward graph (see `intra_op.batch_dims`)."""
-    fwd = loss.forward
-    dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in loss.batch_inputs
-                            if fwd.tensors[fwd.inputs[p]].rank})
+    in the loss's forward graph (`dims`: `forward_batch_dims(loss)`, computed if not given)."""
+    dims = forward_batch_dims(loss) if dims is None else dims
     io = stage_io(loss, sl)
     n = len(sl.param_inputs)
     out = {t: 0 for t in graph.inputs[n:n + len(sl.data_inputs)] if graph.tensors[t].rank}
