@@ -13,6 +13,12 @@ sum_i t_i subject to t_i <= t_max, and stops once (B - 1) * t_max plus a lower b
 (max(t_max, the uncapped least sum)) reaches the best T found: every plan not yet seen has its
 slowest stage at >= t_max, so none can do better. This bound is at least as tight as Alpa's
 (B - 1) * t_max >= T*.
+
+The DP sees an option only through its device count, latency and memory, so its tables run
+over device counts with the least latency per count (the search's options per submesh, view,
+rematerialization and ZeRO mostly share device counts), and the t_max values that admit no
+plan at all (a prefix of them) are skipped by bisection; the chosen options and ties are the
+same as over every option in order.
 """
 from __future__ import annotations
 
