@@ -59,10 +59,12 @@ def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
     """On one device (one plan per stage), the DP's memory of a span of layers (their held
     and resident bytes summed, their working memory's largest, their activations summed)
     covers the span's own plan: every layer's parameters and gradients are live at the
-    span's first backward. Counting only the largest layer's peak, as before, misses them."""
+    span's first backward. Counting only the largest layer's peak, as before, misses them.
+    The DP's retry price (`span_static_bytes` with the layers' deferred bytes) adds what a
+    later layer's weight-gradient tail keeps live through the earlier layers' backward."""
     import numpy as np
     from autopar.inter_op.stage_costs import (held_bytes, resident_bytes, span_held_bytes,
-                                              static_bytes, working_bytes)
+                                              span_static_bytes, static_bytes, working_bytes)
     from autopar.inter_op.stage_solver import StageSolver
     one = ClusterSpec.preset("v100-p3.16xlarge").with_(devices_per_host=1)
     solver = StageSolver(loss, one, method(autopar.AutoStageOption()), tuple(bounds))
@@ -74,13 +76,50 @@ def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
         assert s.grad_bytes > 0 and resident_bytes(s) == s.param_bytes + s.grad_bytes
         assert np.isclose(static_bytes(s, opt), s.peak_memory_bytes - s.activation_bytes
                           + held_bytes(s, opt))
-    span = (sum(span_held_bytes(s, opt) for s in layers) + max(map(working_bytes, layers))
-            + sum(s.activation_bytes for s in layers))
+    acts = sum(s.activation_bytes for s in layers)
+    span = span_static_bytes(np.array([span_held_bytes(s, opt) for s in layers]),
+                             np.array([working_bytes(s) for s in layers]),
+                             np.array([s.deferred_bytes for s in layers]))[-1] + acts
+    without = (sum(span_held_bytes(s, opt) for s in layers) + max(map(working_bytes, layers))
+               + acts)
     before = (sum(held_bytes(s, opt) for s in layers)
-              + max(s.peak_memory_bytes - s.activation_bytes for s in layers)
-              + sum(s.activation_bytes for s in layers))
+              + max(s.peak_memory_bytes - s.activation_bytes for s in layers) + acts)
     own = static_bytes(whole, opt) + whole.activation_bytes
-    assert span >= own * (1 - 1e-9) and before < own
+    assert without >= own * (1 - 1e-9) and before < own
+    # Each layer's weight gradient reads its activation input, which in the span is a
+    # temporary made by the layer before: live until the stage's weight-gradient tail.
+    assert all(s.deferred_bytes > 0 for s in layers)
+    assert whole.deferred_bytes >= sum(s.deferred_bytes for s in layers[1:])
+    assert without < span <= without + sum(s.deferred_bytes for s in layers[1:])
+
+
+def test_span_static_bytes_adds_the_later_layers_deferred_bytes():
+    import numpy as np
+    from autopar.inter_op.stage_costs import span_static_bytes
+    held, work, deferred = np.array([1.0, 2.0, 4.0]), np.array([5.0, 1.0, 3.0]), np.ones(3)
+    # span 0..j: held summed + max over l <= j of work[l] + deferred of the layers after l
+    assert span_static_bytes(held, work, deferred).tolist() == [6.0, 9.0, 14.0]
+    assert span_static_bytes(held, work, 0 * deferred).tolist() == [6.0, 8.0, 12.0]
+
+
+def test_dp_retry_prices_the_deferred_bytes():
+    """`run_dp(deferred=True)` (the DP asked again after a layout's stage did not fit whole)
+    prices a span's later layers' deferred bytes: a 2-layer stage that fits by its layers'
+    largest working memory no longer does, a 1-layer stage costs the same."""
+    import numpy as np
+    from autopar.inter_op.stage_costs import run_dp
+    from autopar.inter_op.stage_dp import SubmeshShape
+    subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
+            SubmeshShape(num_hosts=1, devices_per_host=2))
+    lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
+    zeros = np.zeros_like(lat)
+    kind = (lat, zeros, zeros, zeros, np.full_like(lat, 0.6), np.full_like(lat, 0.5))
+    m = autopar.PipeshardParallel(num_microbatches=4)
+    dp = lambda **kw: run_dp([kind], submeshes=subs, ks=np.array([0, 1]), device_ids=(0, 1),
+                             method=m, option=autopar.AutoStageOption(), budget=1.0, **kw)
+    assert dp().layer_spans == ((0, 1),) and dp().submeshes == (1,)   # 0.6 fits
+    again = dp(deferred=True)                            # 0.6 + 0.5 does not
+    assert again.layer_spans == ((0, 0), (1, 1)) and again.submeshes == (0, 0)
 
 
 def test_dp_asked_again_without_a_banned_span():
@@ -93,8 +132,7 @@ def test_dp_asked_again_without_a_banned_span():
     subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
             SubmeshShape(num_hosts=1, devices_per_host=2))
     lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
-    kind = (lat, np.zeros_like(lat), np.zeros_like(lat), np.zeros_like(lat),
-            np.zeros_like(lat))
+    kind = (lat, *(np.zeros_like(lat) for _ in range(5)))
     m = autopar.PipeshardParallel(num_microbatches=4)
     dp = lambda **kw: run_dp([kind, kind], submeshes=subs, ks=np.array([0, 1]),
                              device_ids=(0, 1), method=m, option=autopar.AutoStageOption(),

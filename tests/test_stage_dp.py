@@ -251,3 +251,61 @@ def test_pruning_skips_large_t_max():
     assert result.num_candidates + result.num_pruned == distinct
     assert result.total_latency_s == pytest.approx(
         brute_force_stages(costs, submeshes, 8, 8).total_latency_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dominated_options_change_nothing(seed):
+    """Options of the same device count as another but slower and not leaner (the DP's
+    options per (submesh, view, remat, ZeRO) kind) never change the assignment: the DP runs
+    over device counts and re-derives the choice over every option."""
+    rng = np.random.default_rng(seed)
+    costs, submeshes, b = _random_instance(rng)
+    copies = 3
+    perm = rng.permutation(len(submeshes) * (copies + 1))   # originals among the copies
+    lat, static, act = ([a] for a in (costs.latency_s, costs.static_bytes,
+                                      costs.activation_bytes))
+    for _ in range(copies):
+        lat.append(costs.latency_s * rng.uniform(1.0, 2.0, costs.latency_s.shape))
+        static.append(costs.static_bytes + rng.uniform(0.0, 1.0, costs.static_bytes.shape))
+        act.append(costs.activation_bytes * rng.uniform(1.0, 1.5, costs.latency_s.shape))
+    many = _costs(*(np.concatenate(a, axis=2)[..., perm] for a in (lat, static, act)),
+                  budget=costs.memory_budget_bytes)
+    subs = [submeshes[i % len(submeshes)] for i in perm]
+    try:
+        expected = solve_stage_dp(costs, submeshes, 8, b)
+    except (InfeasiblePlanError, InvalidArgumentError) as err:
+        with pytest.raises(type(err)):
+            solve_stage_dp(many, subs, 8, b)
+        return
+    got = solve_stage_dp(many, subs, 8, b)
+    assert got.layer_spans == expected.layer_spans
+    assert got.total_latency_s == expected.total_latency_s
+    # each stage on an option of the same submesh and latency as the original's choice
+    assert [subs[k] for k in got.submeshes] == [submeshes[k] for k in expected.submeshes]
+    assert got.stage_latency_s == expected.stage_latency_s
+    _check_valid(got, many, subs, 8, b)
+
+
+def test_dp_bisects_the_caps_that_admit_no_plan(monkeypatch):
+    """With many microbatches the best plan's slowest stage is near the least possible one:
+    the caps below the first that admits a plan are found by bisection (a few DPs), not one
+    DP each; the result is the brute force's."""
+    from autopar.inter_op import stage_dp
+    rng = np.random.default_rng(3)
+    submeshes = candidate_submeshes(1, 8) * 6          # 24 options, 4 device counts
+    latency = _span_costs(6, submeshes, lambda n, s: n / s.num_devices * rng.uniform(1, 3))
+    costs = _costs(latency)
+    calls = []
+    real = stage_dp._run_dp
+    monkeypatch.setattr(stage_dp, "_run_dp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    result = solve_stage_dp(costs, submeshes, 8, 1000)
+    monkeypatch.undo()
+    # t_max candidates: the least latency per span and device count (21 spans x 4), not
+    # every option's (504 distinct values)
+    assert len(np.unique(latency[np.isfinite(latency)])) > 400
+    assert result.num_candidates + result.num_pruned <= 21 * 4
+    assert result.num_candidates > 30
+    assert len(calls) <= 1 + 7 + 5          # uncapped, bisection of 84 caps, a few scanned
+    least = _costs(latency.reshape(6, 6, 6, 4).min(axis=2))   # the fastest copy per submesh
+    assert result.total_latency_s == pytest.approx(
+        brute_force_stages(least, submeshes[:4], 8, 1000).total_latency_s, rel=1e-12)

@@ -35,8 +35,25 @@ def resident_bytes(sol: StageSolution) -> float:
 def working_bytes(sol: StageSolution) -> float:
     """The working memory of one microbatch beyond its kept activations and its resident
     bytes (transient: the layers of a stage run one at a time, so a span needs its layers'
-    largest, not their sum)."""
+    largest, not their sum); what a later layer's weight-gradient tail reads
+    (`StageSolution.deferred_bytes`) is still live during an earlier layer's backward (see
+    `span_static_bytes`)."""
     return max(sol.peak_memory_bytes - sol.activation_bytes - resident_bytes(sol), 0.0)
+
+
+def span_static_bytes(held: np.ndarray, work: np.ndarray, deferred: np.ndarray) -> np.ndarray:
+    """[L, ...] from per-layer [L, ...] arrays: the static bytes of the span of layers 0..j,
+    for every j: its layers' held and resident bytes summed (`span_held_bytes`, as `held`),
+    plus the most any layer l's backward needs, its working memory with the deferred bytes
+    of the layers after it (their backward ran first; their weight gradients run at the
+    stage's end): max over l <= j of work[l] + sum(deferred[l + 1..j]).
+
+        >>> span_static_bytes(np.zeros(3), np.array([5.0, 1.0, 1.0]), np.array([1.0, 1.0, 1.0]))
+        array([5., 6., 7.])
+    """
+    after = np.cumsum(deferred, axis=0)           # deferred[0..j]
+    return (np.cumsum(held, axis=0) + after
+            + np.maximum.accumulate(work - after, axis=0))
 
 
 def span_held_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
@@ -138,14 +155,15 @@ def try_dp(dp, options, budget, **kw):
 
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
                   pool=None):
-    """Per layer and (submesh, view) pair: the latency, held, activation and working bytes
-    (`span_held_bytes`, `working_bytes`) of the plan `solve(slice, submesh, shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean;
-    under one rematerialization), and the plans; inf latency where it gives none. The jobs'
+    """Per layer and (submesh, view) pair: the latency, held, activation, working and
+    deferred bytes (`span_held_bytes`, `working_bytes`) of the plan `solve(slice, submesh,
+    shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean; under one
+    rematerialization), and the plans; inf latency where it gives none. The jobs'
     ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
     number)."""
     shape = (len(boundaries) - 1, len(pairs))
-    lat, held, act, work = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
-                            np.zeros(shape))
+    lat, held, act, work, deferred = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
+                                      np.zeros(shape), np.zeros(shape))
     sols = [[None] * shape[1] for _ in range(shape[0])]
     slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
     jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs))]
@@ -159,18 +177,24 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
         if sol is not None:
             lat[l, p], held[l, p] = sol.latency_s, span_held_bytes(sol, opt_ratio)
             act[l, p], work[l, p] = sol.activation_bytes, working_bytes(sol)
-    return lat, held, act, work, sols
+            deferred[l, p] = sol.deferred_bytes
+    return lat, held, act, work, deferred, sols
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
-           banned=()):
+           banned=(), deferred=False):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
-    boundary, working) arrays; a span's costs are its layers' summed, except the working memory:
-    its largest layer's. `banned` (first layer, last layer, pair): no span holding those
+    boundary, working, deferred) arrays; a span's costs are its layers' summed, except the
+    working memory: its largest layer's, with `deferred` the deferred bytes of the layers
+    after it added (`span_static_bytes`: what the span needs with each layer's own plan; a
+    plan of the span solved whole may shard them further, so this prices some spans above
+    what they need whole). `banned` (first layer, last layer, pair): no span holding those
     layers is offered on that pair (of any kind)."""
-    lat, held, act, bound, work = (np.concatenate([o[i] for o in options], axis=1)
-                                   for i in range(5))
+    lat, held, act, bound, work, later = (np.concatenate([o[i] for o in options], axis=1)
+                                          for i in range(6))
+    if not deferred:
+        later = np.zeros_like(later)
     num_layers = lat.shape[0]
     span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
     span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
@@ -178,8 +202,7 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
         # layers i..j: their latencies, and the reshards between consecutive ones
         inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
         span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
-        span_static[i, i:] = (np.cumsum(held[i:], axis=0)
-                              + np.maximum.accumulate(work[i:], axis=0))
+        span_static[i, i:] = span_static_bytes(held[i:], work[i:], later[i:])
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
     width = len(ks)
     for i, j, pair in banned:

@@ -13,6 +13,12 @@ sum_i t_i subject to t_i <= t_max, and stops once (B - 1) * t_max plus a lower b
 (max(t_max, the uncapped least sum)) reaches the best T found: every plan not yet seen has its
 slowest stage at >= t_max, so none can do better. This bound is at least as tight as Alpa's
 (B - 1) * t_max >= T*.
+
+The DP sees an option only through its device count, latency and memory, so its tables run
+over device counts with the least latency per count (the search's options per submesh, view,
+rematerialization and ZeRO mostly share device counts), and the t_max values that admit no
+plan at all (a prefix of them) are skipped by bisection; the chosen options and ties are the
+same as over every option in order.
 """
 from __future__ import annotations
 
@@ -174,6 +180,19 @@ def _stage_memory(costs: StageCosts, max_q: int) -> np.ndarray:
     return np.where(ok[None], mem, np.inf)
 
 
+def _by_size(values: np.ndarray, sizes: np.ndarray):
+    """(values [..., G], counts [G]): per distinct device count, the least of `values` [..., K]
+    over the options of that many devices. The DP sees an option only through its device count
+    and its value, so an option with a larger value than another of the same count never wins
+    (a dominated option: slower, or not leaner); and capping commutes with the least (the
+    least of the values <= t is the least if it is <= t, else none)."""
+    counts = np.unique(sizes)
+    if len(counts) == len(sizes):
+        order = np.argsort(sizes, kind="stable")
+        return values[..., order], sizes[order]
+    return np.stack([values[..., sizes == c].min(axis=-1) for c in counts], axis=-1), counts
+
+
 def _shift(table: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """[L, K, D + 1]: shifted[j, k, d] = table[j + 1, d - sizes[k]] (np.inf where d < size)."""
     width = table.shape[1]
@@ -184,30 +203,45 @@ def _shift(table: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return shifted
 
 
+def _capped(values: np.ndarray, cap: float) -> np.ndarray:
+    return values if cap == np.inf else np.where(values <= cap, values, np.inf)
+
+
 def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
-            combine: Callable[[np.ndarray, np.ndarray], np.ndarray]):
+            combine: Callable[[np.ndarray, np.ndarray], np.ndarray], cap: float = np.inf,
+            grouped=None):
     """DP over stages counted from the end: table_q[l, d] = best value of q stages covering layers
     l..L-1 on exactly d devices = min over (j, k) of combine(values_per_q[q - 1][l, j, k],
-    table_{q-1}[j + 1, d - sizes[k]]). Returns (best over q of table_q[0, D], the chosen
-    (first, last, submesh) per stage in order), or (inf, None)."""
+    table_{q-1}[j + 1, d - sizes[k]]), counting only values <= `cap`. Returns (best over q of
+    table_q[0, D], the chosen (first, last, submesh) per stage in order), or (inf, None).
+
+    The tables are built over device counts (`_by_size`; `grouped` is its result for
+    `values_per_q`, when the caller has it): the same minima, as `combine` is monotone. The
+    walk back re-derives each choice over all K options, so ties break as over the options."""
     num_layers, k = values_per_q.shape[1], values_per_q.shape[3]
+    gvalues, gsizes = grouped if grouped is not None else _by_size(values_per_q, sizes)
     table = np.full((num_layers + 1, num_devices + 1), np.inf)
     table[num_layers, 0] = 0.0
-    shifted_per_q, best, best_q = [], np.inf, 0
+    tables, best, best_q = [], np.inf, 0
     for q in range(values_per_q.shape[0]):
-        shifted = _shift(table, sizes)
-        shifted_per_q.append(shifted)
+        tables.append(table)
+        shifted = _shift(table, gsizes)
         n = num_layers - q        # the q stages behind this one need >= q layers: l <= j < n
-        cand = combine(values_per_q[q][:n, :n, :, None], shifted[None, :n])  # [n, n, K, D + 1]
+        vals = _capped(gvalues[q][:n, :n], cap)
+        cand = combine(vals[..., None], shifted[None, :n])  # [n, n, G, D + 1]
         table = np.full_like(table, np.inf)
-        table[:n] = cand.reshape(n, n * k, -1).min(axis=1)
+        table[:n] = cand.reshape(n, n * len(gsizes), -1).min(axis=1)
         if table[0, num_devices] < best:
             best, best_q = table[0, num_devices], q + 1
     if not np.isfinite(best):
         return np.inf, None
     stages, layer, devices = [], 0, num_devices      # walk back, re-deriving each choice
     for q in range(best_q, 0, -1):
-        row = combine(values_per_q[q - 1][layer], shifted_per_q[q - 1][:, :, devices])
+        prev = tables[q - 1]
+        after = np.full((num_layers, k), np.inf)     # table_{q-1}[j + 1, devices - sizes[k]]
+        fits = sizes <= devices
+        after[:, fits] = prev[1:, devices - sizes[fits]]
+        row = combine(_capped(values_per_q[q - 1][layer], cap), after)
         last, sub = divmod(int(np.argmin(row)), k)
         stages.append((layer, last, sub))
         devices -= int(sizes[sub])
@@ -273,8 +307,10 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     usable = np.where(memory_ok, latency[None], np.inf)                     # [Q, L, L, K]
     b = num_microbatches
 
-    def evaluate(values):
-        total_sum, stages = _run_dp(values, sizes, num_devices, np.add)
+    grouped = _by_size(usable, sizes)
+
+    def evaluate(cap=np.inf):
+        total_sum, stages = _run_dp(usable, sizes, num_devices, np.add, cap, grouped)
         if stages is None:
             return np.inf, np.inf, None
         times = [latency[i, j, k] for i, j, k in stages]
@@ -282,20 +318,33 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
 
     # Without a t_max cap: the least possible sum (a lower bound for every candidate) and a first
     # incumbent; no plan at all means memory (or the covering) rules everything out.
-    min_sum, best_total, best_stages = evaluate(usable)
+    min_sum, best_total, best_stages = evaluate()
     if best_stages is None:
         _raise_infeasible(_min_memory(costs, sizes, num_devices, max_q),
                           costs, sizes, num_devices, max_q)
-    t_values = np.unique(usable[np.isfinite(usable)])
-    tried = pruned = 0
-    for index, t_max in enumerate(t_values):
+    # Candidate t_max: the latencies the DP can pick (the least per device count; a dominated
+    # option's latency gives the same plans as the next smaller candidate). A plan admitted
+    # under a cap is admitted under every larger one, so the caps that admit none are a prefix:
+    # bisect to its end (the uncapped plan is admitted at the largest cap). The probes only
+    # find the prefix: the scan below takes its plans in order, so ties break as before.
+    t_values = np.unique(grouped[0][np.isfinite(grouped[0])])
+    low, high = 0, len(t_values) - 1
+    while low < high:
+        mid = (low + high) // 2
+        if evaluate(t_values[mid])[2] is None:
+            low = mid + 1
+        else:
+            high = mid
+    tried, pruned = low, 0     # tried: the caps settled (below `low`: no plan) or evaluated
+    for index in range(low, len(t_values)):
+        t_max = t_values[index]
         # A plan first found at this t_max has max t_i == t_max, so T >= sum + (B - 1) * t_max
         # with sum >= max(t_max, min_sum); both bounds grow with t_max, so stop at the first hit.
         if max(t_max, min_sum) + (b - 1) * t_max >= best_total:
             pruned = len(t_values) - index
             break
         tried += 1
-        _, total, stages = evaluate(np.where(usable <= t_max, usable, np.inf))
+        _, total, stages = evaluate(t_max)
         if total < best_total:
             best_total, best_stages = total, stages
     return _assignment(best_stages, latency, num_microbatches, tried, pruned, start)

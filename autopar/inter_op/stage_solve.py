@@ -21,6 +21,8 @@ from ..cluster import ClusterSpec, LogicalMesh
 from ..cost import CostModel
 from ..frontend.loops import atomic_spans
 from ..graph import OpGraph, TensorKind
+from ..intra_op.build import tail_nodes
+from ..intra_op.memory import run_order, schedule
 from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, build_intra_op,
                               least_memory, solve_built)
 from ..lower import run_nodes
@@ -99,13 +101,19 @@ def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
     return trace(stage_train_fn(loss, sl, io), args, batch_argnums=(1,))
 
 
-def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph) -> dict[int, int]:
+def forward_batch_dims(loss: LossGraph) -> dict:
+    """`intra_op.batch_dims` of the loss's forward graph from its batch inputs."""
+    fwd = loss.forward
+    return batch_dims(fwd, {fwd.inputs[p]: 0 for p in loss.batch_inputs
+                            if fwd.tensors[fwd.inputs[p]].rank})
+
+
+def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph,
+                        dims: dict | None = None) -> dict[int, int]:
     """The batch dimension of each input of the stage's training graph (`trace_stage`): its
     data inputs' leading one, and for activations and output cotangents the one they have
-    in the loss's forward graph (see `intra_op.batch_dims`)."""
-    fwd = loss.forward
-    dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in loss.batch_inputs
-                            if fwd.tensors[fwd.inputs[p]].rank})
+    in the loss's forward graph (`dims`: `forward_batch_dims(loss)`, computed if not given)."""
+    dims = forward_batch_dims(loss) if dims is None else dims
     io = stage_io(loss, sl)
     n = len(sl.param_inputs)
     out = {t: 0 for t in graph.inputs[n:n + len(sl.data_inputs)] if graph.tensors[t].rank}
@@ -129,6 +137,8 @@ class StageSolution:
     activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
     param_bytes: float           # per device
     grad_bytes: float = 0.0      # per device: its parameters' gradients (the graph's outputs)
+    deferred_bytes: float = 0.0  # per device: temporaries its weight-gradient tail reads,
+                                 # live from its backward to the end (`deferred_bytes`)
     param_specs: tuple[Spec, ...]
     data_specs: tuple[Spec, ...]
     act_specs: tuple[Spec, ...]  # float acts then int acts (as StageIO orders them)
@@ -200,6 +210,51 @@ def _residual_bytes(graph: OpGraph, split: TrainSplit, specs, mesh_shape) -> flo
     return float(sum(graph.tensors[t].nbytes / num_shards(specs[t], mesh_shape)
                      for t in split.residuals
                      if graph.tensors[t].kind == TensorKind.INTERMEDIATE))
+
+
+def deferred_bytes(graph: OpGraph, specs, mesh_shape, grads, edges=()) -> float:
+    """Per device, the temporaries the weight-gradient tail reads that are live when it
+    starts: the memory model runs the nodes from which no matmul is reachable after the
+    whole backward (`intra_op.memory.run_order`), so what the weight-gradient matmuls of a
+    layer read (its matmuls' inputs and output cotangents) stays live from its backward to
+    the end. In a stage of several layers, the later layers' (whose backward runs first)
+    are live through the earlier layers' backward, so a span adds them up. `grads`: the
+    tensors of the parameter gradients (what the tail counted here leads to; the tail that
+    makes the activations' cotangents feeds the previous layer's backward in a span).
+    `edges`: the graph's activation and cotangent inputs, which the tail's reading counts
+    too: in a span they are temporaries made by the neighbouring layers."""
+    key = (id(graph), tuple(grads), tuple(edges))
+    hit = _DEFERRED.get(key)
+    if hit is None or hit[0] is not graph:
+        hit = _DEFERRED[key] = (graph, _deferred_tensors(graph, grads, edges))
+        while len(_DEFERRED) > 64:
+            _DEFERRED.pop(next(iter(_DEFERRED)))
+    size_of = schedule(graph).model.size_of
+    return float(sum(graph.tensors[t].nbytes / num_shards(specs[size_of[t]], mesh_shape)
+                     for t in hit[1]))
+
+
+_DEFERRED: dict = {}      # (graph id, grads, edges) -> (graph, `_deferred_tensors`)
+
+
+def _deferred_tensors(graph: OpGraph, grads, edges) -> tuple[int, ...]:
+    """The tensors `deferred_bytes` counts (they depend on the graph only)."""
+    tail = tail_nodes(graph)
+    needed = set(grads)                   # tail nodes that lead to a parameter gradient
+    weight_tail = set()
+    for node in reversed(graph.nodes):
+        if node.id in tail and any(o in needed for o in node.outputs):
+            weight_tail.add(node.id)
+            needed.update(node.inputs)
+    if not weight_tail:
+        return ()
+    events = schedule(graph)
+    model, order = events.model, run_order(graph)
+    start = min(model.pos[n] for n in tail)
+    read = {t for n in weight_tail for t in graph.nodes[n].inputs}
+    return tuple([t for p, born in events.born.items() if p < start for t in born
+                  if start <= model.end[t] < len(order) and order[model.end[t]] in weight_tail]
+                 + [t for t in edges if t in read])
 
 
 def stage_input_paths(loss: LossGraph, sl: StageSlice) -> tuple[str, ...]:
@@ -330,6 +385,8 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
                      for t, s in zip(graph.outputs[n_out:n_out + p], outs[n_out:n_out + p]))
     split = split_train_graph(graph, sl)
     return StageSolution(
+        deferred_bytes=deferred_bytes(graph, specs, logical_shape,
+                                      graph.outputs[n_out:n_out + p], graph.inputs[p + d:]),
         logical_shape=tuple(logical_shape),
         latency_s=a.compute_s + a.comm_s + a.reshard_s + 2 * logical.call_overhead_s,
         overhead_s=2 * logical.call_overhead_s,

@@ -27,9 +27,8 @@ from .parallel import PlanPool
 from .pipeline import LossGraph, StageSlice
 from .remat import Remat, with_remat
 from .stage_costs import latency, static_bytes
-from ..intra_op.batch_dims import batch_dims
-from .stage_solve import (StageSolution, mirrored, stage_batch_sources, stage_input_paths,
-                          stage_problem, trace_stage)
+from .stage_solve import (StageSolution, forward_batch_dims, mirrored, stage_batch_sources,
+                          stage_input_paths, stage_problem, trace_stage)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -123,9 +122,7 @@ class StageSolver:
         its training graph is this slice's (the search traces each distinct layer once; a
         chosen stage gets its own trace, `graph`)."""
         if self.act_dims is None:
-            fwd = self.loss.forward
-            self.act_dims = batch_dims(fwd, {fwd.inputs[p]: 0 for p in self.loss.batch_inputs
-                                             if fwd.tensors[fwd.inputs[p]].rank})
+            self.act_dims = forward_batch_dims(self.loss)
         span = (sl.start, sl.stop)
         if span not in self.keys:
             self.keys[span] = slice_key(self.loss, sl, self.act_dims)
@@ -146,7 +143,7 @@ class StageSolver:
             sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])
             self.problems[key] = stage_problem(
                 graph, first, sub, shape, AXIS_NAMES, self.method, paths, points_above=0.0,
-                batch_sources=stage_batch_sources(self.loss, first, graph))
+                batch_sources=stage_batch_sources(self.loss, first, graph, self.act_dims))
             log.debug("stage ILP of nodes %d:%d (%s) on %s as %s built in %.2f s", sl.start,
                       sl.stop, remat.value, submesh, shape, time.perf_counter() - t0)
         return self.problems[key], key

@@ -287,15 +287,16 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     def add(remat: Remat, lean: bool, slack: float = LEAN_SLACK):
         solve = functools.partial(solver.lean, remat=remat, slack=slack) if lean else \
             functools.partial(solver.solve, remat=remat)
-        lat, held, act, work, sols = layer_options(loss, boundaries, submeshes, shapes_per_k,
-                                                    pairs, solve, solver.opt_ratio, solver.pool)
+        lat, held, act, work, deferred, sols = layer_options(
+            loss, boundaries, submeshes, shapes_per_k, pairs, solve, solver.opt_ratio,
+            solver.pool)
         bound = boundary_costs(loss, boundaries, sols, meshes)
         kinds.append((remat, lean, False))
-        options.append((lat, held, act, bound, work))
+        options.append((lat, held, act, bound, work, deferred))
         zero = zero_variant(sols, lat, held, solver.opt_ratio, method.num_microbatches)
         if pipeline and zero is not None:
             kinds.append((remat, lean, True))
-            options.append((*zero, act, bound, work))
+            options.append((*zero, act, bound, work, deferred))
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
@@ -360,10 +361,14 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                 q == pair or (mirror is not None
                               and tuple(shapes_per_k[k][vs[q]]) == view[::-1]))]
             log.info("autopar: stage layers %d..%d on %s as %s does not fit when solved "
-                     "whole (needs %.4g bytes); the stage DP is asked again without it",
+                     "whole (needs %.4g bytes); the stage DP is asked again without it, pricing "
+                     "the deferred bytes of later layers",
                      *e.span, submeshes[ks[pair]], shapes_per_k[ks[pair]][vs[pair]],
                      e.needed_bytes)
-            dp = functools.partial(dp, banned=tuple(banned))
+            # ... and with each span priced with its later layers' deferred bytes (live
+            # through its earlier layers' backward, `span_static_bytes`): the summed layer
+            # plans' price that missed them is what let the DP choose this layout.
+            dp = functools.partial(dp, banned=tuple(banned), deferred=True)
             again = try_dp(dp, options, budget)
             if again is None or redo == REDO_DP:
                 raise
