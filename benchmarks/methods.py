@@ -66,7 +66,7 @@ def _case(name: str):
 
 def _update_flops(graph, plan) -> float:
     """FLOPs per device of the elementwise work no matmul follows (the optimizer update)."""
-    from autopar.intra_op.build import deferred_nodes
+    from autopar.intra_op.phases import deferred_nodes
     from autopar.primitives import ARITHMETIC
     from autopar.spec import num_shards
     specs = dict(plan.constraints)

@@ -18,7 +18,6 @@ import pytest
 import autopar
 from autopar.cluster import ClusterSpec
 from autopar.cost import CostModel
-from autopar.intra_op.build import sibling_reductions
 from autopar.intra_op.follow import FOLLOW_RULES
 from autopar.intra_op.layer_rules import key_op, pool, window_dims, window_select
 from autopar.intra_op.rules import RuleContext, conv_rule, random_bits_rule
@@ -192,17 +191,6 @@ def test_reshape_with_dimensions_moves_the_split_of_the_transposed_dim():
 def test_pooling_flops():
     ctx, g = _ctx(lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)), jnp.ones((8, 8, 8, 4)))
     assert _node(g, "reduce_window_max").flops == 8 * 4 * 4 * 4 * 4
-
-
-def test_sibling_reductions_pay_one_latency():
-    def f(x):
-        m = x.mean(0)
-        m2 = (x * x).mean(0)           # independent of m: combined with it by XLA
-        return (x - m).sum(0) / m2     # depends on m: not a sibling
-    _, g = _ctx(f, jnp.ones((8, 4)))
-    reds = [n.id for n in g.nodes if n.primitive == "reduce_sum"]
-    assert len(reds) == 3
-    assert sibling_reductions(g) == frozenset({reds[1]})
 
 
 # -- the fallback warning -------------------------------------------------------------------

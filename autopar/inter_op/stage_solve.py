@@ -21,7 +21,7 @@ from ..cluster import ClusterSpec, LogicalMesh
 from ..cost import CostModel
 from ..frontend.loops import atomic_spans
 from ..graph import OpGraph, TensorKind
-from ..intra_op.build import tail_nodes
+from ..intra_op.phases import tail_nodes
 from ..intra_op.memory import run_order, schedule
 from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, build_intra_op,
                               least_memory, solve_built)

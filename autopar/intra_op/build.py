@@ -21,7 +21,7 @@ from ..spec import Spec, enumerate_specs, num_shards, replicated
 from .follow import FOLLOW_RULES, main_operand
 from .ilp import IlpEdge, IlpProblem, MemoryPoint
 from ..frontend.loops import stacked_tensors
-from ..primitives import CONTROL_FLOW, LOOP_EXIT, MATMUL_LIKE, NOT_FOLDABLE, REDUCTIONS
+from ..primitives import CONTROL_FLOW, LOOP_EXIT, NOT_FOLDABLE
 from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from .memory import collective_buffers, schedule
 from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
@@ -80,54 +80,6 @@ def option_bytes(graph: OpGraph, tensor_specs, tid: int, mesh_shape) -> np.ndarr
     """Tensor `tid`'s bytes per device under each option of its group (`tensor_specs[tid]`)."""
     t = graph.tensors[tid]
     return np.array([t.nbytes / num_shards(s, mesh_shape) for s in tensor_specs[tid]])
-
-
-def tail_nodes(graph: OpGraph) -> frozenset[int]:
-    """Nodes from which no heavy operator is reachable (the loss value, the weight gradients
-    and the optimizer update after the last matmul that feeds another)."""
-    consumers = graph.consumers()
-    feeds_heavy = [False] * len(graph.nodes)   # some later heavy op reads what v computes
-    for node in reversed(graph.nodes):
-        feeds_heavy[node.id] = any(graph.nodes[c].primitive in MATMUL_LIKE or feeds_heavy[c]
-                                   for t in node.outputs for c in consumers[t])
-    return frozenset(n.id for n in graph.nodes if not feeds_heavy[n.id])
-
-
-def deferred_nodes(graph: OpGraph) -> frozenset[int]:
-    """Nodes from which no heavy operator is reachable (e.g. gradient reductions feeding only
-    the optimizer): XLA combines their independent collectives, so the ILP charges only the
-    bandwidth term of each."""
-    return tail_nodes(graph) | sibling_reductions(graph)
-
-
-def sibling_reductions(graph: OpGraph) -> frozenset[int]:
-    """Reductions whose all-reduce XLA combines with an earlier one's: same operand shape and
-    axes, and independent of every reduction already in that combined all-reduce
-    (BatchNorm's mean and mean of squares; the two sums of its gradient). The first of a
-    combined set pays the latency, its siblings only their bandwidth."""
-    below = [0] * len(graph.tensors)     # bitset of the reductions a tensor depends on
-    sets: dict[tuple, list[int]] = {}    # (shape, axes) -> bitsets of the combined sets
-    count, out = 0, set()
-    for node in graph.nodes:
-        mask = 0
-        for t in node.inputs:
-            mask |= below[t]
-        if node.primitive in REDUCTIONS and node.inputs:
-            key = (graph.tensors[node.inputs[0]].shape, tuple(node.eqn.params.get("axes", ())))
-            combined = sets.setdefault(key, [])
-            bit = 1 << count
-            count += 1
-            for i, members in enumerate(combined):
-                if not members & mask:
-                    combined[i] = members | bit
-                    out.add(node.id)
-                    break
-            else:
-                combined.append(bit)
-            mask |= bit
-        for o in node.outputs:
-            below[o] = mask
-    return frozenset(out)
 
 
 def cheap_source_tensors(graph: OpGraph) -> list[bool]:
@@ -524,5 +476,5 @@ def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Sp
     return options
 
 
-__all__ = ["Built", "Fallback", "build_ilp", "option_bytes", "deferred_nodes", "cheap_source_tensors",
+__all__ = ["Built", "Fallback", "build_ilp", "option_bytes", "cheap_source_tensors",
            "default_input_options", "InputRole"]

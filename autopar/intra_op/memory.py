@@ -46,6 +46,7 @@ from ..frontend.loops import stacks_born_early
 from ..graph import OpGraph, TensorKind
 from ..spec import num_shards
 from .fusion import OpKind, fusion_costs, op_kind, single_output_kernels
+from .phases import tail_nodes
 
 # Elementwise primitives XLA's fusion does not duplicate into several consumers (its
 # `IsExpensive`): a fused value of one of them read by two or more kernels is written once.
@@ -132,7 +133,6 @@ def run_order(graph: OpGraph) -> list[int]:
     """The node order the model assumes XLA runs: the graph's, with the nodes from which no
     matmul is reachable (weight gradients, loss value, optimizer update) after all others, as
     XLA:CPU's memory scheduler places the weight-gradient matmuls after the whole backward."""
-    from .build import tail_nodes                # build imports this module
     tail = tail_nodes(graph)
     return ([n.id for n in graph.nodes if n.id not in tail]
             + [n.id for n in graph.nodes if n.id in tail])
@@ -294,7 +294,7 @@ def schedule(graph: OpGraph) -> Schedule:
 
 def collective_buffers(graph: OpGraph, events: Schedule) -> dict[int, tuple[int, int]]:
     """Per node whose gradient collective XLA combines at the end of the backward (a node of
-    the tail, `build.tail_nodes`), the positions in `run_order` (born, freed after) of the
+    the tail, `phases.tail_nodes`), the positions in `run_order` (born, freed after) of the
     buffer of partial sums its collective reads: from the node to the combined collective,
     which runs after the last weight-gradient matmul (the tail's last matmul); a tail node
     after that one reduces at its own position. A node's strategy says how many bytes (its
@@ -307,7 +307,6 @@ def collective_buffers(graph: OpGraph, events: Schedule) -> dict[int, tuple[int,
     XLA:GPU combines them too (its all-reduce / reduce-scatter combiners, by size thresholds)
     and turns an all-reduce feeding a dynamic-slice into a reduce-scatter
     (`ReduceScatterCreator`), whose result is the shard: there only the partial sums count."""
-    from .build import tail_nodes                # build imports this module
     from ..primitives import MATMUL_LIKE
     pos = events.model.pos
     tail = tail_nodes(graph)

@@ -17,7 +17,8 @@ from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from ..options import LayerReuse, ShardParallel
 from ..spec import Spec
 from .annotations import Annotations, annotation_specs, both, pin_rule
-from .build import Built, Fallback, build_ilp, deferred_nodes, option_bytes
+from .build import Built, Fallback, build_ilp, option_bytes
+from .phases import deferred_nodes
 from .constraints import method_input_options, method_tensor_rule
 from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
                   with_extra_bytes)
