@@ -476,3 +476,18 @@ def test_with_extra_bytes_is_the_points_with_the_bytes_added():
     for p in held.memory_points:
         assert all(b.min() == 0 and b.max() > 0 for _, b in p.terms)
         assert np.isclose(p.max_bytes, p.constant_bytes + sum(b.max() for _, b in p.terms))
+
+
+def test_highs_writes_no_banner_to_stdout():
+    """HiGHS's constructor prints a copyright banner on file descriptor 1 (once per process);
+    autopar's solves leave stdout to the user. In fresh processes: the plain constructor
+    prints it, autopar's does not."""
+    import subprocess
+    import sys
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+    assert "HiGHS" in run("import highspy; highspy.Highs()")
+    out = run("from autopar.intra_op.mip import _quiet_highs; _quiet_highs(); print('after')")
+    assert "HiGHS" not in out and "Copyright" not in out and out.strip() == "after"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -188,10 +190,25 @@ def _rel_gap(mip: Mip) -> float:
     return MIP_REL_GAP if int(mip.integer.sum()) > EXACT_MAX_BINARIES else EXACT_REL_GAP
 
 
+def _quiet_highs():
+    """A `highspy.Highs()` without the banner its constructor writes to the process's stdout
+    (file descriptor 1, below Python: `output_flag` can only be set after it, and `logging`
+    cannot filter it). Output of other threads in the same microseconds is lost with it."""
+    import highspy
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
     """A HiGHS instance holding the model (its LP relaxation where `relaxed`)."""
-    import highspy
-    h = highspy.Highs()
+    h = _quiet_highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
                         ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP)):
         h.setOptionValue(name, value)
