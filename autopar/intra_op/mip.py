@@ -208,6 +208,7 @@ def _quiet_highs():
 
 def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
     """A HiGHS instance holding the model (its LP relaxation where `relaxed`)."""
+    import highspy
     h = _quiet_highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
                         ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP)):
