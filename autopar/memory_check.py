@@ -61,6 +61,52 @@ def binding(plan: ParallelPlan) -> bool:
     return plan.peak_memory_bytes >= BINDING * plan.memory_budget_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Over:
+    """A compiled plan over its budget: where (`the plan`, `stage 1 of the pipeline`), what the
+    model predicted there, what XLA compiled it to, and the search budget to re-plan at."""
+    where: str
+    predicted: float
+    compiled: int
+    next_budget: float
+
+
+def replan_until_it_fits(planned, budget: float, measure: Callable, replan: Callable,
+                         fix: str):
+    """The compiled check's rounds, for one mesh and for pipelines alike:
+    `measure(planned, round_)` compiles `planned` and returns (`planned` with what XLA compiled
+    recorded, what was built, an `Over` or None where it fits); `replan(next_budget)` plans
+    again. Returns (planned, built) of the first that fits, each re-plan logged.
+
+    Raises:
+      InfeasiblePlanError: still over the budget after `ROUNDS` re-plans, or a re-plan finds
+        no plan; it names where, the predicted and the compiled bytes, and `fix`.
+    """
+    for round_ in range(ROUNDS + 1):
+        planned, built, over = measure(planned, round_)
+        if over is None:
+            return planned, built
+        if round_ == ROUNDS:
+            break
+        log.warning("autopar: %s predicted %s bytes per device but XLA compiled it to %s, "
+                    "over the budget %s; re-planning at a budget of %s (round %d of %d)",
+                    over.where, f"{over.predicted:,.0f}", f"{over.compiled:,}",
+                    f"{budget:,.0f}", f"{over.next_budget:,.0f}", round_ + 1, ROUNDS)
+        try:
+            planned = replan(over.next_budget)
+        except InfeasiblePlanError as e:
+            raise InfeasiblePlanError(
+                f"memory: {over.where} predicted {over.predicted:,.0f} bytes per device, but "
+                f"XLA compiled it to {over.compiled:,} bytes, over the budget of {budget:,.0f}; "
+                f"re-planning at {over.next_budget:,.0f} bytes found no plan ({e}). {fix}",
+                needed_bytes=over.compiled, budget_bytes=int(budget)) from None
+    raise InfeasiblePlanError(
+        f"memory: after {ROUNDS} re-plans at scaled budgets, {over.where} predicted "
+        f"{over.predicted:,.0f} bytes per device, but XLA compiled it to {over.compiled:,} "
+        f"bytes, over the budget of {budget:,.0f}. {fix}", needed_bytes=over.compiled,
+        budget_bytes=int(budget))
+
+
 def verified_plan(method: ShardParallel,
                   plan_at: Callable[[ShardParallel], tuple[ParallelPlan, OpGraph]],
                   compile_plan: Callable[[ParallelPlan, OpGraph], tuple[Any, Any]],
@@ -77,34 +123,21 @@ def verified_plan(method: ShardParallel,
         return Verified(plan, graph)
     budget = float(plan.memory_budget_bytes)
     ilp_budget = budget
-    for round_ in range(ROUNDS + 1):
+
+    def measure(planned, round_):
+        nonlocal ilp_budget
+        plan, graph = planned
         built, executable = compile_plan(plan, graph)
         got = compiled_bytes(executable)
         plan = dataclasses.replace(plan, memory_budget_bytes=budget, measured={
             **plan.measured, "compiled_bytes": got, "memory_check_rounds": round_})
         if got is None or got <= budget:
-            return Verified(plan, graph, built)
-        if round_ == ROUNDS:
-            break
+            return (plan, graph), built, None
         ilp_budget *= budget / got
-        log.warning("autopar: the plan predicted %s bytes per device but XLA compiled it to "
-                    "%s, over the budget %s; re-planning at an ILP budget of %s (round %d of "
-                    "%d)", f"{plan.peak_memory_bytes:,.0f}", f"{got:,}", f"{budget:,.0f}",
-                    f"{ilp_budget:,.0f}", round_ + 1, ROUNDS)
-        predicted = plan.peak_memory_bytes
-        try:
-            plan, graph = plan_at(dataclasses.replace(method,
-                                                      memory_budget_bytes=int(ilp_budget)))
-        except InfeasiblePlanError as e:
-            raise InfeasiblePlanError(
-                f"memory: the plan predicted {predicted:,.0f} bytes per device, but XLA "
-                f"compiled it to {got:,} bytes, over the budget of {budget:,.0f}; re-planning "
-                f"at {ilp_budget:,.0f} bytes found no plan ({e}). Fix: raise "
-                "memory_budget_bytes, use more devices, a smaller batch, or remat='full'.",
-                needed_bytes=got, budget_bytes=int(budget)) from None
-    raise InfeasiblePlanError(
-        f"memory: after {ROUNDS} re-plans at scaled budgets the plan predicted "
-        f"{plan.peak_memory_bytes:,.0f} bytes per device, but XLA compiled it to {got:,} "
-        f"bytes, over the budget of {budget:,.0f}. Fix: raise memory_budget_bytes, use more "
-        "devices, a smaller batch, or remat='full'.", needed_bytes=got,
-        budget_bytes=int(budget))
+        return (plan, graph), built, Over("the plan", plan.peak_memory_bytes, got, ilp_budget)
+
+    (plan, graph), built = replan_until_it_fits(
+        (plan, graph), budget, measure,
+        lambda b: plan_at(dataclasses.replace(method, memory_budget_bytes=int(b))),
+        "Fix: raise memory_budget_bytes, use more devices, a smaller batch, or remat='full'.")
+    return Verified(plan, graph, built)

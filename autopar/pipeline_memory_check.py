@@ -41,19 +41,16 @@ Example (what `parallelize` does for a pipeline plan):
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 
-from .errors import InfeasiblePlanError
 from .frontend.meshes import no_context_mesh
-from .memory_check import BINDING, ROUNDS, compiled_bytes
+from .memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 from .plan import ParallelPlan
 from .runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 
-log = logging.getLogger(__name__)
 
 _PIPELINE_ROLES = (Role.FORWARD, Role.BACKWARD, Role.FUSED, Role.REDUCE)
 _FIX = ("Fix: raise memory_budget_bytes, use more devices per stage or more stages, more "
@@ -201,40 +198,28 @@ def verified_pipeline(plan_at: Callable[[int | None], tuple],
         scaled budget leaves no plan); it names the stage, its predicted and compiled bytes.
     """
     planned = plan_at(None)
-    plan = planned[0]
-    if not binding(plan):
-        return VerifiedPipeline(plan, planned)
-    budget = float(plan.memory_budget_bytes)
+    if not binding(planned[0]):
+        return VerifiedPipeline(planned[0], planned)
+    budget = float(planned[0].memory_budget_bytes)
     ilp_budget = budget
-    for round_ in range(ROUNDS + 1):
+
+    def measure(planned, round_):
+        nonlocal ilp_budget
         program = program_of(planned[1])
-        memory = stage_memory(program, leaves, plan.pipeline["num_microbatches"])
-        plan = _record(plan, memory, budget, round_)
+        memory = stage_memory(program, leaves, planned[0].pipeline["num_microbatches"])
+        plan = _record(planned[0], memory, budget, round_)
+        planned = (plan, *planned[1:])
         if memory is None or max(m.peak for m in memory) <= budget:
-            return VerifiedPipeline(plan, planned, program)
+            return planned, program, None
         s, predicted, got = _worst(plan)
-        if round_ == ROUNDS:
-            break
         # the budget at which the worst stage's prediction shrinks by its compiled excess
         ilp_budget = min(ilp_budget, predicted) * budget / got
-        log.warning("autopar: stage %d of the pipeline predicted %s bytes per device but XLA "
-                    "compiled it to %s, over the budget %s; re-planning at a budget of %s "
-                    "(round %d of %d)", s, f"{predicted:,.0f}", f"{got:,}", f"{budget:,.0f}",
-                    f"{ilp_budget:,.0f}", round_ + 1, ROUNDS)
-        try:
-            planned = plan_at(int(ilp_budget))
-        except InfeasiblePlanError as e:
-            raise InfeasiblePlanError(
-                f"memory: stage {s} of the pipeline predicted {predicted:,.0f} bytes per "
-                f"device, but XLA compiled it to {got:,} bytes, over the budget of "
-                f"{budget:,.0f}; re-planning at {ilp_budget:,.0f} bytes found no plan ({e}). "
-                + _FIX, needed_bytes=got, budget_bytes=int(budget)) from None
-        plan = planned[0]
-    raise InfeasiblePlanError(
-        f"memory: after {ROUNDS} re-plans at scaled budgets, stage {s} of the pipeline "
-        f"predicted {predicted:,.0f} bytes per device, but XLA compiled it to {got:,} bytes, "
-        f"over the budget of {budget:,.0f}. " + _FIX, needed_bytes=got,
-        budget_bytes=int(budget))
+        return planned, program, Over(f"stage {s} of the pipeline", predicted, got,
+                                      ilp_budget)
+
+    planned, program = replan_until_it_fits(planned, budget, measure,
+                                            lambda b: plan_at(int(b)), _FIX)
+    return VerifiedPipeline(planned[0], planned, program)
 
 
 def with_budget(method, stage_method, budget: int | None):
