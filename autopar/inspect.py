@@ -192,3 +192,29 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None,
     else:
         lines.append("fallbacks: none (every operator had a sharding rule)")
     return "\n".join(lines)
+
+
+def summary(plan: ParallelPlan) -> str:
+    """Five lines: method and mesh; predicted step and its parts; memory against the budget;
+    the heaviest collectives; where the plan came from (`ParallelPlan.summary`)."""
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    kind = (f"{len(plan.stages)}-stage pipeline" if plan.pipeline and
+            not plan.pipeline.get("gradient_accumulation") else "one mesh")
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for c in plan.collectives:
+        by_kind[f"{c.kind} over {'+'.join(c.axes) or '-'}"] += c.comm_s
+    heavy = sorted(by_kind.items(), key=lambda kv: -kv[1])[:3]
+    searched = sum(v for k, v in plan.timings_s.items() if k != "plan_lookup")
+    return "\n".join([
+        f"{plan.method} on {mesh} ({len(plan.device_ids)} devices, {kind}, cluster "
+        f"{plan.cluster})",
+        f"predicted step {_time(plan.predicted_step_s)}: compute "
+        f"{_time(plan.predicted_compute_s)}, communication {_time(plan.predicted_comm_s)}, "
+        f"resharding {_time(plan.predicted_reshard_s)}",
+        f"peak memory {_bytes(plan.peak_memory_bytes)} per device of "
+        f"{_bytes(plan.memory_budget_bytes)} "
+        f"({plan.peak_memory_bytes / max(plan.memory_budget_bytes, 1):.0%})",
+        "collectives: " + (", ".join(f"{k} {_time(t)}" for k, t in heavy) if heavy else "none"),
+        f"from {plan.origin}" + (f"; searched {plan.searched_at}" if plan.searched_at else "")
+        + f" in {_time(searched)}" + (f", {plan.ilp.get('num_ilps', 1)} ILP(s)"
+                                      if plan.ilp else "")])

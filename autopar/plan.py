@@ -145,6 +145,13 @@ class ParallelPlan:
     # Pipeline plans: each stage's ILP solution as JSON data (`inter_op.stage_solve.
     # solution_record`), so that a saved or cached plan replays its stages without solving.
     stage_solutions: tuple[dict, ...] = ()
+    # When the search that produced this plan ran (ISO 8601, UTC; "" for hand-built plans). A
+    # plan from the plan cache or a file keeps it, with its `timings_s` and `ilp` record.
+    searched_at: str = ""
+    # "Why this plan": the runner-ups the search priced under the same cost model, best first,
+    # each {"name", "kind" ("method" | "stage layout"), "predicted_step_s",
+    # "peak_memory_bytes", "fits" (within memory_budget_bytes), "note"}.
+    alternatives: tuple[dict, ...] = ()
 
     def stage_option(self):
         """The `ManualStageOption` that replays this plan's stages (pipeline plans)."""
@@ -159,6 +166,15 @@ class ParallelPlan:
     def predicted_step_s(self) -> float:
         return (self.predicted_compute_s + self.predicted_comm_s + self.predicted_reshard_s
                 + self.predicted_overhead_s)
+
+    def summary(self) -> str:
+        """A five-line overview: method and mesh, predicted step and its parts, memory against
+        the budget, the heaviest collectives, and where the plan came from.
+
+            >>> print(step.get_plan(state, batch).summary())
+        """
+        from .inspect import summary
+        return summary(self)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(dataclasses.asdict(self), indent=indent)
@@ -187,6 +203,7 @@ class ParallelPlan:
         for k in ("mesh_shape", "axis_names", "device_ids"):
             d[k] = tuple(d[k])
         d["stage_solutions"] = tuple(d.get("stage_solutions", ()))
+        d["alternatives"] = tuple(d.get("alternatives", ()))
         return cls(**d)
 
 

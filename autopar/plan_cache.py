@@ -403,6 +403,9 @@ def find_plan(key: str, search: Callable[[], ParallelPlan],
             return dataclasses.replace(hit, origin="plan cache", timings_s={
                 **hit.timings_s, "plan_lookup": time.perf_counter() - t0})
         plan = search()
+        if not plan.searched_at:
+            plan = dataclasses.replace(plan, searched_at=datetime.datetime.now(
+                datetime.timezone.utc).isoformat(timespec="seconds"))
         if cache is not None and cache.put(key, plan) is not None:
             log.info("autopar: plan saved to the plan cache (%s)", cache.path(key))
         return plan
