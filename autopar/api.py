@@ -43,6 +43,7 @@ from .plan_cache import cache_key, find_plan
 from .memory_check import verified_plan
 from .pipeline_memory_check import verified_pipeline, with_budget
 from .remat_plan import plan_step, traced_for
+from .runner_ups import with_runner_ups
 from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
                      plan_cache_of, plan_graph)
 from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
@@ -144,15 +145,17 @@ class ParallelizedFunction:
         check_batch(graph)
         searched = []
 
-        def plan_at(m):
-            return plan_step(graph, retrace, lambda g: plan_graph(
-                g, self.cluster, mesh.devices.shape, mesh.axis_names, m,
-                tuple(int(d.id) for d in mesh.devices.flat),
-                output_pins=self._front.out_pins(g, args, self.mesh)), m)
+        def plan_with(g, m):
+            return plan_graph(g, self.cluster, mesh.devices.shape, mesh.axis_names, m,
+                              tuple(int(d.id) for d in mesh.devices.flat),
+                              output_pins=self._front.out_pins(g, args, self.mesh))
 
         def search():        # compiled and checked against the budget where it binds
-            searched.append(verified_plan(method, plan_at,
-                                          lambda p, g: self._built(args, p, g, mesh)))
+            v = verified_plan(method, lambda m: plan_step(
+                graph, retrace, functools.partial(plan_with, m=m), m),
+                lambda p, g: self._built(args, p, g, mesh))
+            searched.append(dataclasses.replace(v, plan=with_runner_ups(
+                v.plan, method, functools.partial(plan_with, v.graph))))
             return searched[0].plan
         if self._saved_plan is not None:
             plan_ = matching(self._saved_plan, graph_fingerprint(graph))

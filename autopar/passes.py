@@ -25,6 +25,7 @@ from .plan import ParallelPlan
 from .plan_cache import PlanCache
 from .planner import build_plan
 from .remat_plan import plan_step
+from .runner_ups import with_runner_ups
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,10 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
                                 batch_argnums=batch_argnums, donate_argnums=donate_argnums)
     graph = retrace()
     check_batch(graph)
-    return plan_step(graph, retrace, lambda g: plan_graph(
-        g, cluster, mesh_shape, axis_names, method, tuple(range(cluster.num_devices))),
-        method)[0]
+    def plan_with(g, m):
+        return plan_graph(g, cluster, mesh_shape, axis_names, m, tuple(range(cluster.num_devices)))
+    plan_, graph = plan_step(graph, retrace, functools.partial(plan_with, m=method), method)
+    return with_runner_ups(plan_, method, functools.partial(plan_with, graph))
 
 
 def plan_cache_of(option) -> PlanCache | None:

@@ -230,6 +230,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
     scale = pipeline["predicted_latency_s"] / max(sum(lat), 1e-30)
     overhead = scale * sum(st.solution.overhead_s for st in result.stages) \
         + len(placement.segments) * cluster.call_overhead_s
+    shift = scale * sum(s.compute_s + s.comm_s + s.reshard_s for s in stages) + overhead \
+        - result.chosen_latency_s
     return ParallelPlan(
         method=kind.value, cluster=cluster.name, mesh_shape=tuple(mesh_shape),
         axis_names=AXIS_NAMES, device_ids=tuple(device_ids),
@@ -246,5 +248,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         peak_memory_bytes=float(peak),
         memory_budget_bytes=float(method.memory_budget_bytes or cluster.memory_bytes),
         timings_s=timings, pipeline=pipeline,
+        # the runner-up layouts, on the plan's step time scale (its apply-gradient calls)
+        alternatives=tuple({**a, "predicted_step_s": a["predicted_step_s"] + shift}
+            if a["predicted_step_s"] is not None else a for a in result.runner_ups),
         stage_solutions=tuple(solution_record(st.solution, graph_fingerprint(st.graph))
                               for st in result.stages))

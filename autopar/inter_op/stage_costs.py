@@ -76,11 +76,13 @@ def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
 RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
 
 
-def reranked(choice, dp, options, budget, solved, num_microbatches):
+def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None):
     """The DP's choice and its best alternatives with fewer stages (the DP rerun with
     `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
     one whose solved stages give the shortest pipeline wins (the DP sums separately solved
-    layers; a stage solved whole shares shardings across them). Ties keep the DP's order."""
+    layers; a stage solved whole shares shardings across them). Ties keep the DP's order.
+    `seen` (a list) receives (stages or None, pipeline latency or None, error or None) per
+    candidate solved, for the plan's runner-ups."""
     cands = {(choice.layer_spans, choice.submeshes): choice}
     for k in range(1, choice.num_stages):
         alt = try_dp(dp, options, budget, max_stages=k)
@@ -93,9 +95,13 @@ def reranked(choice, dp, options, budget, solved, num_microbatches):
             stages = solved(cand)
         except InfeasiblePlanError as e:
             error = error or e
+            if seen is not None:
+                seen.append((None, None, e))
             continue
         lat = [latency(st.solution, st.zero, num_microbatches) for st in stages]
         t = sum(lat) + (num_microbatches - 1) * max(lat)
+        if seen is not None:
+            seen.append((stages, t, None))
         if t < best_t * (1 - 1e-9):
             best, best_t = stages, t
     if best is None:

@@ -65,6 +65,10 @@ class InterOpResult:
     dp_pruned: int
     dp_time_s: float
     profile_time_s: float
+    # The stage layouts solved whole and not taken (`ParallelPlan.alternatives` entries, their
+    # predicted_step_s the pipeline latency sum t_i + (B - 1) max t_i), and the chosen one's.
+    runner_ups: tuple[dict, ...] = ()
+    chosen_latency_s: float = 0.0
 
 
 def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
@@ -200,7 +204,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
     solver = StageSolver(loss, cluster, stage_method or method, tuple(boundaries))
     pipeline = stage_method is None          # not gradient accumulation
-    dp = (0, 0, 0.0)
+    dp, seen = (0, 0, 0.0), []
     dph = cluster.devices_per_host
     if isinstance(option, ManualStageOption):
         if option.layer_spans[-1][1] != num_layers - 1:
@@ -231,9 +235,11 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   _stage_zeros(option, s, pipeline))
     else:
         with PlanPool(plan_workers(option.workers)) as solver.pool:
-            stages, dp = _auto(loss, boundaries, cluster, device_ids, method, option, solver,
-                               budget, pipeline)
+            stages, dp, seen = _auto(loss, boundaries, cluster, device_ids, method, option,
+                                     solver, budget, pipeline)
     stages = _with_peaks(stages, loss, method, budget)
+    chosen = next((t for got, t, _ in seen if got is not None and
+                   [g.layers for g in got] == [st.layers for st in stages]), 0.0)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
              solver.num_replayed, time.perf_counter() - start)
@@ -241,17 +247,24 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          num_ilps=solver.num_ilps, num_reused=solver.num_reused,
                          num_replayed=solver.num_replayed,
                          dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
-                         profile_time_s=time.perf_counter() - start)
+                         profile_time_s=time.perf_counter() - start,
+                         runner_ups=_layout_records(seen, stages, loss, method, budget),
+                         chosen_latency_s=chosen)
+
+
+def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
+    """(peak bytes, microbatches in flight) per stage under the schedule (the DP's formula)."""
+    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).in_flight()
+    opt_ratio = opt_ratio_of(loss.step)
+    return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
+             q) for st, q in zip(stages, in_flight)]
 
 
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
-    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).in_flight()
-    opt_ratio = opt_ratio_of(loss.step)
     out = []
-    for st, q in zip(stages, in_flight):
-        peak = static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes
+    for st, (peak, q) in zip(stages, _peaks(stages, loss, method)):
         if peak > budget * (1 + 1e-9):
             raise _infeasible(
                 f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
@@ -346,8 +359,10 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                                 [lean for _, lean, _ in stage_kinds])
     banned: list[tuple[int, int, int]] = []
     for redo in range(REDO_DP + 1):
+        seen = []
         try:
-            stages = reranked(choice, dp, options, budget, solved, method.num_microbatches)
+            stages = reranked(choice, dp, options, budget, solved, method.num_microbatches,
+                              seen)
             break
         except _StageDoesNotFit as e:
             # The DP's layer sums missed what the stage needs whole: no span holding these
@@ -373,4 +388,32 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
             if again is None or redo == REDO_DP:
                 raise
             choice = again
-    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s)
+    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen
+
+
+def _layout_text(stages) -> str:
+    return f"{len(stages)} stage(s): " + "; ".join(
+        f"layers {st.layers[0]}..{st.layers[1]} on {st.submesh[0]}x{st.submesh[1]} as "
+        f"{'x'.join(map(str, st.solution.logical_shape))}" for st in stages)
+
+
+def _layout_records(seen, chosen, loss, method, budget) -> tuple[dict, ...]:
+    """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`) other
+    than `chosen`."""
+    from ..runner_ups import record
+    out = []
+    for stages, t, error in seen:
+        if error is not None:
+            out.append(record(f"stage layout ({error.needed_bytes:.4g} B needed)",
+                              "stage layout", None, error.needed_bytes, budget,
+                              "a layout the DP ranked high; when solved whole a stage did not "
+                              "fit"))
+            continue
+        if [st.layers for st in stages] == [st.layers for st in chosen] and \
+                [st.submesh for st in stages] == [st.submesh for st in chosen]:
+            continue
+        peaks = _peaks(stages, loss, method)
+        out.append(record(_layout_text(stages), "stage layout", t, max(p for p, _ in peaks),
+                          budget, "solved whole; slower than the chosen layout"))
+    return tuple(sorted(out, key=lambda a: (a["predicted_step_s"] is None,
+                                            a["predicted_step_s"] or 0.0)))

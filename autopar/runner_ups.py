@@ -1,0 +1,97 @@
+"""Runner-ups pass ("why this plan"): the plans the standard methods give for the same traced
+step, priced under the same cost model, recorded in `ParallelPlan.alternatives`.
+
+On one mesh the rivals are data parallelism, ZeRO-3, ZeRO-2 and the free intra-op ILP
+(`ShardParallel()`, without the user's `sharding_rules`), each but the chosen method's own
+kind, each solved on the graph the chosen plan was made for (with its recomputation) and the
+chosen method's budget and solver settings. Pipelines record the stage layouts the stage
+search solved whole and did not take (`inter_op.stage_costs.reranked`).
+
+Pricing a rival is one intra-op ILP of a forced method (its build dominates: a few tenths of
+a second on the demo GPT). So that a large model's first call does not pay for them several
+times over, the rivals stop once they have taken `TIME_SHARE` of the search's own time (and
+at least `MIN_TIME_S`); those left are recorded as not priced, with the reason.
+
+    >>> plan = step.get_plan(state, batch)
+    >>> for alt in plan.alternatives:
+    ...     print(alt["name"], alt["predicted_step_s"], alt["fits"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from .errors import InfeasiblePlanError
+from .options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from .plan import ParallelPlan
+
+log = logging.getLogger(__name__)
+
+TIME_SHARE = 0.5     # of the search's time the rivals may take
+MIN_TIME_S = 2.0
+
+# (class, what it does), in the order they are priced.
+RIVALS: tuple[tuple[type[ShardParallel], str], ...] = (
+    (DataParallel, "batch split over every device, parameters and optimizer state "
+                   "replicated, one gradient all-reduce"),
+    (Zero3Parallel, "data parallel with parameters, gradients and optimizer state split "
+                    "over every device, parameters gathered where used"),
+    (Zero2Parallel, "data parallel with gradients and optimizer state split, parameters "
+                    "replicated"),
+    (ShardParallel, "the free intra-op ILP (no sharding rules)"),
+)
+
+
+def record(name: str, kind: str, step_s: float | None, peak_bytes: float, budget: float,
+           note: str) -> dict:
+    """One `ParallelPlan.alternatives` entry."""
+    return {"name": name, "kind": kind,
+            "predicted_step_s": None if step_s is None else float(step_s),
+            "peak_memory_bytes": float(peak_bytes),
+            "fits": step_s is not None and peak_bytes <= budget * (1 + 1e-9), "note": note}
+
+
+def rival_of(cls: type[ShardParallel], method: ShardParallel) -> ShardParallel:
+    """A method of class `cls` with `method`'s budget and solver settings, no rules."""
+    keep = ("memory_budget_bytes", "solver", "solver_time_limit_s", "layer_reuse",
+            "annotations")
+    return cls(**{k: getattr(method, k) for k in keep})
+
+
+def with_runner_ups(plan: ParallelPlan, method: ShardParallel,
+                    plan_with: Callable[[ShardParallel], ParallelPlan]) -> ParallelPlan:
+    """`plan` with `alternatives`: each rival method's plan from `plan_with(method)` (the same
+    graph, mesh and cost model), best predicted step first; infeasible ones last with the
+    bytes they need. The time taken is `timings_s["runner_ups"]`."""
+    t0 = time.perf_counter()
+    cap = max(MIN_TIME_S, TIME_SHARE * sum(plan.timings_s.values()))
+    chosen = method.kind if not method.sharding_rules else None
+    budget = float(plan.memory_budget_bytes)
+    out = []
+    for cls, what in RIVALS:
+        rival = rival_of(cls, method)
+        if rival.kind == chosen:
+            continue
+        name = f"{cls.__name__}()"
+        if time.perf_counter() - t0 > cap:
+            out.append({**record(name, "method", None, 0.0, budget, what), "fits": None,
+                        "note": f"not priced: the rivals had taken their {cap:.1f} s "
+                                f"({TIME_SHARE:.0%} of the search's time)"})
+            continue
+        try:
+            got = plan_with(rival)
+        except InfeasiblePlanError as e:
+            out.append(record(name, "method", None, e.needed_bytes, budget,
+                              f"{what}; does not fit: needs {e.needed_bytes:.4g} bytes per "
+                              f"device"))
+            continue
+        out.append(record(name, "method", got.predicted_step_s, got.peak_memory_bytes, budget,
+                          what))
+    out.sort(key=lambda a: (a["predicted_step_s"] is None, a["predicted_step_s"] or 0.0))
+    spent = time.perf_counter() - t0
+    log.info("autopar: %d runner-up method(s) priced in %.2f s", len(out), spent)
+    return dataclasses.replace(plan, alternatives=tuple(out),
+                               timings_s={**plan.timings_s, "runner_ups": spent})
+
