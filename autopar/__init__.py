@@ -26,9 +26,10 @@ from .options import (Annotations, AutoLayerOption, AutoStageOption, DataParalle
                       Zero3Parallel)
 from .plan import ParallelPlan
 from .profile import DeviceProfile
+from .report import report
 
 __all__ = [
-    "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
+    "parallelize", "plan", "dump", "report", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
