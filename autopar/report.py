@@ -47,7 +47,9 @@ section { margin: 26px 0; break-inside: avoid-page; }
 table { border-collapse: collapse; width: 100%; font-size: 13px; margin: 4px 0 8px; }
 th, td { text-align: left; padding: 4px 8px; border-bottom: 1px solid var(--line);
          vertical-align: top; }
-th { background: var(--band); font-weight: 600; white-space: nowrap; }
+th { background: var(--band); font-weight: 600; }
+.scroll { overflow-x: auto; }
+table.compact { width: auto; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td code, .mono { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace;
                  font-size: 12px; }
@@ -85,7 +87,8 @@ def _table(header: tuple[str, ...], rows: list[tuple], num_cols: frozenset[int] 
         body.append(f"<tr{f' class={rc}' if rc else ''}>"
                     + "".join(_td(v, i in num_cols) for i, v in enumerate(r)) + "</tr>")
     c = f' class="{cls}"' if cls else ""
-    return f"<table{c}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return (f'<div class="scroll"><table{c}><thead><tr>{head}</tr></thead><tbody>'
+            f"{''.join(body)}</tbody></table></div>")
 
 
 def _card(key: str, value: str, detail: str = "", ident: str = "") -> str:
@@ -157,7 +160,7 @@ def _header(plan: ParallelPlan) -> str:
     if plan.timings_s:
         extra.append("<h3>Timings</h3>" + _table(
             tuple(plan.timings_s), [tuple(format_time(v) for v in plan.timings_s.values())],
-            frozenset(range(len(plan.timings_s)))))
+            frozenset(range(len(plan.timings_s))), cls="compact"))
     return (f'<header id="summary"><h1>autopar plan: {escape(plan.method)} on '
             f'{escape(_mesh_text(plan))}</h1><p class="sub">graph {escape(plan.graph_fingerprint)}'
             f' \u00b7 plan format {plan.version}</p><div class="cards">{"".join(cards)}</div>'
@@ -269,13 +272,13 @@ def _sharding(plan: ParallelPlan) -> str:
 # ---------------------------------------------------------------------------- memory
 def _memory(plan: ParallelPlan) -> str:
     bars, notes = memory_bars(plan)
-    used = {name for b in bars for name, _ in b.parts}
-    legend = "".join(f'<span><span class="swatch" style="background:{c}"></span>'
-                     f"{escape(name)}</span>" for name, c in PART_COLOURS.items() if name in used)
-    rows = [(b.label,) + tuple(format_bytes(dict(b.parts).get(n, 0.0)) for n in sorted(used))
+    used = list(dict.fromkeys(name for b in bars for name, _ in b.parts))
+    legend = "".join(f'<span><span class="swatch" style="background:{PART_COLOURS.get(n, "#999")}">'
+                     f"</span>{escape(n)}</span>" for n in used)
+    rows = [(b.label,) + tuple(format_bytes(dict(b.parts).get(n, 0.0)) for n in used)
             + (format_bytes(b.peak), format_bytes(b.compiled) if b.compiled else "-")
             for b in bars]
-    table = _table(("",) + tuple(sorted(used)) + ("predicted peak", "compiled (XLA)"), rows,
+    table = _table(("",) + tuple(used) + ("predicted peak", "compiled (XLA)"), rows,
                    frozenset(range(1, len(used) + 3)))
     body = (memory_svg(bars, plan.memory_budget_bytes) + f'<div class="legend">{legend}</div>'
             + table + "".join(_note(n) for n in notes))

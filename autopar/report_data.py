@@ -108,7 +108,7 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
                  ("working memory", working_bytes(sol)),
                  ("activations in flight", q * st.activation_bytes)]
         parts = _closing([p for p in parts if p[1] > 0], st.peak_memory_bytes, label, notes)
-        bars.append(MemoryBar(label + (f" ({st.remat}{', zero' if st.zero else ''})"),
+        bars.append(MemoryBar(f"{label} \u00b7 remat {st.remat}" + (" + zero" if st.zero else ""),
                               tuple(parts), st.peak_memory_bytes, c))
     return bars, notes
 

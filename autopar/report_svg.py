@@ -7,7 +7,6 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from html import escape
 
@@ -127,7 +126,8 @@ def memory_svg(bars: list[MemoryBar], budget: float) -> str:
     top_peak = max(max(b.peak, b.compiled or 0.0) for b in bars)
     on_scale = budget <= 4 * top_peak
     scale_max = max(top_peak, budget if on_scale else 0.0) * 1.05 or 1.0
-    left, bar_w, bar_h, gap, top = 150, 640, 26, 16, 14
+    left = max(150, 7 * max(len(b.label) for b in bars) + 20)
+    bar_w, bar_h, gap, top = 640, 26, 16, 14
     height = top + len(bars) * (bar_h + gap) + 40
     body: list[str] = []
     for i, b in enumerate(bars):
@@ -228,16 +228,9 @@ def split_bar_svg(parts: list[tuple[str, float]]) -> str:
         w = width * v / total
         body.append(_rect(x, 8, w, h, colour, f"{name} {format_time(v)}",
                           f' class="part" data-part="{escape(name)}"'))
-        if w > 90:
-            body.append(_text(x + w / 2, 8 + h / 2 + 4, f"{name} {format_time(v)}",
+        label = f"{name} {format_time(v)}"
+        if w > 7 * len(label) + 8:
+            body.append(_text(x + w / 2, 8 + h / 2 + 4, label,
                               cls="tasklabel", anchor="middle"))
         x += w
     return _svg(left + width + 10, 8 + h + 10, body, "step time split")
-
-
-def nice_ceil(x: float) -> float:
-    """The next 1-2-5 multiple of a power of ten at or above `x` (axis ends)."""
-    if x <= 0:
-        return 1.0
-    e = 10 ** math.floor(math.log10(x))
-    return next(m * e for m in (1, 2, 5, 10) if m * e >= x)
