@@ -16,6 +16,7 @@ import os
 from html import escape
 
 from ._format import format_bytes, format_time
+from .errors import InvalidArgumentError
 from .plan import ParallelPlan
 from .report_data import collective_groups, fold, memory_bars
 from .report_svg import (PART_COLOURS, mesh_svg, memory_svg, split_bar_svg, stage_colour,
@@ -52,7 +53,8 @@ th { background: var(--band); font-weight: 600; }
 .scroll { overflow-x: auto; }
 table.compact { width: auto; }
 table.memtable td:first-child { white-space: nowrap; }
-td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { white-space: nowrap; }
 td code, .mono { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace;
                  font-size: 12px; }
 tr.chosen td { font-weight: 600; background: #eef6fb; }
@@ -314,7 +316,9 @@ def _timeline(plan: ParallelPlan) -> str:
            f"{format_time(p.get('predicted_latency_s', plan.predicted_step_s))}. Task order from "
            "the executor's schedule (runtime.schedule); the plan records each stage's "
            "forward+backward per microbatch, not its split: each is drawn as half.")
-    return _section("timeline", "Pipeline schedule", timeline_svg(plan), sub)
+    title = "Pipeline schedule" if _is_pipeline(plan) else \
+        "Microbatch schedule (gradient accumulation on one mesh)"
+    return _section("timeline", title, timeline_svg(plan), sub)
 
 
 # ----------------------------------------------------------------------- collectives
@@ -322,8 +326,9 @@ def _collectives(plan: ParallelPlan) -> str:
     groups = collective_groups(plan)
     if not groups:
         text = ("The plan records no collectives" + (
-            " per operator for pipeline stages (each stage's communication time is in the "
-            "stage table)." if plan.pipeline else "."))
+            " per operator for pipeline stages or microbatched steps (the communication time "
+            "is in the header's split" + (" and the stage table)." if _is_pipeline(plan)
+                                          else ").") if plan.pipeline else "."))
         return _section("collectives", "Collectives", _note(text))
     rows = [(g.kind, "*".join(g.axes) or "-", g.origin, g.algorithm, g.count,
              format_bytes(g.nbytes), format_time(g.comm_s)) for g in groups]
@@ -361,6 +366,25 @@ def _runner_ups(plan: ParallelPlan) -> str:
                     "the chosen plan.")
 
 
+def _check(plan) -> None:
+    """A clear error for what the page cannot draw: not a plan, or a leaf sharded over a mesh
+    axis its (stage's) mesh does not have."""
+    if not isinstance(plan, ParallelPlan):
+        raise InvalidArgumentError(
+            f"autopar.report(plan=...) got {type(plan).__name__}; pass a ParallelPlan, e.g. "
+            "step.get_plan(state, batch) or ParallelPlan.from_json(text).")
+    ranks = {s.index: len(s.logical_mesh_shape) for s in plan.stages} if plan.pipeline else {}
+    for t in plan.inputs:
+        rank = ranks.get(t.stage, len(plan.mesh_shape))
+        bad = [a for dim in t.spec for a in dim if not 0 <= a < rank]
+        if bad:
+            raise InvalidArgumentError(
+                f"autopar.report: input leaf {t.path!r} is sharded over mesh axis {bad[0]} but "
+                f"its mesh has {rank} axes (plan mesh {plan.mesh_shape}); the plan is "
+                "inconsistent. Fix: report a plan made by autopar (get_plan, autopar.plan or "
+                "ParallelPlan.from_json of a saved one).")
+
+
 def report(plan: ParallelPlan, path: str | os.PathLike | None = None) -> str:
     """A self-contained HTML page describing `plan`: header (method, mesh, predicted step and
     its parts, memory against the budget, origin, ILP and timings), the device mesh, the
@@ -373,6 +397,7 @@ def report(plan: ParallelPlan, path: str | os.PathLike | None = None) -> str:
         >>> plan = step.get_plan(state, batch)
         >>> autopar.report(plan, "plan.html")     # open plan.html in a browser
     """
+    _check(plan)
     title = f"autopar plan: {plan.method} on {_mesh_text(plan)}"
     html = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

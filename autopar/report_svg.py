@@ -185,7 +185,7 @@ def timeline_svg(plan: ParallelPlan) -> str:
     S, n = table.num_stages, table.num_clocks
     left, top, row_h, gap = 80, 24, 30, 8
     cw = min(max(700 / n, 14), 60)
-    width = left + n * cw + 30
+    width = max(left + n * cw + 30, 560)
     height = top + S * (row_h + gap) + 48
     body = []
     for s in range(S):

@@ -253,3 +253,31 @@ def test_report_loads_in_chromium(pipe_plan, tmp_path):
     for ident in SECTIONS:
         assert f'id="{ident}"' in dom
     assert dom.count('class="device"') == len(pipe_plan.device_ids)
+
+
+def test_gradient_accumulation_report(case):
+    """One mesh, microbatched (ShardParallel(num_microbatches=2)): a one-stage timeline and
+    the stage memory breakdown."""
+    step, state, batches = case
+    plan = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                               method=autopar.ShardParallel(num_microbatches=2)).get_plan(
+        state, batches[0])
+    assert plan.pipeline.get("gradient_accumulation") and len(plan.stages) == 1
+    text = autopar.report(plan)
+    page = _common_structure(plan, text)
+    svgs = _svgs(text)
+    assert len(_rects(svgs["pipeline schedule"], "fwd")) == 2
+    assert len(_rects(svgs["pipeline schedule"], "bwd")) == 2
+    parts = _parts(svgs["memory per device"])
+    assert "not attributed" not in parts
+    assert sum(sum(v) for v in parts.values()) == pytest.approx(plan.peak_memory_bytes)
+    assert "gradient accumulation" in page.section("timeline")
+
+
+def test_report_rejects_what_it_cannot_draw(single_plan):
+    with pytest.raises(autopar.InvalidArgumentError, match="pass a ParallelPlan"):
+        autopar.report(single_plan.to_json())
+    broken = dataclasses.replace(single_plan, mesh_shape=(8,), axis_names=("data",))
+    with pytest.raises(autopar.InvalidArgumentError, match="sharded over mesh axis 1 but its "
+                       "mesh has 1 axes"):
+        autopar.report(broken)
