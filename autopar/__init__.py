@@ -29,7 +29,7 @@ from .profile import DeviceProfile
 from .report import report
 
 __all__ = [
-    "parallelize", "plan", "dump", "report", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
+    "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",
@@ -39,4 +39,5 @@ __all__ = [
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError", "FallbackWarning", "Annotations", "MicrobatchReductionWarning",
     "Remat",
+    "report",
 ]

@@ -158,8 +158,8 @@ def memory_svg(bars: list[MemoryBar], budget: float) -> str:
         bx = left + bar_w * budget / scale_max
         body.append(f'<line x1="{bx:.1f}" y1="{top - 8}" x2="{bx:.1f}" y2="{axis_y}" '
                     'class="budget" id="budget-line"/>')
-        body.append(_text(bx, axis_y + 32, f"budget {format_bytes(budget)}", cls="small budget-label",
-                          anchor="middle"))
+        body.append(_text(bx, axis_y + 32, f"budget {format_bytes(budget)}",
+                          cls="small budget-label", anchor="middle"))
     else:
         body.append(_text(left + bar_w, axis_y + 32, f"budget {format_bytes(budget)}: off "
                           f"the scale ({top_peak / max(budget, 1):.2%} used)", cls="small",

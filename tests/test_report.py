@@ -281,3 +281,20 @@ def test_report_rejects_what_it_cannot_draw(single_plan):
     with pytest.raises(autopar.InvalidArgumentError, match="sharded over mesh axis 1 but its "
                        "mesh has 1 axes"):
         autopar.report(broken)
+
+
+@pytest.mark.parametrize("ratio", [1.5, 0.5])
+def test_budget_line_on_the_memory_scale(single_plan, ratio):
+    """A budget near the peak is drawn as a line at its place on the scale (past the bar's end
+    when the plan fits, inside it when it does not, with the header saying so)."""
+    plan = dataclasses.replace(single_plan,
+                               memory_budget_bytes=ratio * single_plan.peak_memory_bytes)
+    text = autopar.report(plan)
+    svg = _svgs(text)["memory per device"]
+    line = next(e for e in svg.iter(f"{{{SVG_NS}}}line") if e.get("id") == "budget-line")
+    parts = _rects(svg, "part")
+    bar_end = max(float(r.get("x")) + float(r.get("width")) for r in parts)
+    bar_start = min(float(r.get("x")) for r in parts)
+    budget_x = float(line.get("x1"))
+    assert (budget_x - bar_start) / (bar_end - bar_start) == pytest.approx(ratio, rel=1e-2)
+    assert ("OVER BUDGET" in _parse(text).section("summary")) == (ratio < 1)
