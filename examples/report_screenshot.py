@@ -6,10 +6,10 @@ Run from the repository root:
     python examples/report_screenshot.py                    # 2-stage GPT pipeline
     python examples/report_screenshot.py --single-mesh      # the demo's one-mesh ShardParallel
 
-It plans a small GPT (the model of examples/train_gpt.py, 4 layers) on 8 simulated CPU devices
-as a 2-stage pipeline (1F1B, 4 microbatches) over a 2 x 4 mesh, writes the report
-(`autopar.report`) to examples/report.html and, when `chromium` (or `chromium-browser`) is on
-PATH, a screenshot to examples/report.png. Open the HTML file in any browser: it needs no
+It plans the GPT of examples/train_gpt.py on 8 simulated CPU devices as a 2-stage pipeline
+(1F1B, 4 microbatches) over a 2 x 4 mesh (or, with --single-mesh, as the demo does), writes
+the report (`autopar.report`) to examples/report.html and, when `chromium` (or
+`chromium-browser`) is on PATH, a screenshot to examples/report.png. Open the HTML file in any browser: it needs no
 network.
 """
 import argparse
@@ -23,28 +23,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import autopar  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch  # noqa: E402
+from models.gpt import gpt_loss, make_gpt_batch  # noqa: E402
+from train_gpt import BATCH_SIZE, CONFIG, create_state  # noqa: E402  (the demo's model)
 
-CONFIG = GPTConfig(vocab_size=2048, seq_len=64, num_layers=4, hidden=256, num_heads=4,
-                   stage_boundaries=True)
-BATCH_SIZE = 16
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def create_state(key):
-    model = GPT(CONFIG)
-    params = model.init(key, jax.numpy.zeros((1, CONFIG.seq_len), jax.numpy.int32))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-
 def train_step(state, batch):
+    """examples/train_gpt.py's step with `autopar.value_and_grad`, which pipelines need."""
     def loss_fn(params):
         return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
     loss, grads = autopar.value_and_grad(loss_fn)(state.params)
@@ -79,7 +70,7 @@ def main() -> int:
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     method = autopar.ShardParallel() if args.single_mesh else autopar.PipeshardParallel(
         num_microbatches=4, schedule=autopar.Schedule.ONE_F_ONE_B,
-        layer_option=autopar.ManualLayerOption(),
+        layer_option=autopar.AutoLayerOption(num_layers=CONFIG.num_layers),
         stage_option=autopar.UniformStageOption(num_stages=2))
     step = autopar.parallelize(train_step, mesh=mesh, method=method, batch_argnums=(1,))
     plan = step.get_plan(state, batch)
