@@ -26,6 +26,7 @@ from .options import (Annotations, AutoLayerOption, AutoStageOption, DataParalle
                       Zero3Parallel)
 from .plan import ParallelPlan
 from .profile import DeviceProfile
+from .report import report
 
 __all__ = [
     "parallelize", "plan", "dump", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
@@ -38,4 +39,5 @@ __all__ = [
     "AutoparError", "InfeasiblePlanError", "InvalidArgumentError", "PlanMismatchError",
     "UnsupportedError", "FallbackWarning", "Annotations", "MicrobatchReductionWarning",
     "Remat",
+    "report",
 ]

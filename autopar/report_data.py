@@ -1,0 +1,186 @@
+"""The numbers `autopar.report` shows, read off a `ParallelPlan`: memory per stage broken into
+the parts the plan records, collectives grouped by kind and mesh axes, and rows of repeated
+layers folded into one. Pure functions of the plan (no JAX).
+
+Example:
+    >>> bars, notes = memory_bars(plan)
+    >>> [(name, int(n)) for name, n in bars[0].parts]        # doctest: +SKIP
+    [('parameters', 8448), ('optimizer state', 16896), ...]
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .inter_op.stage_costs import working_bytes
+from .inter_op.stage_solve import solution_from_record
+from .plan import CollectivePlan, ParallelPlan, TensorPlan
+from .report_svg import MemoryBar
+from .spec import num_shards
+
+ROLE_PARTS = (("param", "parameters"), ("opt_state", "optimizer state"), ("batch", "batch"),
+              ("other", "other inputs"))
+REST = "activations, gradients, results and temporaries"
+UNATTRIBUTED = "not attributed"
+
+
+def leaf_bytes(t: TensorPlan) -> float:
+    """The whole leaf's bytes (all devices together)."""
+    itemsize = np.dtype(t.dtype).itemsize if t.dtype not in ("key", "token") else 8
+    return float(math.prod(t.shape)) * itemsize
+
+
+def device_bytes(t: TensorPlan, mesh_shape) -> float:
+    """The bytes of leaf `t` one device holds under its spec on `mesh_shape`."""
+    return leaf_bytes(t) / num_shards(t.spec, mesh_shape)
+
+
+def optimizer_ratio(plan: ParallelPlan) -> float:
+    """Optimizer-state bytes per parameter byte (Adam: 2), as the stage search sizes it."""
+    params = sum(leaf_bytes(t) for t in plan.inputs if t.role == "param")
+    return sum(leaf_bytes(t) for t in plan.inputs if t.role == "opt_state") / max(params, 1.0)
+
+
+def memory_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
+    """One bar per pipeline stage (one for a single-mesh plan) and notes on what the plan
+    does not break down. Every bar's parts sum to its predicted peak."""
+    if plan.pipeline and plan.stage_solutions:
+        return _stage_bars(plan)
+    return _single_bar(plan)
+
+
+def _closing(parts: list[tuple[str, float]], peak: float, label: str,
+             notes: list[str]) -> list[tuple[str, float]]:
+    """`parts` plus a remainder up to `peak` (noted when the parts overshoot it)."""
+    rest = peak - sum(n for _, n in parts)
+    if rest > 0.5:
+        parts.append((UNATTRIBUTED, rest))
+    elif rest < -0.5:
+        notes.append(f"{label}: the recorded parts add up to {-rest:.0f} B more than the "
+                     "predicted peak (they are not all live at the same time).")
+    return parts
+
+
+def _single_bar(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
+    notes = ["The step's arguments are broken down by role from the input shardings; the rest "
+             "of the predicted peak (activations, gradients, results, temporaries) is one "
+             "number in the plan, not broken down further."]
+    parts = []
+    for role, name in ROLE_PARTS:
+        n = sum(device_bytes(t, plan.mesh_shape) for t in plan.inputs if t.role == role)
+        if n:
+            parts.append((name, n))
+    rest = plan.peak_memory_bytes - sum(n for _, n in parts)
+    if rest > 0.5:
+        parts.append((REST, rest))
+    elif rest < -0.5:
+        notes.append("The arguments add up to more than the predicted peak: the memory model "
+                     "counts a donated argument's buffer once, with its result.")
+    if plan.remat:
+        notes.append("Rematerialization per layer: " + ", ".join(plan.remat.get("layers", ()))
+                     + "; the plan does not record the bytes it saves.")
+    return [MemoryBar("whole mesh", tuple(parts), plan.peak_memory_bytes,
+                      plan.measured.get("compiled_bytes"))], notes
+
+
+def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
+    """A stage's peak as the stage search counts it (`inter_op.stage_costs.static_bytes` plus
+    the in-flight activations): parameters, the gradient accumulator (one parameter's worth),
+    one microbatch's gradients, optimizer state (split over the data axis with ZeRO), working
+    memory, and `in_flight` microbatches' activations."""
+    ratio = optimizer_ratio(plan)
+    in_flight = plan.pipeline.get("in_flight") or [1] * len(plan.stages)
+    compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
+    notes = [f"Parts from each stage's recorded ILP solution; optimizer state is "
+             f"{ratio:.2f} bytes per parameter byte (from the inputs' roles). "
+             "Rematerialization savings are not recorded in the plan: a stage's remat mode is "
+             "named, its activations are those kept under it."]
+    bars = []
+    for st, rec, q, c in zip(plan.stages, plan.stage_solutions, in_flight, compiled):
+        sol = solution_from_record(rec)[1]
+        label = f"stage {st.index}"
+        parts = [("parameters", sol.param_bytes), ("gradient accumulator", sol.param_bytes),
+                 ("gradients (one microbatch)", sol.grad_bytes),
+                 ("optimizer state", sol.optimizer_bytes(ratio, st.zero)),
+                 ("working memory", working_bytes(sol)),
+                 ("activations in flight", q * st.activation_bytes)]
+        parts = _closing([p for p in parts if p[1] > 0], st.peak_memory_bytes, label, notes)
+        bars.append(MemoryBar(f"{label} \u00b7 remat {st.remat}" + (" + zero" if st.zero else ""),
+                              tuple(parts), st.peak_memory_bytes, c))
+    return bars, notes
+
+
+# ---------------------------------------------------------------------- collectives
+@dataclass(frozen=True, slots=True)
+class CollectiveGroup:
+    kind: str
+    axes: tuple[str, ...]
+    algorithm: str
+    origin: str            # "strategy" (an operator's) or "resharding"
+    count: int
+    nbytes: float
+    comm_s: float
+
+
+def algorithm(c: CollectivePlan) -> str:
+    """The algorithm the cost model priced ("ring", "butterfly", ...; "-" when not named):
+    the detail's last word, e.g. "all-reduce(data) 4 B ring"."""
+    if " reshard " in c.detail:
+        return "-"
+    parts = c.detail.split(" ")
+    return parts[3] if len(parts) == 4 else "-"
+
+
+def collective_groups(plan: ParallelPlan) -> list[CollectiveGroup]:
+    """The plan's collectives grouped by kind, mesh axes, algorithm and origin, the most
+    predicted time first."""
+    groups: dict[tuple, list[CollectivePlan]] = {}
+    for c in plan.collectives:
+        origin = "resharding" if " reshard " in c.detail else "strategy"
+        groups.setdefault((c.kind, tuple(c.axes), algorithm(c), origin), []).append(c)
+    out = [CollectiveGroup(k, a, alg, o, len(cs), sum(c.nbytes for c in cs),
+                           sum(c.comm_s for c in cs))
+           for (k, a, alg, o), cs in groups.items()]
+    return sorted(out, key=lambda g: (-g.comm_s, g.kind))
+
+
+# --------------------------------------------------------------------------- folding
+def _numbers(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    parts = re.split(r"(\d+)", text)
+    return tuple(parts[0::2]), tuple(int(p) for p in parts[1::2])
+
+
+def _span(values: list[int]) -> str:
+    vs = sorted(set(values))
+    if len(vs) == 1:
+        return str(vs[0])
+    if vs == list(range(vs[0], vs[-1] + 1)):
+        return f"{{{vs[0]}..{vs[-1]}}}"
+    return "{" + ",".join(map(str, vs)) + "}"
+
+
+def fold(rows: list[tuple], text_col: int = 0) -> list[tuple[tuple, int]]:
+    """Rows equal but for the numbers in column `text_col` (layer indices, e.g.
+    `Dense_0` .. `Dense_3`), folded into one whose text shows the range (`Dense_{0..3}`),
+    with the count; in first-appearance order.
+
+        >>> fold([("l_0/w", "[-, model]"), ("l_1/w", "[-, model]"), ("head", "[-]")])
+        [(('l_{0..1}/w', '[-, model]'), 2), (('head', '[-]'), 1)]
+    """
+    groups: dict[tuple, list[tuple]] = {}
+    for r in rows:
+        words, nums = _numbers(str(r[text_col]))
+        key = (words, len(nums)) + r[:text_col] + r[text_col + 1:]
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, members in groups.items():
+        words = key[0]
+        nums = [_numbers(str(m[text_col]))[1] for m in members]
+        spans = [_span([n[i] for n in nums]) for i in range(key[1])]
+        text = "".join(w + (spans[i] if i < len(spans) else "") for i, w in enumerate(words))
+        first = members[0]
+        out.append((first[:text_col] + (text,) + first[text_col + 1:], len(members)))
+    return out
