@@ -199,8 +199,8 @@ class ParallelizedFunction:
                 searched, program = (made.plan, *made.planned[1:]), made.program
                 return made.plan
             replay = self._find(args, fingerprint, mesh, search, method)
-        if searched is not None:
-            plan_, parts, graph = searched
+        if searched is not None:      # `replay`: the searched plan as find_plan stamped it
+            (_, parts, graph), plan_ = searched, replay
         else:      # a saved, cached or shared plan: replay its stages and their solutions
             matching(replay, fingerprint)
             t0 = time.perf_counter()
