@@ -11,6 +11,7 @@ Pricing a rival is one intra-op ILP of a forced method (its build dominates: a f
 a second on the demo GPT). So that a large model's first call does not pay for them several
 times over, the rivals stop once they have taken `TIME_SHARE` of the search's own time (and
 at least `MIN_TIME_S`); those left are recorded as not priced, with the reason.
+`AUTOPAR_RUNNER_UPS=off` skips them (the test suite does, but for its own tests).
 
     >>> plan = step.get_plan(state, batch)
     >>> for alt in plan.alternatives:
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable
 
@@ -65,6 +67,8 @@ def with_runner_ups(plan: ParallelPlan, method: ShardParallel,
     """`plan` with `alternatives`: each rival method's plan from `plan_with(method)` (the same
     graph, mesh and cost model), best predicted step first; infeasible ones last with the
     bytes they need. The time taken is `timings_s["runner_ups"]`."""
+    if os.environ.get("AUTOPAR_RUNNER_UPS", "").lower() in ("0", "off", "false", "no"):
+        return plan
     t0 = time.perf_counter()
     cap = max(MIN_TIME_S, TIME_SHARE * sum(plan.timings_s.values()))
     chosen = method.kind if not method.sharding_rules else None

@@ -6,3 +6,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests that exercise the on-disk plan cache pass their own directory; the rest must search.
 os.environ.setdefault("AUTOPAR_PLAN_CACHE", "off")
+# The rival methods' plans (autopar.runner_ups) cost a few ILPs per planned step; the suite
+# prices them only in the tests of that pass (and of what shows them), which turn them on.
+os.environ.setdefault("AUTOPAR_RUNNER_UPS", "off")

@@ -18,6 +18,17 @@ def step(params, batch):
     return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
 
+@pytest.fixture(autouse=True)
+def runner_ups_on(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_RUNNER_UPS", "on")      # tests/conftest.py turns them off
+
+
+def test_the_environment_turns_them_off(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_RUNNER_UPS", "off")
+    assert plan_of(jax.make_mesh((2, 4), ("data", "model")),
+                   autopar.ShardParallel()).alternatives == ()
+
+
 @pytest.fixture(scope="module")
 def mesh():
     return jax.make_mesh((2, 4), ("data", "model"))
