@@ -28,6 +28,7 @@ from .cluster import ClusterSpec
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, UnsupportedError
+from .frontend import checks
 from .frontend.jit_options import PinnedShardings, argnums_for_names
 from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
 from .frontend.nnx import PureStep, as_state
@@ -71,7 +72,7 @@ class ParallelizedFunction:
         self._method = method or ShardParallel()
         self._static = tuple(static_argnums)
         self._donate = tuple(donate_argnums)
-        self._batch = tuple(batch_argnums)
+        self._batch = checks.as_argnums(batch_argnums)
         self._saved_plan = plan
         self._cluster = cluster
         self.plan_cache_of = plan_cache
@@ -94,10 +95,11 @@ class ParallelizedFunction:
         parts = []
         for i, a in enumerate(args):
             if i in self._static:
-                parts.append(("static", a))
+                parts.append(checks.static_part(self._fun, args, i))
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(a)
-                parts.append((treedef, tuple(abstract_signature(x) for x in leaves)))
+                parts.append((treedef, checks.leaf_signatures(
+                    self._fun, args, i, leaves, abstract_signature)))
         return tuple(parts)
 
     def _signature(self, args) -> str:
@@ -257,6 +259,7 @@ class ParallelizedFunction:
                 "arguments; a parallelized step runs its own compiled executables on the mesh "
                 "and cannot be traced into another program. Fix: call it at the top level (it "
                 "is compiled already), or transform the plain function and parallelize that.")
+        checks.check_concrete(self._fun, args, leaves, self._static)
         check_donated_aliases(self._fun, args, self._static, self._front.donated(args))
         entry = self._entry(args)
         pipeline = entry.executor is not None
@@ -396,7 +399,8 @@ class ParallelizedFunction:
 
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
-                donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
+                donate_argnums: Sequence[int] = (),
+                batch_argnums: Sequence[int] = checks.DEFAULT_BATCH_ARGNUMS,
                 plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
                 plan_cache: bool | str | os.PathLike = True, static_argnames=(),
                 donate_argnames=(), in_shardings=None, out_shardings=None):
@@ -465,13 +469,10 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         raise InvalidArgumentError(
             f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
             f"jax.make_mesh((2, 4), ('data', 'model')).")
-    if method is not None and not isinstance(method, ShardParallel):
-        raise InvalidArgumentError(
-            f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
-            f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
     as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
     return ParallelizedFunction(
-        fun, mesh=mesh, method=method, batch_argnums=as_tuple(batch_argnums), plan=plan,
+        fun, mesh=mesh, method=checks.method_instance(method), plan=plan,
+        batch_argnums=checks.as_argnums(batch_argnums),
         static_argnums=as_tuple(static_argnums) + argnums_for_names(
             fun, static_argnames, "static_argnames"),
         donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
