@@ -143,7 +143,7 @@ class ParallelizedFunction:
                                     batch_argnums=self._batch,
                                     donate_argnums=self._front.donated(args))
         graph = retrace()
-        check_batch(graph)
+        check_batch(graph, self._batch)
         searched = []
 
         def plan_at(m):
@@ -157,7 +157,7 @@ class ParallelizedFunction:
                                           lambda p, g: self._built(args, p, g, mesh)))
             return searched[0].plan
         if self._saved_plan is not None:
-            plan_ = matching(self._saved_plan, graph_fingerprint(graph))
+            plan_ = matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
         graph = searched[0].graph if searched else traced_for(plan_, graph, retrace)
@@ -201,7 +201,7 @@ class ParallelizedFunction:
         if searched is not None:
             plan_, parts, graph = searched
         else:      # a saved, cached or shared plan: replay its stages and their solutions
-            matching(replay, fingerprint)
+            matching(replay, fingerprint, step)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), solutions=replay.stage_solutions)
@@ -365,7 +365,7 @@ class ParallelizedFunction:
             graph = under_mesh_if_needed(self._mesh, lambda: trace(
                 self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
                 donate_argnums=self._front.donated(args)))
-        check_batch(graph)
+        check_batch(graph, self._batch)
         mesh = self.mesh
         return plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
                            self._front.method(args, self._method, mesh),

@@ -35,10 +35,11 @@ def argnums_text(name: str, argnums: Sequence[int]) -> str:
     return text + " (the default)" if isinstance(argnums, DefaultArgnums) else text
 
 
-def arg_label(fun: Callable, num_args: int, i: int, path: str = "") -> str:
+def arg_label(fun: Callable | None, num_args: int, i: int, path: str = "") -> str:
     """`argument 1 (batch) leaf ['x']`: the parameter name from `fun`'s signature."""
     from ..trace import _arg_names      # trace imports this module
-    return f"argument {i} ({_arg_names(fun, num_args)[i]})" + (f" leaf {path}" if path else "")
+    name = _arg_names(fun, num_args)[i] if fun is not None else f"arg{i}"
+    return f"argument {i} ({name})" + (f" leaf {path}" if path else "")
 
 
 def as_argnums(value, name: str = "batch_argnums") -> tuple[int, ...]:
@@ -68,11 +69,11 @@ def method_instance(method):
             f"method=autopar.{method.__name__}() (options go in the call, e.g. "
             f"autopar.{method.__name__}(num_microbatches=4)).")
     raise InvalidArgumentError(
-        f"method={_short(method)} is not an autopar method. Fix: pass autopar.ShardParallel(), "
+        f"method={short_repr(method)} is not an autopar method. Fix: pass autopar.ShardParallel(), "
         f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
     text = re.sub(r" at 0x[0-9a-f]+", "", repr(value))
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -87,7 +88,7 @@ def static_part(fun: Callable, args: tuple, i: int) -> tuple:
         raise InvalidArgumentError(
             f"static_argnums: {arg_label(fun, len(args), i)} of "
             f"{getattr(fun, '__name__', 'the step')} is static but its value "
-            f"{_short(a)} (of type {type(a).__name__}) is not hashable; plans are cached per static "
+            f"{short_repr(a)} (of type {type(a).__name__}) is not hashable; plans are cached per static "
             f"value, as jax.jit caches them. Fix: pass a hashable value (a tuple, a frozen "
             f"dataclass, flax.core.FrozenDict), or drop {i} from static_argnums / "
             f"static_argnames so that its leaves are traced as arrays.") from None
@@ -122,12 +123,12 @@ def bad_leaf_error(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
             where = arg_label(fun, len(args), i, jax.tree_util.keystr(path))
             if problem == "abstract":
                 return InvalidArgumentError(
-                    f"{where} is an abstract value {_short(leaf)}: a parallelized step runs on "
+                    f"{where} is an abstract value {short_repr(leaf)}: a parallelized step runs on "
                     f"concrete arrays. Fix: to plan without data use step.get_plan(...), "
                     f"step.lower(...) or autopar.plan(fun, ..., cluster=...), which accept "
                     f"jax.ShapeDtypeStruct; to run it, pass arrays (e.g. from step.init(...)).")
             return InvalidArgumentError(
-                f"{where} is {_short(leaf)} (of type {type(leaf).__name__}, {problem}): every leaf of "
+                f"{where} is {short_repr(leaf)} (of type {type(leaf).__name__}, {problem}): every leaf of "
                 f"a non-static argument must be an array (jax.Array, numpy array, Python "
                 f"number); None and empty containers are fine. Fix: keep it out of the traced "
                 f"arguments, e.g. as a flax.struct.field(pytree_node=False), a closure "
@@ -200,3 +201,15 @@ def warn_unmatched_rules(rules: Sequence[tuple[str, tuple]], paths: Sequence[str
                 f"pins nothing. Leaf paths look like {example}{' ...' if len(paths) > 3 else ''}"
                 f" (autopar.dump prints them all). Fix: correct the regex (re.search on the "
                 f"path), or drop the rule.", UserWarning, stacklevel=3)
+
+
+def warn_one_microbatch(method) -> None:
+    """A UserWarning for `PipeshardParallel` with one microbatch: its stages run one after
+    another (no two work at once), so the pipeline only splits memory."""
+    if method.num_microbatches == 1:
+        warnings.warn(
+            "PipeshardParallel(num_microbatches=1): with one microbatch the pipeline stages run "
+            "one after another, never at the same time, so there is no pipelining (each stage's "
+            "devices idle while the others work). Fix: set num_microbatches to a divisor of the "
+            "batch size, e.g. PipeshardParallel(num_microbatches=8), at least the number of "
+            "stages; or use ShardParallel() on the whole mesh.", UserWarning, stacklevel=3)
