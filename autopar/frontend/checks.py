@@ -66,8 +66,8 @@ def method_instance(method):
     if isinstance(method, type) and issubclass(method, ShardParallel):
         raise InvalidArgumentError(
             f"method=autopar.{method.__name__} is the class, not a method. Fix: call it: "
-            f"method=autopar.{method.__name__}() (options go in the call, e.g. "
-            f"autopar.{method.__name__}(num_microbatches=4)).")
+            f"autopar.{method.__name__}() (options go in the call, e.g. "
+            f"method=autopar.{method.__name__}(num_microbatches=4)).")
     raise InvalidArgumentError(
         f"method={short_repr(method)} is not an autopar method. Fix: pass autopar.ShardParallel(), "
         f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
