@@ -318,7 +318,7 @@ class ParallelizedFunction:
     def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
         """The same step, mesh, method and argnums, planned against `cluster` (a fresh
         function: nothing planned yet; a saved plan is not carried over)."""
-        return self._fresh(mesh=self.mesh, cluster=cluster)
+        return self._fresh(mesh=self.mesh, cluster=checks.check_cluster(cluster))
 
     def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> "ParallelizedFunction":
         """The same step, method and argnums re-planned for another mesh (None: every device
@@ -329,7 +329,7 @@ class ParallelizedFunction:
         Example:
             >>> step8 = step.with_mesh(jax.make_mesh((1, 8), ("data", "model")))
         """
-        return self._fresh(mesh=mesh, cluster=None)
+        return self._fresh(mesh=checks.check_mesh(mesh, "with_mesh: mesh"), cluster=None)
 
     def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
@@ -465,17 +465,14 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
             cluster=cluster, plan_cache=plan_cache, static_argnames=static_argnames,
             donate_argnames=donate_argnames, in_shardings=in_shardings,
             out_shardings=out_shardings)
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise InvalidArgumentError(
-            f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
-            f"jax.make_mesh((2, 4), ('data', 'model')).")
+    checks.check_mesh(mesh)
     as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
     return ParallelizedFunction(
-        fun, mesh=mesh, method=checks.method_instance(method), plan=plan,
+        fun, mesh=mesh, method=checks.method_instance(method), plan=checks.check_plan(plan),
         batch_argnums=checks.as_argnums(batch_argnums),
         static_argnums=as_tuple(static_argnums) + argnums_for_names(
             fun, static_argnames, "static_argnames"),
         donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
             fun, donate_argnames, "donate_argnames"),
-        cluster=cluster, plan_cache=plan_cache,
+        cluster=checks.check_cluster(cluster), plan_cache=plan_cache,
         pins=PinnedShardings.of(in_shardings, out_shardings))

@@ -26,7 +26,7 @@ from . import _compat
 from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand as _expand_marker
 from .graph import InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor, TensorKind
-from .frontend.checks import argnums_text, check_leaves, check_primitive
+from .frontend.checks import argnums_text, check_array_tree, check_leaves, check_primitive
 from .frontend.loops import REGION_PRIMITIVES, trace_region
 from .markers import STAGE_BOUNDARY
 from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
@@ -328,7 +328,11 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
         full = list(args)
         for i, a in zip(dyn_idx, dyn_args):
             full[i] = a
-        return fun(*full)
+        out = fun(*full)
+        check_array_tree(out, f"{getattr(fun, '__name__', 'the step')} returned a value whose",
+                         "return arrays (and pytrees of them) only; keep other values out of "
+                         "the step's result (e.g. compute them outside the step).")
+        return out
 
     dyn_args = tuple(args[i] for i in dyn_idx)
     # Trace shapes and dtypes only: where the arguments live must not change the graph (a

@@ -103,8 +103,8 @@ def _leaf_problem(leaf: Any, *, abstract_ok: bool) -> str | None:
         return None if abstract_ok else "abstract"
     if isinstance(leaf, (bool, int, float, complex, np.generic)) and not isinstance(leaf, str):
         return None
-    if isinstance(leaf, np.ndarray):
-        return "object dtype" if leaf.dtype == object else None
+    if isinstance(leaf, np.ndarray):     # strings, bytes, objects: no JAX dtype
+        return f"{leaf.dtype.name} dtype" if leaf.dtype.kind in "OSUV" else None
     return "not an array"
 
 
@@ -150,6 +150,18 @@ def leaf_signatures(fun: Callable, args: tuple, i: int, leaves: list,
         raise err from None
 
 
+def check_array_tree(tree: Any, what: str, fix: str) -> None:
+    """Every leaf of `tree` is an array or a Python number, else an InvalidArgumentError:
+    "{what} leaf {path} is ...: {fix}"."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        problem = _leaf_problem(leaf, abstract_ok=False)
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"{what} leaf {jax.tree_util.keystr(path) or '(the value itself)'} is "
+                f"{short_repr(leaf)} (of type {type(leaf).__name__}, {problem}); it must be an "
+                f"array. Fix: {fix}")
+
+
 def check_leaves(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
                  abstract_ok: bool = True) -> None:
     """Every non-static argument leaf is an array (or, with `abstract_ok`, an abstract
@@ -157,6 +169,38 @@ def check_leaves(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
     err = bad_leaf_error(fun, args, static_argnums, abstract_ok=abstract_ok)
     if err is not None:
         raise err
+
+
+def check_mesh(mesh, where: str = "mesh"):
+    """`mesh` if it is a `jax.sharding.Mesh` (or None: every device)."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise InvalidArgumentError(
+            f"{where}={short_repr(mesh)} is not a jax.sharding.Mesh. Fix: build one with "
+            f"jax.make_mesh((2, 4), ('data', 'model')).")
+    return mesh
+
+
+def check_cluster(cluster):
+    """`cluster` if it is a `ClusterSpec` (or None: read off the devices)."""
+    from ..cluster import ClusterSpec
+    if cluster is not None and not isinstance(cluster, ClusterSpec):
+        raise InvalidArgumentError(
+            f"cluster={short_repr(cluster)} is not an autopar.ClusterSpec. Fix: pass "
+            f"autopar.ClusterSpec.preset(name) (presets: {list(ClusterSpec.preset_names())}) "
+            f"or autopar.ClusterSpec.from_devices(jax.devices()).")
+    return cluster
+
+
+def check_plan(plan):
+    """`parallelize(plan=...)`: a `ParallelPlan` (or None: search)."""
+    from ..plan import ParallelPlan
+    if plan is not None and not isinstance(plan, ParallelPlan):
+        hint = ("autopar.ParallelPlan.from_json(text)" if isinstance(plan, (str, bytes, dict))
+                else "a plan from step.get_plan(...) or autopar.plan(...)")
+        raise InvalidArgumentError(
+            f"plan={short_repr(plan)} (of type {type(plan).__name__}) is not an "
+            f"autopar.ParallelPlan. Fix: pass {hint}, or plan=None to search.")
+    return plan
 
 
 def check_concrete(fun: Callable, args: tuple, leaves: list,
