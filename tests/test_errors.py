@@ -205,6 +205,55 @@ CASES = [
      InvalidArgumentError, ["AutoLayerOption", "AutoLayerOption(num_layers=...)"], []),
     ("unknown cluster preset", lambda: ClusterSpec.preset("dgx-z9000"),
      InvalidArgumentError, ["'dgx-z9000'", "cpu"], []),
+    ("with_mesh given a string", lambda: par().with_mesh("mesh"),
+     InvalidArgumentError, ["mesh='mesh'", "jax.make_mesh"], []),
+    ("with_cluster given a name", lambda: par().with_cluster("cpu"),
+     InvalidArgumentError, ["cluster='cpu'", "ClusterSpec.preset("], []),
+    ("parallelize cluster given a name", lambda: par(cluster="dgx-a100"),
+     InvalidArgumentError, ["cluster='dgx-a100'", "ClusterSpec.preset("], []),
+    ("parallelize plan given JSON text", lambda: par(plan='{"version": 1}'),
+     InvalidArgumentError, ["of type str", "ParallelPlan.from_json(text)"], []),
+    ("autopar.plan mesh of another size", lambda: autopar.plan(
+        step, STATE, BATCH, cluster=CPU, mesh_shape=(3, 3)),
+     InvalidArgumentError, ["(3, 3)", "9 devices", "8"], []),
+    ("batch_axis names a missing axis", lambda: par(method=ShardParallel(batch_axis="foo"))(
+        STATE, BATCH), InvalidArgumentError, ["'foo'", "Fix:"], []),
+    ("gradient accumulation on a 3-D mesh", lambda: autopar.parallelize(
+        acc_step, mesh=jax.make_mesh((2, 2, 2), ("a", "b", "c")), plan_cache=False,
+        method=ShardParallel(num_microbatches=2))(STATE, BATCH),
+     InvalidArgumentError, ["(2, 2, 2)", "Fix:"], []),
+    ("pipeline without autopar.value_and_grad", lambda: par(
+        method=PipeshardParallel(num_microbatches=2))(STATE, BATCH),
+     InvalidArgumentError, ["autopar.value_and_grad", "found 0", "Fix:"], []),
+    ("ManualLayerOption without markers", lambda: par(acc_step, method=PipeshardParallel(
+        num_microbatches=2, layer_option=autopar.ManualLayerOption()))(STATE, BATCH),
+     InvalidArgumentError, ["mark_stage_boundary", "Fix:"], []),
+    ("step returns a string", lambda: par(lambda st, b: (st, "done"))(STATE, BATCH),
+     InvalidArgumentError, ["returned", "[1]", "'done'", "Fix:"], []),
+    ("numpy string array leaf", lambda: par()(STATE, {**BATCH, "names": np.array(["a", "b"])}),
+     InvalidArgumentError, ["argument 1 (batch) leaf ['names']", "str32 dtype", "Fix:"], []),
+    ("autopar.grad of a non-scalar loss", lambda: autopar.grad(lambda x: x)(jnp.ones(3)),
+     InvalidArgumentError, ["float32[3]", "Fix:"], []),
+    ("autopar.grad argnums out of range", lambda: autopar.grad(
+        lambda x: x.sum(), argnums=3)(jnp.ones(3)),
+     InvalidArgumentError, ["argnums=3", "Fix:"], []),
+    ("mark_stage_boundary on a string", lambda: autopar.mark_stage_boundary("abc"),
+     InvalidArgumentError, ["'abc'", "Fix:"], []),
+    ("init with a bad state_argnum", lambda: par().init(lambda: STATE, BATCH, state_argnum=5),
+     InvalidArgumentError, ["state_argnum=5", "Fix:"], []),
+    ("init_sharded with a state, not a function", lambda: autopar.init_sharded(
+        STATE, par(), BATCH), InvalidArgumentError, ["create_state=", "Fix:"], []),
+    ("save_checkpoint of a string leaf", lambda: autopar.save_checkpoint(
+        "/tmp/autopar-test-errors-never-written", {"w": jnp.ones(2), "name": "run1"}, 1),
+     InvalidArgumentError, ["['name']", "'run1'", "Fix:"], []),
+    ("save_checkpoint negative step", lambda: autopar.save_checkpoint(
+        "/tmp/autopar-test-errors-never-written", STATE, -1),
+     InvalidArgumentError, ["step=-1", "Fix:"], []),
+    ("restore a missing checkpoint", lambda: autopar.restore_checkpoint(
+        "/nonexistent/autopar/ckpt", STATE),
+     InvalidArgumentError, ["/nonexistent/autopar/ckpt", "Fix:"], []),
+    ("calibrate a plain function", lambda: autopar.calibrate(step),
+     InvalidArgumentError, ["parallelized function", "Fix:"], []),
     # -- saved plans -----------------------------------------------------------------------
     ("plan JSON truncated", lambda: autopar.ParallelPlan.from_json(
         json.dumps(plan_json())[:200]),
