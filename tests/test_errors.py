@@ -92,6 +92,19 @@ def _shard_map_step(state, batch):
                          out_specs=P("data"))(batch["x"]).sum()
 
 
+def _nnx_step_with_default_batch_argnums():
+    from flax import nnx
+    import optax
+    model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def nnx_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch["x"]) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+    par(nnx_step)(model, optimizer, BATCH)
+
+
 def _saved_plan_other_shapes():
     p = autopar.ParallelPlan.from_json(json.dumps(plan_json()))
     par(plan=p)({"w": jnp.ones((32, 16))}, {"x": jnp.ones((16, 32))})
@@ -140,6 +153,9 @@ CASES = [
      InvalidArgumentError, ["plan_cache=3", "directory"], []),
     ("batch_argnums default, one argument", lambda: par(lambda st: st)(STATE),
      InvalidArgumentError, ["batch_argnums=(1,) (the default)", "Fix:"], []),
+    ("NNX step with the default batch_argnums", _nnx_step_with_default_batch_argnums,
+     InvalidArgumentError, ["batch_argnums=(1,) (the default)", "optimizer", "Fix:",
+                            "batch_argnums=(2,)"], []),
     ("batch_argnums given, out of range", lambda: par(batch_argnums=(3,))(STATE, BATCH),
      InvalidArgumentError, ["batch_argnums=(3,)", "Fix:"], ["(the default)"]),
     ("batch_argnums not ints", lambda: par(batch_argnums=1.5),
