@@ -88,9 +88,9 @@ def static_part(fun: Callable, args: tuple, i: int) -> tuple:
         raise InvalidArgumentError(
             f"static_argnums: {arg_label(fun, len(args), i)} of "
             f"{getattr(fun, '__name__', 'the step')} is static but its value "
-            f"{short_repr(a)} (of type {type(a).__name__}) is not hashable; plans are cached per static "
-            f"value, as jax.jit caches them. Fix: pass a hashable value (a tuple, a frozen "
-            f"dataclass, flax.core.FrozenDict), or drop {i} from static_argnums / "
+            f"{short_repr(a)} (of type {type(a).__name__}) is not hashable; plans are cached "
+            f"per static value, as jax.jit caches them. Fix: pass a hashable value (a tuple, "
+            f"a frozen dataclass, flax.core.FrozenDict), or drop {i} from static_argnums / "
             f"static_argnames so that its leaves are traced as arrays.") from None
     return ("static", a)
 
@@ -128,9 +128,9 @@ def bad_leaf_error(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
                     f"step.lower(...) or autopar.plan(fun, ..., cluster=...), which accept "
                     f"jax.ShapeDtypeStruct; to run it, pass arrays (e.g. from step.init(...)).")
             return InvalidArgumentError(
-                f"{where} is {short_repr(leaf)} (of type {type(leaf).__name__}, {problem}): every leaf of "
-                f"a non-static argument must be an array (jax.Array, numpy array, Python "
-                f"number); None and empty containers are fine. Fix: keep it out of the traced "
+                f"{where} is {short_repr(leaf)} (of type {type(leaf).__name__}, {problem}): "
+                f"every leaf of a non-static argument must be an array (jax.Array, numpy "
+                f"array, Python number); None and empty containers are fine. Fix: keep it out of the traced "
                 f"arguments, e.g. as a flax.struct.field(pytree_node=False), a closure "
                 f"variable, or a static argument (static_argnums=({i},), hashable values "
                 f"only).")

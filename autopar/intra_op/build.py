@@ -43,7 +43,8 @@ def warn_fallback(f: Fallback) -> None:
         warnings.warn(
             f"autopar: node {f.node} '{f.primitive}' at {f.source} is replicated: {f.reason}; "
             f"every device holds {format_bytes(f.replicated_bytes)} of its operands and "
-            f"results whole{f' (the largest: {f.largest})' if f.largest else ''}. Fix: add a sharding rule for '{f.primitive}' (LEADER_RULES in "
+            f"results whole{f' (the largest: {f.largest})' if f.largest else ''}. Fix: add a "
+            f"sharding rule for '{f.primitive}' (LEADER_RULES in "
             f"autopar/intra_op/rules.py or FOLLOW_RULES in follow.py), or restructure the code "
             f"at that line; see the plan's fallbacks in autopar.dump.",
             FallbackWarning, stacklevel=2)
