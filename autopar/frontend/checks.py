@@ -131,9 +131,9 @@ def bad_leaf_error(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
                 f"{where} is {short_repr(leaf)} (of type {type(leaf).__name__}, {problem}): "
                 f"every leaf of a non-static argument must be an array (jax.Array, numpy "
                 f"array, Python number); None and empty containers are fine. Fix: keep it "
-                f"out of the traced arguments, e.g. as a flax.struct.field(pytree_node=False), a closure "
-                f"variable, or a static argument (static_argnums=({i},), hashable values "
-                f"only).")
+                f"out of the traced arguments, e.g. as a flax.struct.field("
+                f"pytree_node=False), a closure variable, or a static argument "
+                f"(static_argnums=({i},), hashable values only).")
     return None
 
 
