@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from .. import _compat
 from ..errors import InvalidArgumentError, UnsupportedError
 
 
@@ -69,8 +70,9 @@ def method_instance(method):
             f"autopar.{method.__name__}() (options go in the call, e.g. "
             f"method=autopar.{method.__name__}(num_microbatches=4)).")
     raise InvalidArgumentError(
-        f"method={short_repr(method)} is not an autopar method. Fix: pass autopar.ShardParallel(), "
-        f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
+        f"method={short_repr(method)} is not an autopar method. Fix: pass "
+        f"autopar.ShardParallel(), DataParallel(), Zero2Parallel(), Zero3Parallel() or "
+        f"PipeshardParallel().")
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -101,9 +103,9 @@ def _leaf_problem(leaf: Any, *, abstract_ok: bool) -> str | None:
         return None
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return None if abstract_ok else "abstract"
-    if isinstance(leaf, (bool, int, float, complex, np.generic)) and not isinstance(leaf, str):
+    if isinstance(leaf, (bool, int, float, complex)):
         return None
-    if isinstance(leaf, np.ndarray):     # strings, bytes, objects: no JAX dtype
+    if isinstance(leaf, (np.ndarray, np.generic)):     # strings, bytes, objects: no JAX dtype
         return f"{leaf.dtype.name} dtype" if leaf.dtype.kind in "OSUV" else None
     return "not an array"
 
@@ -123,8 +125,8 @@ def bad_leaf_error(fun: Callable, args: tuple, static_argnums: Sequence[int], *,
             where = arg_label(fun, len(args), i, jax.tree_util.keystr(path))
             if problem == "abstract":
                 return InvalidArgumentError(
-                    f"{where} is an abstract value {short_repr(leaf)}: a parallelized step runs on "
-                    f"concrete arrays. Fix: to plan without data use step.get_plan(...), "
+                    f"{where} is an abstract value {short_repr(leaf)}: a parallelized step "
+                    f"runs on concrete arrays. Fix: to plan without data use step.get_plan(...), "
                     f"step.lower(...) or autopar.plan(fun, ..., cluster=...), which accept "
                     f"jax.ShapeDtypeStruct; to run it, pass arrays (e.g. from step.init(...)).")
             return InvalidArgumentError(
@@ -229,7 +231,6 @@ def check_primitive(name: str, eqn, outer_source: str | None) -> None:
     `pmap`), naming its source line."""
     message = _UNSUPPORTED.get(name)
     if message is not None:
-        from .. import _compat
         source = _compat.source_summary(eqn.source_info) or outer_source or "<unknown>"
         raise UnsupportedError(f"{name} at {source}: {message}")
 
