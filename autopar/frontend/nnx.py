@@ -263,9 +263,8 @@ class BoundCall:
                 "batch_argnums listing the argument that holds the batch")
         raise InvalidArgumentError(
             f"{argnums_text('batch_argnums', self._batch)} names {_arg_label(self._names, i)}, "
-            f"which "
-            f"holds NNX objects ({type(self.args[i]).__name__}); the batch argument must hold "
-            f"arrays whose leading dimension is the batch. Fix: pass {hint} (e.g. "
+            f"which holds NNX objects ({type(self.args[i]).__name__}); the batch argument must "
+            f"hold arrays whose leading dimension is the batch. Fix: pass {hint} (e.g. "
             f"`train_step(model, optimizer, metrics, batch)` takes batch_argnums=(3,)).")
 
     def finish(self, pure: PureStep, result) -> Any:
