@@ -28,6 +28,7 @@ from .cluster import ClusterSpec
 from .distributed import check_agreement
 from . import _compat
 from .errors import InvalidArgumentError, UnsupportedError
+from .frontend import checks
 from .frontend.jit_options import PinnedShardings, argnums_for_names
 from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
 from .frontend.nnx import PureStep, as_state
@@ -72,7 +73,7 @@ class ParallelizedFunction:
         self._method = method or ShardParallel()
         self._static = tuple(static_argnums)
         self._donate = tuple(donate_argnums)
-        self._batch = tuple(batch_argnums)
+        self._batch = checks.as_argnums(batch_argnums)
         self._saved_plan = plan
         self._cluster = cluster
         self.plan_cache_of = plan_cache
@@ -95,10 +96,11 @@ class ParallelizedFunction:
         parts = []
         for i, a in enumerate(args):
             if i in self._static:
-                parts.append(("static", a))
+                parts.append(checks.static_part(self._fun, args, i))
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(a)
-                parts.append((treedef, tuple(abstract_signature(x) for x in leaves)))
+                parts.append((treedef, checks.leaf_signatures(
+                    self._fun, args, i, leaves, abstract_signature)))
         return tuple(parts)
 
     def _signature(self, args) -> str:
@@ -142,7 +144,7 @@ class ParallelizedFunction:
                                     batch_argnums=self._batch,
                                     donate_argnums=self._front.donated(args))
         graph = retrace()
-        check_batch(graph)
+        check_batch(graph, self._batch)
         searched = []
 
         def plan_with(g, m):
@@ -158,7 +160,7 @@ class ParallelizedFunction:
                 v.plan, method, functools.partial(plan_with, v.graph))))
             return searched[0].plan
         if self._saved_plan is not None:
-            plan_ = matching(self._saved_plan, graph_fingerprint(graph))
+            plan_ = matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
         graph = searched[0].graph if searched else traced_for(plan_, graph, retrace)
@@ -202,7 +204,7 @@ class ParallelizedFunction:
         if searched is not None:      # `replay`: the searched plan as find_plan stamped it
             (_, parts, graph), plan_ = searched, replay
         else:      # a saved, cached or shared plan: replay its stages and their solutions
-            matching(replay, fingerprint)
+            matching(replay, fingerprint, step)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), solutions=replay.stage_solutions)
@@ -260,6 +262,7 @@ class ParallelizedFunction:
                 "arguments; a parallelized step runs its own compiled executables on the mesh "
                 "and cannot be traced into another program. Fix: call it at the top level (it "
                 "is compiled already), or transform the plain function and parallelize that.")
+        checks.check_concrete(self._fun, args, leaves, self._static)
         check_donated_aliases(self._fun, args, self._static, self._front.donated(args))
         entry = self._entry(args)
         pipeline = entry.executor is not None
@@ -318,7 +321,7 @@ class ParallelizedFunction:
     def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
         """The same step, mesh, method and argnums, planned against `cluster` (a fresh
         function: nothing planned yet; a saved plan is not carried over)."""
-        return self._fresh(mesh=self.mesh, cluster=cluster)
+        return self._fresh(mesh=self.mesh, cluster=checks.check_cluster(cluster))
 
     def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> "ParallelizedFunction":
         """The same step, method and argnums re-planned for another mesh (None: every device
@@ -329,7 +332,7 @@ class ParallelizedFunction:
         Example:
             >>> step8 = step.with_mesh(jax.make_mesh((1, 8), ("data", "model")))
         """
-        return self._fresh(mesh=mesh, cluster=None)
+        return self._fresh(mesh=checks.check_mesh(mesh, "with_mesh: mesh"), cluster=None)
 
     def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
@@ -365,7 +368,7 @@ class ParallelizedFunction:
             graph = under_mesh_if_needed(self._mesh, lambda: trace(
                 self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
                 donate_argnums=self._front.donated(args)))
-        check_batch(graph)
+        check_batch(graph, self._batch)
         mesh = self.mesh
         return plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
                            self._front.method(args, self._method, mesh),
@@ -399,7 +402,8 @@ class ParallelizedFunction:
 
 def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None = None,
                 method: ShardParallel | None = None, static_argnums: Sequence[int] = (),
-                donate_argnums: Sequence[int] = (), batch_argnums: Sequence[int] = (1,),
+                donate_argnums: Sequence[int] = (),
+                batch_argnums: Sequence[int] = checks.DEFAULT_BATCH_ARGNUMS,
                 plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
                 plan_cache: bool | str | os.PathLike = True, static_argnames=(),
                 donate_argnames=(), in_shardings=None, out_shardings=None):
@@ -464,20 +468,14 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
             cluster=cluster, plan_cache=plan_cache, static_argnames=static_argnames,
             donate_argnames=donate_argnames, in_shardings=in_shardings,
             out_shardings=out_shardings)
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise InvalidArgumentError(
-            f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: build one with "
-            f"jax.make_mesh((2, 4), ('data', 'model')).")
-    if method is not None and not isinstance(method, ShardParallel):
-        raise InvalidArgumentError(
-            f"method={method!r} is not an autopar method. Fix: pass autopar.ShardParallel(), "
-            f"DataParallel(), Zero2Parallel(), Zero3Parallel() or PipeshardParallel().")
+    checks.check_mesh(mesh)
     as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
     return ParallelizedFunction(
-        fun, mesh=mesh, method=method, batch_argnums=as_tuple(batch_argnums), plan=plan,
+        fun, mesh=mesh, method=checks.method_instance(method), plan=checks.check_plan(plan),
+        batch_argnums=checks.as_argnums(batch_argnums),
         static_argnums=as_tuple(static_argnums) + argnums_for_names(
             fun, static_argnames, "static_argnames"),
         donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
             fun, donate_argnames, "donate_argnames"),
-        cluster=cluster, plan_cache=plan_cache,
+        cluster=checks.check_cluster(cluster), plan_cache=plan_cache,
         pins=PinnedShardings.of(in_shardings, out_shardings))

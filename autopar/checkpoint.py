@@ -31,6 +31,7 @@ from etils import epath
 
 from ._format import format_bytes, format_time
 from .errors import InvalidArgumentError
+from .frontend.checks import check_array_tree
 from .lower import plan_input_shardings
 from .plan import ParallelPlan
 
@@ -55,6 +56,8 @@ def save_checkpoint(path, state, step: int, *, keep: int | None = None) -> str:
         '/ckpt/run1/1000'
     """
     step = _check_step("save_checkpoint", step)
+    check_array_tree(state, "save_checkpoint: state", "save arrays and numbers only; keep "
+                     "strings and objects (configs, names) in your own metadata file.")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, numbers.Integral)
                              or keep < 1):
         raise InvalidArgumentError(

@@ -22,6 +22,8 @@ import jax
 import jax.extend.core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from .frontend.checks import check_array_tree
+
 stage_boundary_p = jcore.Primitive("autopar_stage_boundary")
 stage_boundary_p.multiple_results = True
 STAGE_BOUNDARY = stage_boundary_p.name
@@ -62,6 +64,8 @@ def mark_stage_boundary(*values: Any, name: str = ""):
     """Mark a pipeline layer boundary on the values that cross it; returns them unchanged
     (one value: that value; several: a tuple). Any pytree of arrays may be passed."""
     leaves, treedef = jax.tree_util.tree_flatten(values)
+    check_array_tree(values, "mark_stage_boundary: value", "pass the arrays that flow "
+                     "from one layer to the next (e.g. the hidden state `x`).")
     if leaves:
         leaves = stage_boundary_p.bind(*leaves, name=str(name))
     out = jax.tree_util.tree_unflatten(treedef, list(leaves))

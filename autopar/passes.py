@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .errors import InvalidArgumentError, PlanMismatchError
+from .frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums, method_instance,
+                              warn_one_microbatch, warn_unmatched_rules)
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .options import PipeshardParallel, ShardParallel
@@ -37,6 +39,7 @@ def plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, met
     log.info("autopar: traced %d operators (%d tensors) in %.2f s; planning %s on mesh %s",
              len(graph.nodes), len(graph.tensors), graph.trace_time_s, method.kind.value,
              dict(zip(axis_names, mesh_shape)))
+    warn_unmatched_rules(method.sharding_rules, [graph.tensors[t].path for t in graph.inputs])
     logical = cluster.logical_mesh(tuple(mesh_shape), tuple(axis_names))
     cost = CostModel(mesh=logical)
     assignment = solve_intra_op(graph, cost, method, graph.carried_outputs, perturb=perturb,
@@ -53,21 +56,23 @@ def plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, met
                       timings_s=timings, call_overhead_s=logical.call_overhead_s, cost=cost)
 
 
-def check_batch(graph: OpGraph) -> None:
-    """Every leaf of a batch argument must share one leading (batch) dimension."""
+def check_batch(graph: OpGraph, batch_argnums: Sequence[int] = ()) -> None:
+    """Every leaf of a batch argument must share one leading (batch) dimension
+    (`batch_argnums`: as the user gave them, for the message)."""
+    name = argnums_text("batch_argnums", batch_argnums) if batch_argnums else "batch_argnums"
     sizes = {}
     for tid in graph.inputs:
         t = graph.tensors[tid]
         if t.role == InputRole.BATCH:
             if t.rank == 0:
                 raise InvalidArgumentError(
-                    f"batch_argnums: leaf `{t.path}` is a scalar, so it has no batch dimension. "
+                    f"{name}: leaf `{t.path}` is a scalar, so it has no batch dimension. "
                     f"Fix: list only arguments whose leaves are [batch, ...] arrays in "
                     f"batch_argnums (static or scalar arguments belong elsewhere).")
             sizes[t.path] = t.shape[0]
     if len(set(sizes.values())) > 1:
         raise InvalidArgumentError(
-            f"batch_argnums: the leaves of the batch argument(s) disagree on the batch "
+            f"{name}: the leaves of the batch argument(s) disagree on the batch "
             f"(leading) dimension: {sizes}. Fix: pass in batch_argnums only arguments whose "
             f"leaves all start with the same batch size.")
 
@@ -81,13 +86,14 @@ def pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,
                       ) -> tuple[PipeshardParallel, ShardParallel | None]:
     """(the pipeline to run, the method its stage ILPs follow: None for a real pipeline)."""
     if isinstance(method, PipeshardParallel):
+        warn_one_microbatch(method)
         return method, None
     return accumulation_method(method, mesh_shape, cluster), method
 
 
 def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
          mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
-         batch_argnums: Sequence[int] = (1,), static_argnums: Sequence[int] = (),
+         batch_argnums: Sequence[int] = DEFAULT_BATCH_ARGNUMS, static_argnums: Sequence[int] = (),
          donate_argnums: Sequence[int] = ()) -> ParallelPlan:
     """Plan `fun(*args)` for a cluster this machine need not have.
 
@@ -100,7 +106,8 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
         >>> abstract_state = jax.eval_shape(create_state)
         >>> p = autopar.plan(train_step, abstract_state, batch_spec, cluster=cluster)
     """
-    method = method or ShardParallel()
+    method = method_instance(method) or ShardParallel()
+    batch_argnums = as_argnums(batch_argnums)
     if mesh_shape is None:
         mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
@@ -114,7 +121,8 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     retrace = functools.partial(trace, fun, args, static_argnums=static_argnums,
                                 batch_argnums=batch_argnums, donate_argnums=donate_argnums)
     graph = retrace()
-    check_batch(graph)
+    check_batch(graph, batch_argnums)
+
     def plan_with(g, m):
         return plan_graph(g, cluster, mesh_shape, axis_names, m, tuple(range(cluster.num_devices)))
     plan_, graph = plan_step(graph, retrace, functools.partial(plan_with, m=method), method)
@@ -138,14 +146,38 @@ def plan_cache_of(option) -> PlanCache | None:
         "or False (no plan cache).")
 
 
-def matching(plan_: ParallelPlan, fingerprint: str) -> ParallelPlan:
-    """`plan_` if it was made for the traced step with this fingerprint, else a clear error."""
+def matching(plan_: ParallelPlan, fingerprint: str, graph: OpGraph | None = None,
+             ) -> ParallelPlan:
+    """`plan_` if it was made for the traced step with this fingerprint, else a clear error
+    naming the argument leaves whose shape or dtype changed (`graph`: the traced step)."""
     if plan_.graph_fingerprint != fingerprint:
         raise PlanMismatchError(
-            "the saved plan was made for a different function or argument shapes (plan "
-            f"fingerprint {plan_.graph_fingerprint}, this call {fingerprint}). Fix: re-plan, or "
-            "call with the shapes the plan was made for.")
+            f"the saved plan was made for a different function or argument shapes: "
+            f"{changed_leaves(plan_, graph)} (plan fingerprint {plan_.graph_fingerprint}, this "
+            f"call {fingerprint}). Fix: re-plan (parallelize without plan=, or "
+            f"step.get_plan(...) on these arguments), or call with the shapes the plan was "
+            f"made for.")
     return plan_
+
+
+def changed_leaves(plan_: ParallelPlan, graph: OpGraph | None) -> str:
+    """What differs between the plan's inputs and the traced step's, e.g. "argument 1 leaf
+    batch['x']: (16, 16) float32 -> (32, 16) float32"."""
+    if graph is None:
+        return "the traced step differs"
+    now = [graph.tensors[t] for t in graph.inputs]
+    if len(now) != len(plan_.inputs):
+        return (f"the plan has {len(plan_.inputs)} argument leaves, this call "
+                f"{len(now)} (a leaf added or removed)")
+    diffs = [f"argument {graph.arg_of_input[k]} leaf {t.path}: {p.shape} {p.dtype} -> "
+             f"{t.shape} {t.dtype}" + (f" (was {p.path})" if p.path != t.path else "")
+             for k, (p, t) in enumerate(zip(plan_.inputs, now))
+             if (tuple(p.shape), p.dtype) != (t.shape, t.dtype)]
+    if not diffs:
+        return ("every argument leaf has the shape and dtype the plan was made for, so the "
+                "function's operations (or a static argument) differ")
+    more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    return "; ".join(diffs[:3]) + more
 
 
 def layout_text(program) -> str:

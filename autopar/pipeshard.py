@@ -37,6 +37,7 @@ from .planner import output_paths, tensor_plans
 from .primitives import HEAVY_OPERATORS
 from .runtime.schedule import make_schedule
 from .spec import Spec, replicated
+from .frontend.checks import arg_label, argnums_text, warn_unmatched_rules
 from .trace import _abstract, check_argnums, trace
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,10 @@ class PipelineParts:
     local_grads: tuple[LocalGrads | None, ...]   # per stage (None: one microbatch)
 
 
-def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches: int) -> tuple:
-    """Abstract arguments with every batch leaf's leading dimension divided by M."""
+def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches: int,
+                    fun: Callable | None = None) -> tuple:
+    """Abstract arguments with every batch leaf's leading dimension divided by M (`fun`: the
+    step, whose parameter names the error message uses)."""
     batch = check_argnums("batch_argnums", batch_argnums, len(args))
     out = []
     for i, a in enumerate(args):
@@ -59,15 +62,19 @@ def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches:
             out.append(a)
             continue
 
-        def shrink(x):
+        def shrink(path, x):
             x = _abstract(x)
             if not x.shape or x.shape[0] % num_microbatches:
+                where = arg_label(fun, len(args), i, jax.tree_util.keystr(path))
                 raise InvalidArgumentError(
-                    f"num_microbatches={num_microbatches}: a leaf of batch argument {i} has shape "
+                    f"num_microbatches={num_microbatches}: {where} (in "
+                    f"{argnums_text('batch_argnums', batch_argnums)}) has shape "
                     f"{tuple(x.shape)}, whose leading (batch) dimension is not divisible by "
-                    f"{num_microbatches}. Fix: choose num_microbatches dividing the batch size.")
+                    f"{num_microbatches}. Fix: choose num_microbatches dividing the batch size "
+                    f"({x.shape[0] if x.shape else 'a scalar has none'}), or a batch size "
+                    f"that is a multiple of {num_microbatches}.")
             return jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
-        out.append(jax.tree_util.tree_map(shrink, a))
+        out.append(jax.tree_util.tree_map_with_path(shrink, a))
     return tuple(out)
 
 
@@ -125,7 +132,9 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
               donate_argnums=donate_argnums, keep_grad=True)
     step = step_graph if step_graph is not None else trace(fun, args, **kw)
     m = method.num_microbatches
-    micro = trace(fun, microbatch_args(args, batch_argnums, m), **kw) if m > 1 else step
+    warn_unmatched_rules((stage_method or method).sharding_rules,
+                         [step.tensors[t].path for t in step.inputs])
+    micro = trace(fun, microbatch_args(args, batch_argnums, m, fun), **kw) if m > 1 else step
     layers = method.layer_option
     loss = split_step(step, micro, m, scan_pieces=layers.num_layers       # scans can be cut
                       if isinstance(layers, AutoLayerOption) else 1)

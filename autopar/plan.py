@@ -181,30 +181,36 @@ class ParallelPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "ParallelPlan":
-        d = json.loads(text)
-        if d.get("version") != PLAN_FORMAT_VERSION:
-            from .errors import PlanMismatchError
-            raise PlanMismatchError(
-                f"plan format version {d.get('version')!r} is not the supported version "
-                f"{PLAN_FORMAT_VERSION}. Fix: re-plan with this autopar version.")
+        """The plan `to_json` wrote. Raises InvalidArgumentError for text that is not a
+        plan (not JSON, truncated, missing keys, malformed entries) and PlanMismatchError for
+        another format version or specs that do not fit the plan's mesh (`plan_check`)."""
+        from .plan_check import check_specs, converted, plan_data, required_keys
+        d = plan_data(text, PLAN_FORMAT_VERSION, required_keys(cls))
         spec = spec_from_json
-        d["inputs"] = tuple(_tensor_plan(t) for t in d["inputs"])
-        d["outputs"] = tuple(_tensor_plan(t) for t in d["outputs"])
-        d["constraints"] = tuple((int(t), spec(s)) for t, s in d["constraints"])
-        d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
-                                               "out_spec": spec(o["out_spec"])})
-                               for o in d["operators"])
-        d["collectives"] = tuple(_collective_plan(c) for c in d["collectives"])
-        d["reshards"] = tuple((int(n), int(i), spec(s)) for n, i, s in d.get("reshards", ()))
-        d["fallbacks"] = tuple(FallbackPlan(**f) for f in d["fallbacks"])
-        d["stages"] = tuple(StagePlan(**{**s, **{k: tuple(s[k]) for k in (
-            "device_ids", "logical_mesh_shape", "axis_names", "layers", "submesh", "scopes")}})
-                            for s in d["stages"])
-        for k in ("mesh_shape", "axis_names", "device_ids"):
-            d[k] = tuple(d[k])
-        d["stage_solutions"] = tuple(d.get("stage_solutions", ()))
-        d["alternatives"] = tuple(d.get("alternatives", ()))
-        return cls(**d)
+        conv = {
+            "inputs": lambda v: tuple(_tensor_plan(t) for t in v),
+            "outputs": lambda v: tuple(_tensor_plan(t) for t in v),
+            "constraints": lambda v: tuple((int(t), spec(s)) for t, s in v),
+            "operators": lambda v: tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
+                                                         "out_spec": spec(o["out_spec"])})
+                                         for o in v),
+            "collectives": lambda v: tuple(_collective_plan(c) for c in v),
+            "reshards": lambda v: tuple((int(n), int(i), spec(s)) for n, i, s in v),
+            "fallbacks": lambda v: tuple(FallbackPlan(**f) for f in v),
+            "stages": lambda v: tuple(StagePlan(**{**s, **{k: tuple(s[k]) for k in (
+                "device_ids", "logical_mesh_shape", "axis_names", "layers", "submesh",
+                "scopes") if k in s}}) for s in v),
+            **{k: lambda v: tuple(int(x) for x in v) for k in ("mesh_shape", "device_ids")},
+            "axis_names": lambda v: tuple(str(x) for x in v),
+            "stage_solutions": tuple,
+            "alternatives": tuple,
+        }
+        for key, convert in conv.items():
+            if key in d:
+                d[key] = converted(key, d[key], convert)
+        plan = converted("(the plan)", d, lambda v: cls(**v))
+        check_specs(plan)
+        return plan
 
 
 def spec_from_json(value: Any) -> Spec:

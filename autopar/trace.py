@@ -26,6 +26,7 @@ from . import _compat
 from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand as _expand_marker
 from .graph import InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor, TensorKind
+from .frontend.checks import argnums_text, check_array_tree, check_leaves, check_primitive
 from .frontend.loops import REGION_PRIMITIVES, trace_region
 from .markers import STAGE_BOUNDARY
 from .primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
@@ -98,8 +99,8 @@ def check_argnums(name: str, argnums: Sequence[int], num_args: int) -> tuple[int
     for a in argnums:
         if not isinstance(a, int) or not -num_args <= a < num_args:
             raise InvalidArgumentError(
-                f"{name}={tuple(argnums)!r}: {a!r} is not a valid positional argument index for "
-                f"a call with {num_args} argument(s). Fix: pass indices in [0, {num_args}).")
+                f"{argnums_text(name, argnums)}: {a!r} is not a valid positional argument index "
+                f"for a call with {num_args} argument(s). Fix: pass indices in [0, {num_args}).")
         out.append(a % num_args)
     return tuple(sorted(set(out)))
 
@@ -231,6 +232,7 @@ class _Builder:
             if name in REGION_PRIMITIVES:
                 trace_region(self, eqn, in_ids, env, outer_source)
                 continue
+            check_primitive(name, eqn, outer_source)
             body_param = _compat.INLINE_BODY_PARAM.get(name)
             if name == VALUE_AND_GRAD and not self.keep_grad:
                 body = jax.make_jaxpr(functools.partial(self.expand, **eqn.params))(
@@ -320,12 +322,17 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
             f"or donate_argnums; a static argument is not an array. Fix: remove them from one.")
     dyn_idx = [i for i in range(len(args)) if i not in static]
     names = _arg_names(fun, len(args))
+    check_leaves(fun, args, static)
 
     def flat_fun(*dyn_args):
         full = list(args)
         for i, a in zip(dyn_idx, dyn_args):
             full[i] = a
-        return fun(*full)
+        out = fun(*full)
+        check_array_tree(out, f"{getattr(fun, '__name__', 'the step')} returned a value whose",
+                         "return arrays (and pytrees of them) only; keep other values out of "
+                         "the step's result (e.g. compute them outside the step).")
+        return out
 
     dyn_args = tuple(args[i] for i in dyn_idx)
     # Trace shapes and dtypes only: where the arguments live must not change the graph (a

@@ -33,6 +33,7 @@ import jax
 
 from .. import _compat
 from ..errors import InvalidArgumentError, UnsupportedError
+from .checks import argnums_text
 from ..trace import _arg_names
 
 _TAG = "autopar.parallelize"      # the nnx update-context tag of a parallelized call
@@ -261,9 +262,9 @@ class BoundCall:
         hint = (f"batch_argnums={tuple(arrays[:1])}" if arrays else
                 "batch_argnums listing the argument that holds the batch")
         raise InvalidArgumentError(
-            f"batch_argnums={tuple(self._batch)} names {_arg_label(self._names, i)}, which "
-            f"holds NNX objects ({type(self.args[i]).__name__}); the batch argument must hold "
-            f"arrays whose leading dimension is the batch. Fix: pass {hint} (e.g. "
+            f"{argnums_text('batch_argnums', self._batch)} names {_arg_label(self._names, i)}, "
+            f"which holds NNX objects ({type(self.args[i]).__name__}); the batch argument must "
+            f"hold arrays whose leading dimension is the batch. Fix: pass {hint} (e.g. "
             f"`train_step(model, optimizer, metrics, batch)` takes batch_argnums=(3,)).")
 
     def finish(self, pure: PureStep, result) -> Any:

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -152,6 +153,12 @@ def layer_boundaries(forward: OpGraph,
                 "autopar.mark_stage_boundary(x)` after each block, or use AutoLayerOption.")
         return (0, *cuts, n)
     num_layers = min(option.num_layers, len(spans))
+    if num_layers < option.num_layers:
+        warnings.warn(
+            f"AutoLayerOption(num_layers={option.num_layers}): the loss has only {len(spans)} "
+            f"places it can be cut into layers ({n} forward operators; a loop is one unit), so "
+            f"it is cut into {num_layers} layers, not {option.num_layers}. Fix: "
+            f"AutoLayerOption(num_layers={num_layers}) or fewer.", UserWarning, stacklevel=2)
     trips = forward.node_trips()
     flops = np.array([sum(forward.nodes[i].flops * trips[i] for i in range(a, b))
                       for a, b in spans])

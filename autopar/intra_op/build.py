@@ -33,6 +33,7 @@ class Fallback:
     source: str
     reason: str
     replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
+    largest: str = ""             # the biggest of them, e.g. "operand float32[64, 64] (x['w'])"
 
 
 def warn_fallback(f: Fallback) -> None:
@@ -42,7 +43,8 @@ def warn_fallback(f: Fallback) -> None:
         warnings.warn(
             f"autopar: node {f.node} '{f.primitive}' at {f.source} is replicated: {f.reason}; "
             f"every device holds {format_bytes(f.replicated_bytes)} of its operands and "
-            f"results whole. Fix: add a sharding rule for '{f.primitive}' (LEADER_RULES in "
+            f"results whole{f' (the largest: {f.largest})' if f.largest else ''}. Fix: add a "
+            f"sharding rule for '{f.primitive}' (LEADER_RULES in "
             f"autopar/intra_op/rules.py or FOLLOW_RULES in follow.py), or restructure the code "
             f"at that line; see the plan's fallbacks in autopar.dump.",
             FallbackWarning, stacklevel=2)
@@ -204,9 +206,19 @@ class _Builder:
                             if self.g.tensors[t].size > 1)
                 self.fallbacks.append(Fallback(node=node.id, primitive=name,
                                                source=node.source, reason=reason,
-                                               replicated_bytes=whole))
+                                               replicated_bytes=whole,
+                                               largest=self._largest(node)))
                 warn_fallback(self.fallbacks[-1])
         self._add_leader(node, strategies)
+
+    def _largest(self, node) -> str:
+        """The biggest operand or result of `node`, e.g. "operand float32[64, 64]" (with its
+        path for an argument leaf)."""
+        t, role = max(((self.g.tensors[t], r) for ts, r in ((node.inputs, "operand"),
+                                                             (node.outputs, "result"))
+                       for t in ts), key=lambda tr: tr[0].nbytes)
+        path = f" ({t.path})" if t.kind == TensorKind.INPUT and t.path else ""
+        return f"{role} {t.dtype}{list(t.shape)}{path}"
 
     def _pinned_split(self, tid: int) -> bool:
         """Whether `tid` has one possible sharding and it is split (a pinned ZeRO moment or a
