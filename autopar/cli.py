@@ -1,0 +1,541 @@
+"""The `autopar` command line (`python -m autopar ...`, or the `autopar` console script).
+
+    autopar plan examples/cli_factory.py:make_step --preset dgx-a100 --hosts 2 -o plan.json
+    autopar dump plan.json --format markdown
+    autopar dump plan.json --format html -o plan.html
+    autopar cache ls
+    autopar profile --mesh 2x4 -o profile.json
+    autopar launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
+
+`plan` imports MODULE (a dotted module name, or a path to a .py file), calls FACTORY() and plans
+what it returns, `(step, args)` or `(step, args, plan_kwargs)`, with `autopar.plan` for a cluster
+preset (no devices needed; the arguments may be `jax.ShapeDtypeStruct`s). `--verbose` (before
+or after the subcommand) turns on the `autopar` logger's INFO lines and tracebacks.
+
+Exit codes:
+    0    success
+    1    autopar error: an infeasible plan, a plan file that does not load, ... (the message is
+         printed; the traceback too with --verbose)
+    2    usage error: a bad flag or value (argparse)
+    3    the factory module failed to import, or FACTORY() raised (its traceback is printed)
+    4    internal error in autopar (traceback printed; please report it)
+    130  interrupted (Ctrl-C)
+    launch exits with the status of the process that failed first (128 + N: killed by signal N)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from .errors import AutoparError, InvalidArgumentError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_AUTOPAR, EXIT_USAGE, EXIT_USER_CODE, EXIT_INTERNAL, EXIT_INTERRUPTED = \
+    0, 1, 2, 3, 4, 130
+_EXIT_TABLE = __doc__[__doc__.index("Exit codes:"):].rstrip()
+_METHODS = {"shard": "ShardParallel", "data": "DataParallel", "zero2": "Zero2Parallel",
+            "zero3": "Zero3Parallel", "pipeshard": "PipeshardParallel"}
+_SCHEDULES = {"1f1b": "ONE_F_ONE_B", "gpipe": "GPIPE"}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown (unless None / False, or the help text already says it), descriptions
+    and epilogs kept as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _UserCodeError(Exception):
+    """The user's factory module failed to import or its factory raised (exit 3)."""
+
+
+# -- plan ----------------------------------------------------------------------------------
+
+def _ints(text: str, what: str, parser) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        parser.error(f"{what}={text!r} is not a mesh shape; write sizes joined by 'x', e.g. 2x8")
+    if any(v < 1 for v in values):
+        parser.error(f"{what}={text!r}: every mesh size must be >= 1")
+    return values
+
+
+def load_factory(target: str, parser: argparse.ArgumentParser):
+    """The callable `target` ("MODULE:FACTORY") names; MODULE is a dotted module (imported with
+    the current directory on the path) or a path to a .py file. A missing module, file or
+    attribute is a usage error; an exception while importing is the user's (`_UserCodeError`)."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        parser.error(f"target {target!r} must be MODULE:FACTORY, e.g. "
+                     "examples/cli_factory.py:make_step or mypkg.train:make_step")
+    is_path = module_name.endswith(".py") or os.sep in module_name or "/" in module_name
+    try:
+        if is_path:
+            path = Path(module_name)
+            if not path.is_file():
+                parser.error(f"module file {module_name!r} does not exist (from {target!r})")
+            sys.path.insert(0, str(path.resolve().parent))   # its sibling imports
+            spec = importlib.util.spec_from_file_location(f"_autopar_cli_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as e:
+                if e.name and module_name.startswith(e.name):
+                    parser.error(f"no module named {e.name!r} (from {target!r}); give a dotted "
+                                 "module importable from the current directory, or a .py path")
+                raise
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        raise _UserCodeError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        names = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_") and
+                       getattr(v, "__module__", None) == module.__name__)
+        parser.error(f"{module_name!r} has no callable {attr!r}"
+                     + (f"; its functions: {', '.join(names)}" if names else ""))
+    return factory
+
+
+def _call_factory(factory, target: str):
+    try:
+        made = factory()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        raise _UserCodeError(f"{target}() raised {type(e).__name__}: {e}") from e
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise InvalidArgumentError(
+            f"{target}() returned {type(made).__name__}"
+            + (f" of length {len(made)}" if isinstance(made, tuple) else "")
+            + "; autopar plan needs (step, args) or (step, args, plan_kwargs). Fix: return e.g. "
+              "(train_step, (jax.eval_shape(create_state), batch_spec)).")
+    step, args, kwargs = (*made, {}) if len(made) == 2 else made
+    if not callable(step):
+        raise InvalidArgumentError(f"{target}()[0] is {type(step).__name__}, not the step "
+                                   "function. Fix: return (step, args[, plan_kwargs]).")
+    if not isinstance(args, (tuple, list)):
+        raise InvalidArgumentError(
+            f"{target}()[1] is {type(args).__name__}, not the tuple of the step's arguments. "
+            "Fix: return (step, (state, batch)[, plan_kwargs]).")
+    import autopar
+    allowed = {n for n, p in inspect.signature(autopar.plan).parameters.items()
+               if p.kind == p.KEYWORD_ONLY and n != "cluster"}
+    if not isinstance(kwargs, dict) or set(kwargs) - allowed:
+        bad = sorted(set(kwargs) - allowed) if isinstance(kwargs, dict) else kwargs
+        raise InvalidArgumentError(
+            f"{target}()[2] has {bad!r}, which autopar.plan does not take. Fix: pass a dict "
+            f"with some of {sorted(allowed)} (the cluster comes from --preset/--hosts).")
+    return step, tuple(args), dict(kwargs)
+
+
+def _method(ns, parser):
+    import autopar
+    pipe = ns.method == "pipeshard"
+    for flag, value in (("--stages", ns.stages), ("--layers", ns.layers),
+                        ("--schedule", ns.schedule)):
+        if value is not None and not pipe:
+            parser.error(f"{flag} applies to --method pipeshard, not --method {ns.method}")
+    for flag, value in (("--microbatches", ns.microbatches), ("--stages", ns.stages),
+                        ("--layers", ns.layers)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}={value} must be >= 1")
+    kw = {} if ns.microbatches is None else {"num_microbatches": ns.microbatches}
+    if pipe:
+        if ns.layers is not None:
+            kw["layer_option"] = autopar.AutoLayerOption(num_layers=ns.layers)
+        if ns.stages is not None:
+            kw["stage_option"] = autopar.UniformStageOption(num_stages=ns.stages)
+        if ns.schedule is not None:
+            kw["schedule"] = getattr(autopar.Schedule, _SCHEDULES[ns.schedule])
+    return getattr(autopar, _METHODS[ns.method])(**kw)
+
+
+def cmd_plan(ns, parser) -> int:
+    import autopar
+    presets = autopar.ClusterSpec.preset_names()
+    if ns.preset not in presets:
+        parser.error(f"unknown --preset {ns.preset!r}; the presets are: {', '.join(presets)}")
+    if ns.hosts < 1:
+        parser.error(f"--hosts={ns.hosts} must be >= 1")
+    cluster = autopar.ClusterSpec.preset(ns.preset, num_hosts=ns.hosts)
+    mesh = None
+    if ns.mesh is not None:
+        mesh = _ints(ns.mesh, "--mesh", parser)
+        if math.prod(mesh) != cluster.num_devices:
+            parser.error(f"--mesh {ns.mesh} has {math.prod(mesh)} devices, but --preset "
+                         f"{ns.preset} with --hosts {ns.hosts} has {cluster.num_devices} "
+                         f"({ns.hosts} host(s) x {cluster.devices_per_host} devices per host)")
+    names = None
+    if ns.axis_names is not None:
+        names = tuple(n.strip() for n in ns.axis_names.split(","))
+        dims = len(mesh) if mesh else 2
+        if len(names) != dims or not all(names) or len(set(names)) != len(names):
+            parser.error(f"--axis-names {ns.axis_names!r} must be {dims} distinct names, one "
+                         f"per mesh dimension ({ns.mesh or 'hosts x devices per host'})")
+    method = _method(ns, parser)
+    step, args, kwargs = _call_factory(load_factory(ns.target, parser), ns.target)
+    kwargs.update({k: v for k, v in (("method", method), ("mesh_shape", mesh),
+                                     ("axis_names", names)) if v is not None})
+    plan = autopar.plan(step, *args, cluster=cluster, **kwargs)
+    Path(ns.output).write_text(plan.to_json())
+    print(plan.summary())
+    print(f"wrote {ns.output}")
+    return EXIT_OK
+
+
+# -- dump ----------------------------------------------------------------------------------
+
+def load_plan(path: str):
+    """The plan in `path`; a file that cannot be read or is not a plan raises
+    `InvalidArgumentError` naming the file and the reason (exit 1)."""
+    from .plan import ParallelPlan
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"cannot read plan file {path!r}: {e}") from None
+    try:
+        return ParallelPlan.from_json(text)
+    except AutoparError as e:
+        raise type(e)(f"plan file {path!r} does not load: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidArgumentError(
+            f"plan file {path!r} does not load: {type(e).__name__}: {e}. Fix: point at a file "
+            "written by `autopar plan -o` or `ParallelPlan.to_json()`.") from None
+
+
+def _render_text(plan, ns) -> str:
+    import autopar
+    wanted = {"style": ns.format, "full": ns.full, "stage": ns.stage}
+    defaults = {"style": "text", "full": False, "stage": None}
+    kw = {k: v for k, v in wanted.items() if v != defaults[k]}
+    accepted = inspect.signature(autopar.dump).parameters
+    missing = [k for k in kw if k not in accepted]
+    if missing:
+        raise UnsupportedError(f"this autopar's dump() does not take {missing} (needed by "
+                               f"--format {ns.format} / --full / --stage). Fix: update autopar.")
+    return autopar.dump(plan, **kw)
+
+
+def cmd_dump(ns, parser) -> int:
+    if ns.stage is not None and ns.format not in ("text", "markdown"):
+        parser.error(f"--stage applies to --format text or markdown, not {ns.format}")
+    if ns.full and ns.format not in ("text", "markdown"):
+        parser.error(f"--full applies to --format text or markdown, not {ns.format}")
+    plan = load_plan(ns.plan)
+    if ns.stage is not None and not 0 <= ns.stage < len(plan.stages):
+        n = len(plan.stages)
+        parser.error(f"--stage {ns.stage} is out of range: {ns.plan} has {n} stage"
+                     + (f"s (0..{n - 1})" if n != 1 else " (0)"))
+    if ns.format == "json":
+        text = plan.to_json()
+    elif ns.format == "html":
+        try:
+            from .report import report
+        except ImportError as e:
+            raise UnsupportedError(f"--format html needs autopar.report, which this autopar "
+                                   f"does not have ({e}). Fix: update autopar.") from None
+        text = report(plan)
+    else:
+        text = _render_text(plan, ns)
+    if ns.output:
+        Path(ns.output).write_text(text if text.endswith("\n") else text + "\n")
+        print(f"wrote {ns.output}")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+# -- cache, profile, launch -------------------------------------------------------------------
+
+def _cache(ns):
+    from .plan_cache import PlanCache
+    if ns.dir:
+        return PlanCache(ns.dir), ""
+    env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
+    if env.lower() in ("0", "off", "false", "no"):
+        return PlanCache(), f" (AUTOPAR_PLAN_CACHE={env}: parallelize does not use it now)"
+    return PlanCache(env or None), ""
+
+
+def cmd_cache(ns, parser) -> int:
+    from ._format import format_bytes
+    from .plan_cache import library_versions
+    cache, note = _cache(ns)
+    entries = cache.describe()
+    if ns.action == "clear":
+        print(f"removed {cache.clear()} file(s) from {cache.directory}{note}")
+    elif ns.action == "info":
+        usable = [e for e in entries if not e.problem]
+        found = sorted({", ".join(f"{k} {v}" for k, v in e.versions if k != "autopar_source")
+                        for e in entries if e.versions})
+        print(f"directory: {cache.directory}{note}")
+        print(f"entries: {len(entries)} ({len(usable)} usable by this autopar, "
+              f"{len(entries) - len(usable)} stale or bad), "
+              f"{format_bytes(sum(e.size_bytes for e in entries))}")
+        print("this autopar: " + ", ".join(f"{k} {v}" for k, v in library_versions().items()))
+        for text in found:
+            print(f"written by: {text}")
+    elif not entries:
+        print(f"no plans cached in {cache.directory}{note}")
+    else:
+        rows = [("key", "size", "written", "method", "mesh", "searched at", "status")]
+        for e in entries:
+            when = datetime.datetime.fromtimestamp(e.modified).strftime("%Y-%m-%d %H:%M")
+            rows.append((e.key[:12], format_bytes(e.size_bytes), when, e.method or "?",
+                         e.mesh or "?", e.searched_at or "-", e.problem or "ok"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in "
+              f"{cache.directory}{note}")
+    return EXIT_OK
+
+
+def cmd_profile(ns, parser) -> int:
+    import jax
+    import autopar
+    from ._format import format_bytes, format_time
+    sizes = _ints(ns.sizes.replace(",", "x"), "--sizes", parser)
+    if len(sizes) < 2:
+        parser.error(f"--sizes={ns.sizes!r} needs 2 or more byte counts (a line needs 2 points)")
+    for flag in ("repeats", "matmul_size", "memory_size"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')}={value} must be >= 1")
+    devices = jax.devices()
+    hosts = jax.process_count()
+    shape = (_ints(ns.mesh, "--mesh", parser) if ns.mesh else
+             (hosts, len(devices) // hosts) if hosts > 1 else (len(devices),))
+    if math.prod(shape) != len(devices):
+        parser.error(f"--mesh {ns.mesh} has {math.prod(shape)} devices; this machine has "
+                     f"{len(devices)} (CPU: set XLA_FLAGS=--xla_force_host_platform_device_"
+                     "count=N for more)")
+    names = (tuple(n.strip() for n in ns.axis_names.split(",")) if ns.axis_names else
+             ("data", "model", "z", "w")[:len(shape)])
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        parser.error(f"--axis-names {ns.axis_names!r} must be {len(shape)} distinct names")
+    mesh = jax.make_mesh(shape, names)
+    dtypes = tuple(d.strip() for d in ns.dtypes.split(","))
+    prof = autopar.profile(mesh, sizes=sizes, dtypes=dtypes, matmul_size=ns.matmul_size,
+                           memory_size=ns.memory_size, repeats=ns.repeats,
+                           cache_dir=ns.cache_dir, refresh=ns.refresh,
+                           use_cache=not ns.no_cache)
+    prof.save(ns.output)
+    print(f"{prof.device_kind} ({prof.platform}), mesh "
+          + " x ".join(f"{a.name}={a.size}" for a in prof.axes)
+          + f", {prof.num_hosts} host(s)")
+    print("matmul: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s"
+                                 for d, v in prof.matmul_flops_per_s.items())
+          + f"; memory {format_bytes(prof.memory_bytes_per_s)}/s; call overhead "
+          f"{format_time(prof.call_overhead_s)}")
+    for a in prof.axes:
+        if a.size > 1:
+            print(f"axis {a.name} ({a.size}): alpha {format_time(a.alpha_s)}, bandwidth "
+                  f"{format_bytes(1 / a.beta_s_per_byte)}/s")
+    print(f"wrote {ns.output}")
+    return EXIT_OK
+
+
+def cmd_launch(ns, parser) -> int:
+    from . import launch
+    return launch.run(ns, parser, verbose=ns.verbose)
+
+
+# -- the parser ----------------------------------------------------------------------------
+
+def _version() -> str:
+    from .plan_cache import library_versions
+    v = library_versions()
+    return f"autopar {v['autopar']} (source {v['autopar_source']}), jax {v['jax']}, " \
+           f"jaxlib {v['jaxlib']}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `autopar` parser: one subparser per command, each with its handler in `func`."""
+    parser = argparse.ArgumentParser(
+        prog="autopar", formatter_class=_Formatter, epilog=_EXIT_TABLE,
+        description="Plan, inspect and run autopar parallelizations from the shell.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log the autopar logger's INFO lines (progress); show tracebacks")
+    parser.add_argument("--version", action="version", version=_version())
+    # each subcommand takes --verbose too; SUPPRESS keeps the top-level value when it is absent
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="same as autopar --verbose")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name, func, help_, description=None, parents=(common,)):
+        p = sub.add_parser(name, help=help_, description=description or help_,
+                           formatter_class=_Formatter, epilog=_EXIT_TABLE, parents=parents)
+        p.set_defaults(func=func, parser=p)
+        return p
+
+    p = command("plan", cmd_plan, "plan a step for a cluster preset; write the plan JSON",
+                "Import MODULE, call FACTORY() -> (step, args) or (step, args, plan_kwargs), "
+                "plan it with autopar.plan for --preset x --hosts (no devices needed), print "
+                "plan.summary() and write the plan JSON.\n\nExample:\n  autopar plan "
+                "examples/cli_factory.py:make_step --preset dgx-a100 --hosts 2 --mesh 2x8")
+    p.add_argument("target", metavar="MODULE:FACTORY",
+                   help="a dotted module or a path to a .py file, and the factory in it")
+    p.add_argument("--preset", required=True,
+                   help="cluster preset: " + ", ".join(_preset_names()))
+    p.add_argument("--hosts", type=int, default=1, help="number of hosts of the preset")
+    p.add_argument("--mesh", default=None,
+                   help="logical mesh shape, e.g. 2x8 (default: hosts x devices per host); "
+                        "it must multiply to hosts x devices per host")
+    p.add_argument("--axis-names", default=None,
+                   help="comma-separated mesh axis names (default: data,model,...)")
+    p.add_argument("--method", choices=tuple(_METHODS), default="shard",
+                   help="parallelization method: " + ", ".join(
+                       f"{k} = {v}" for k, v in _METHODS.items()))
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches (pipeshard: through the pipeline; otherwise gradient "
+                        "accumulation); default: the method's (1)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeshard: this many equal stages (default: searched)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="pipeshard: cut the loss into this many layers (default: the "
+                        "method's, 4)")
+    p.add_argument("--schedule", choices=tuple(_SCHEDULES), default=None,
+                   help="pipeshard: the pipeline schedule (default: 1f1b)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+
+    p = command("dump", cmd_dump, "print or convert a saved plan (text, markdown, json, html)")
+    p.add_argument("plan", help="a plan JSON file (autopar plan -o, ParallelPlan.to_json)")
+    p.add_argument("--format", choices=("text", "markdown", "json", "html"), default="text",
+                   help="text / markdown: autopar.dump; json: the plan; html: autopar.report")
+    p.add_argument("--stage", type=int, default=None,
+                   help="only this pipeline stage (text and markdown)")
+    p.add_argument("--full", action="store_true",
+                   help="every row and operator, not the concise dump (text and markdown)")
+    p.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+
+    p = command("cache", cmd_cache, "list, describe or clear the on-disk plan cache",
+                "The plan cache parallelize(plan_cache=True) uses: $AUTOPAR_PLAN_CACHE if it "
+                "is a directory, else $AUTOPAR_CACHE_DIR, else ~/.cache/autopar/plans.")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--dir", default=None,
+                       help="the cache directory (default: the one parallelize uses)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, text in (("ls", "one line per entry: key, size, date, method, mesh, searched at"),
+                       ("info", "the directory, entries and bytes, library versions"),
+                       ("clear", "delete every entry (other files are left alone)")):
+        actions.add_parser(name, help=text, description=text, parents=(common, where),
+                           formatter_class=_Formatter)
+
+    p = command("profile", cmd_profile, "measure this machine's devices; write the profile",
+                "Run autopar.profile on this machine's devices (matmul flop/s, memory "
+                "bandwidth, call overhead, per-axis collective alpha/beta) and write the "
+                "DeviceProfile JSON (ClusterSpec.from_profile reads it).")
+    p.add_argument("--mesh", default=None,
+                   help="mesh shape over this machine's devices, e.g. 2x4 (default: all "
+                        "devices on one axis; hosts x devices per host in a multi-host job)")
+    p.add_argument("--axis-names", default=None, help="comma-separated mesh axis names")
+    p.add_argument("--sizes", default="4096,32768,262144,2097152",
+                   help="comma-separated collective sizes in bytes (2 or more)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="matmul dtypes to measure")
+    p.add_argument("--matmul-size", type=int, default=1024, help="n of the n^3 matmul")
+    p.add_argument("--memory-size", type=int, default=None,
+                   help="bytes per device of the bandwidth kernel (default: 16 MiB on CPU, "
+                        "256 MiB on accelerators)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement")
+    p.add_argument("--cache-dir", default=None,
+                   help="profile cache directory (default: autopar's profile cache)")
+    p.add_argument("--refresh", action="store_true", help="measure even if a profile is cached")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
+
+    from . import launch
+    p = command("launch", cmd_launch, "run a script as N local processes of one JAX job",
+                launch.__doc__.split("\n\n")[1])
+    launch.add_arguments(p)
+    return parser
+
+
+def _preset_names() -> tuple[str, ...]:
+    from .cluster import ClusterSpec
+    return ClusterSpec.preset_names()
+
+
+def _set_verbose() -> None:
+    logger = logging.getLogger("autopar")
+    logger.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    os.environ["AUTOPAR_VERBOSE"] = "1"      # autopar.progress (where present) reads it
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `autopar` command line on `argv` (default: sys.argv[1:]); returns the exit
+    status (see the module docstring), including argparse's (0 for --help, 2 for bad usage).
+
+    Example:
+        >>> main(["dump", "plan.json", "--format", "markdown"])
+        0
+    """
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:
+        return _status(e)
+    if ns.verbose:
+        _set_verbose()
+    where = f"autopar {ns.command}"
+    try:
+        return ns.func(ns, ns.parser)
+    except SystemExit as e:                   # parser.error inside a command
+        return _status(e)
+    except BrokenPipeError:                   # `autopar dump plan.json | head`
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except AutoparError as e:
+        if ns.verbose:
+            traceback.print_exc()
+        print(f"{where}: error: {e}", file=sys.stderr)
+        return EXIT_AUTOPAR
+    except _UserCodeError as e:
+        traceback.print_exception(e.__cause__)
+        print(f"{where}: error in your code: {e}", file=sys.stderr)
+        return EXIT_USER_CODE
+    except Exception as e:                    # noqa: BLE001  (a bug: say so)
+        traceback.print_exc()
+        print(f"{where}: internal error ({type(e).__name__}: {e}); this is a bug in autopar, "
+              "please report it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _status(e: SystemExit) -> int:
+    if e.code is None:
+        return EXIT_OK
+    return e.code if isinstance(e.code, int) else EXIT_AUTOPAR
+
+
+__all__ = ["main", "build_parser", "load_factory", "load_plan"]
