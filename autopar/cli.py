@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it must multiply to hosts x devices per host")
     p.add_argument("--axis-names", default=None,
                    help="comma-separated mesh axis names (default: data,model,...)")
-    p.add_argument("--method", choices=tuple(METHODS), default="shard",
+    p.add_argument("--method", choices=tuple(METHODS), default=None,
                    help="parallelization method: " + ", ".join(
-                       f"{k} = {v}" for k, v in METHODS.items()))
+                       f"{k} = {v}" for k, v in METHODS.items()) + " (default: the factory's "
+                        "plan_kwargs['method'], else shard)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches (pipeshard: through the pipeline; otherwise gradient "
                         "accumulation); default: the method's (1)")

@@ -58,6 +58,7 @@ def load_factory(target: str, parser: argparse.ArgumentParser):
             sys.path.insert(0, str(path.resolve().parent))   # its sibling imports
             spec = importlib.util.spec_from_file_location(f"_autopar_cli_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module        # as an import would (dataclasses look there)
             spec.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path:
@@ -115,13 +116,19 @@ def _call_factory(factory, target: str):
     return step, tuple(args), dict(kwargs)
 
 
-def _method(ns, parser):
+def _method(ns, parser, factory_method):
+    """The method the flags ask for; the factory's `plan_kwargs["method"]` when no method flag
+    is given (None: autopar.plan's default, ShardParallel)."""
     import autopar
-    pipe = ns.method == "pipeshard"
+    flags = (ns.microbatches, ns.stages, ns.layers, ns.schedule)
+    if ns.method is None and all(v is None for v in flags):
+        return factory_method
+    name = ns.method or "shard"
+    pipe = name == "pipeshard"
     for flag, value in (("--stages", ns.stages), ("--layers", ns.layers),
                         ("--schedule", ns.schedule)):
         if value is not None and not pipe:
-            parser.error(f"{flag} applies to --method pipeshard, not --method {ns.method}")
+            parser.error(f"{flag} applies to --method pipeshard, not --method {name}")
     for flag, value in (("--microbatches", ns.microbatches), ("--stages", ns.stages),
                         ("--layers", ns.layers)):
         if value is not None and value < 1:
@@ -134,7 +141,7 @@ def _method(ns, parser):
             kw["stage_option"] = autopar.UniformStageOption(num_stages=ns.stages)
         if ns.schedule is not None:
             kw["schedule"] = getattr(autopar.Schedule, SCHEDULES[ns.schedule])
-    return getattr(autopar, METHODS[ns.method])(**kw)
+    return getattr(autopar, METHODS[name])(**kw)
 
 
 def cmd_plan(ns, parser) -> int:
@@ -159,8 +166,8 @@ def cmd_plan(ns, parser) -> int:
         if len(names) != dims or not all(names) or len(set(names)) != len(names):
             parser.error(f"--axis-names {ns.axis_names!r} must be {dims} distinct names, one "
                          f"per mesh dimension ({ns.mesh or 'hosts x devices per host'})")
-    method = _method(ns, parser)
     step, args, kwargs = _call_factory(load_factory(ns.target, parser), ns.target)
+    method = _method(ns, parser, kwargs.get("method"))
     kwargs.update({k: v for k, v in (("method", method), ("mesh_shape", mesh),
                                      ("axis_names", names)) if v is not None})
     plan = autopar.plan(step, *args, cluster=cluster, **kwargs)

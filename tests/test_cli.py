@@ -62,7 +62,7 @@ def test_help_lists_commands_and_exit_codes(capsys):
 
 
 @pytest.mark.parametrize("argv,shown", [
-    (["plan"], ["MODULE:FACTORY", "--preset", "dgx-a100", "--mesh", "(default: shard)",
+    (["plan"], ["MODULE:FACTORY", "--preset", "dgx-a100", "--mesh", "else shard)",
                 "(default: plan.json)"]),
     (["dump"], ["--format", "markdown", "html", "--stage", "--full", "(default: text)"]),
     (["cache"], ["ls", "info", "clear"]),
@@ -217,6 +217,7 @@ def test_verbose_logs_info_and_shows_tracebacks(capsys, caplog, tmp_path):
     ("raise RuntimeError('boom')", 3, "make() raised RuntimeError: boom"),
     ("return 42", 1, "make() returned int; autopar plan needs (step, args)"),
     ("return (print, (1,), {'mesh': 1})", 1, "has ['mesh'], which autopar.plan does not take"),
+    ("return (print, 1)", 1, "make()[1] is int, not the tuple of the step's arguments"),
 ])
 def test_factory_mistakes(capsys, tmp_path, body, code, message):
     (tmp_path / "bad.py").write_text(f"def make():\n    {body}\n")
@@ -224,6 +225,24 @@ def test_factory_mistakes(capsys, tmp_path, body, code, message):
     assert got == code
     assert message in err
     assert ("Traceback" in err) == (code == 3)     # the user's own traceback, not autopar's
+
+
+def test_method_from_the_factory_unless_a_flag_sets_one(capsys, tmp_path):
+    (tmp_path / "zero.py").write_text(
+        "import autopar\n"
+        "from cli_factory import make_step\n"           # a sibling import of the examples
+        "def make():\n"
+        "    step, args, kw = make_step()\n"
+        "    return step, args, {**kw, 'method': autopar.Zero3Parallel()}\n")
+    (tmp_path / "cli_factory.py").write_text(open(FACTORY.split(":")[0]).read())
+    target = f"{tmp_path / 'zero.py'}:make"
+    code, out, err = run(capsys, "plan", target, "--preset", "cpu", "-o", str(tmp_path / "a"))
+    assert code == 0, err
+    assert out.startswith("zero3 on ")
+    code, out, err = run(capsys, "plan", target, "--preset", "cpu", "--microbatches", "2",
+                         "-o", str(tmp_path / "b"))
+    assert code == 0, err
+    assert out.startswith("shard_parallel on ")
 
 
 def test_import_error_in_the_module_exits_3(capsys, tmp_path):
