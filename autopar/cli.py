@@ -132,10 +132,11 @@ def cmd_cache(ns, parser) -> int:
     from ._format import format_bytes
     from .plan_cache import library_versions
     cache, note = _cache(ns)
-    entries = cache.describe()
     if ns.action == "clear":
         print(f"removed {cache.clear()} file(s) from {cache.directory}{note}")
-    elif ns.action == "info":
+        return EXIT_OK
+    entries = cache.describe()
+    if ns.action == "info":
         usable = [e for e in entries if not e.problem]
         found = sorted({", ".join(f"{k} {v}" for k, v in e.versions if k != "autopar_source")
                         for e in entries if e.versions})
@@ -164,11 +165,22 @@ def cmd_cache(ns, parser) -> int:
 
 def cmd_profile(ns, parser) -> int:
     import jax
+    import jax.numpy as jnp
     import autopar
     from ._format import format_bytes, format_time
-    sizes = ints(ns.sizes.replace(",", "x"), "--sizes", parser)
-    if len(sizes) < 2:
-        parser.error(f"--sizes={ns.sizes!r} needs 2 or more byte counts (a line needs 2 points)")
+    try:
+        sizes = tuple(int(v) for v in ns.sizes.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or min(sizes) < 1:
+        parser.error(f"--sizes={ns.sizes!r} needs 2 or more positive byte counts, comma-"
+                     "separated (a line needs 2 points)")
+    dtypes = tuple(d.strip() for d in ns.dtypes.split(","))
+    for d in dtypes:
+        try:
+            jnp.dtype(d)
+        except TypeError:
+            parser.error(f"--dtypes: {d!r} is not a dtype name (e.g. float32,bfloat16)")
     for flag in ("repeats", "matmul_size", "memory_size"):
         value = getattr(ns, flag)
         if value is not None and value < 1:
@@ -186,7 +198,6 @@ def cmd_profile(ns, parser) -> int:
     if len(names) != len(shape) or len(set(names)) != len(names):
         parser.error(f"--axis-names {ns.axis_names!r} must be {len(shape)} distinct names")
     mesh = jax.make_mesh(shape, names)
-    dtypes = tuple(d.strip() for d in ns.dtypes.split(","))
     prof = autopar.profile(mesh, sizes=sizes, dtypes=dtypes, matmul_size=ns.matmul_size,
                            memory_size=ns.memory_size, repeats=ns.repeats,
                            cache_dir=ns.cache_dir, refresh=ns.refresh,

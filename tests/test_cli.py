@@ -373,7 +373,9 @@ def test_profile_writes_a_device_profile(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--mesh", "3x3"], "--mesh 3x3 has 9 devices; this machine has 8"),
-    (["--sizes", "4096"], "needs 2 or more byte counts"),
+    (["--sizes", "4096"], "needs 2 or more positive byte counts"),
+    (["--sizes", "4096,big"], "needs 2 or more positive byte counts"),
+    (["--dtypes", "float32,float99"], "'float99' is not a dtype name"),
     (["--repeats", "0"], "--repeats=0 must be >= 1"),
     (["--axis-names", "a,a"], "must be 1 distinct names"),
 ])
