@@ -66,8 +66,12 @@ def load_plan(path: str):
         raise InvalidArgumentError(f"cannot read plan file {path!r}: {e}") from None
     try:
         return ParallelPlan.from_json(text)
-    except AutoparError as e:
-        raise type(e)(f"plan file {path!r} does not load: {e}") from None
+    except AutoparError as e:       # InvalidArgumentError, PlanMismatchError: name the file
+        try:
+            named = type(e)(f"plan file {path!r} does not load: {e}")
+        except TypeError:           # a subclass with other constructor arguments
+            raise e from None
+        raise named from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise InvalidArgumentError(
             f"plan file {path!r} does not load: {type(e).__name__}: {e}. Fix: point at a file "
