@@ -290,6 +290,21 @@ class PlanCache:
                 pass
         return removed
 
+    def describe(self) -> list[EntryInfo]:
+        """One `EntryInfo` per stored or moved-aside entry, sorted by key (`autopar cache ls`).
+        Reading never moves or deletes anything.
+
+        Example:
+            >>> [(e.key[:12], e.method, e.mesh, e.problem) for e in PlanCache().describe()]
+            [('3f2a9c0d1e2b', 'shard_parallel', 'data=2 x model=8', '')]
+        """
+        out = []
+        for path in self._files():
+            key = _key_of(path.name, _SUFFIX) or _key_of(path.name, _BAD_SUFFIX)
+            if key is not None:
+                out.append(_entry_info(key, path, aside=path.name.endswith(_BAD_SUFFIX)))
+        return sorted(out, key=lambda e: (e.key, e.path.name))
+
     def _files(self) -> list[Path]:
         """This cache's files (`plan-<key>.json`, `plan-<key>.json.bad`,
         `.plan-<key>.*.tmp`), and no others, so the directory can be shared."""
@@ -324,6 +339,50 @@ class PlanCache:
         log.warning("plan cache directory %s is not writable (%s); plans will not be cached. "
                     "Fix: set AUTOPAR_CACHE_DIR to a writable directory, or pass "
                     "plan_cache=None.", self.directory, error)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EntryInfo:
+    """What `PlanCache.describe` reads from one entry file."""
+    key: str
+    path: Path
+    size_bytes: int
+    modified: float              # the file's mtime (seconds since the epoch)
+    created_utc: str = ""        # when the entry was written
+    method: str = ""
+    mesh: str = ""               # e.g. "data=2 x model=8"
+    cluster: str = ""
+    searched_at: str = ""        # when the search that made the plan ran
+    versions: tuple[tuple[str, str], ...] = ()   # (library, version) it was written under
+    problem: str = ""            # why `get` would not use it ("" = usable by this autopar)
+
+
+def _entry_info(key: str, path: Path, *, aside: bool) -> EntryInfo:
+    try:
+        stat = path.stat()
+        data = path.read_bytes()
+    except OSError as e:
+        return EntryInfo(key=key, path=path, size_bytes=0, modified=0.0,
+                         problem=f"unreadable ({e})")
+    base = dict(key=key, path=path, size_bytes=stat.st_size, modified=stat.st_mtime)
+    try:
+        d = json.loads(data.decode())
+        plan = d["plan"]
+        base.update(created_utc=str(d.get("created_utc", "")), method=str(plan["method"]),
+                    mesh=" x ".join(f"{n}={s}" for n, s in zip(plan["axis_names"],
+                                                               plan["mesh_shape"])),
+                    cluster=str(plan.get("cluster", "")),
+                    searched_at=str(plan.get("searched_at", "")),
+                    versions=tuple((k, str(d[k])) for k in library_versions() if k in d))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        pass                            # _decode below says why
+    if aside:
+        return EntryInfo(**base, problem="moved aside as bad (get ignores it)")
+    try:
+        _decode(data, key)
+    except _BadEntry as e:
+        return EntryInfo(**base, problem=str(e))
+    return EntryInfo(**base)
 
 
 def _key_of(name: str, suffix: str) -> str | None:

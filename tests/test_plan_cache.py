@@ -195,6 +195,33 @@ def test_entries_and_clear_touch_only_cache_files(cache, plan):
     assert PlanCache(d / "missing").clear() == 0
 
 
+def test_describe_reads_each_entry_without_touching_it(cache, plan):
+    searched = dataclasses.replace(plan, searched_at="2026-01-02T03:04:05+00:00")
+    good, stale, junk, aside = _key(), _key(extra="stale"), _key(extra="junk"), _key(extra="x")
+    cache.put(good, searched)
+    path = cache.put(stale, searched)
+    d = json.loads(path.read_text())
+    d["jax"] = "0.0.1"
+    path.write_text(json.dumps(d))
+    cache.path(junk).write_text("{")
+    (cache.directory / f"plan-{aside}.json.bad").write_text("old")
+    (cache.directory / "notes.txt").write_text("not ours")
+    before = sorted(p.name for p in cache.directory.iterdir())
+    infos = {e.key: e for e in cache.describe()}
+    assert sorted(p.name for p in cache.directory.iterdir()) == before      # nothing moved
+    assert set(infos) == {good, stale, junk, aside}
+    g = infos[good]
+    assert (g.method, g.mesh, g.cluster, g.searched_at, g.problem) == (
+        plan.method, "data=1 x model=8", plan.cluster, "2026-01-02T03:04:05+00:00", "")
+    assert g.size_bytes == cache.path(good).stat().st_size and g.created_utc
+    assert dict(g.versions) == plan_cache.library_versions()
+    assert "written by another version: jax '0.0.1'" in infos[stale].problem
+    assert infos[stale].method == plan.method                  # still read for the listing
+    assert "not valid JSON" in infos[junk].problem and infos[junk].method == ""
+    assert infos[aside].problem.startswith("moved aside")
+    assert PlanCache(cache.directory / "missing").describe() == []
+
+
 # -- bad entries -----------------------------------------------------------------------------
 
 def _entry_text(cache, key, plan):
