@@ -10,8 +10,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import importlib
 import importlib.util
 import inspect
@@ -171,9 +169,6 @@ def cmd_plan(ns, parser) -> int:
     kwargs.update({k: v for k, v in (("method", method), ("mesh_shape", mesh),
                                      ("axis_names", names)) if v is not None})
     plan = autopar.plan(step, *args, cluster=cluster, **kwargs)
-    if not plan.searched_at:          # autopar.plan leaves it to the plan cache: set it here
-        plan = dataclasses.replace(plan, searched_at=datetime.datetime.now(
-            datetime.timezone.utc).isoformat(timespec="seconds"))
     Path(ns.output).write_text(plan.to_json())
     print(plan.summary())
     print(f"wrote {ns.output}")

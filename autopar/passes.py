@@ -23,7 +23,7 @@ from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .options import PipeshardParallel, ShardParallel
 from .pipeshard import accumulation_method, plan_pipeline
-from .plan import ParallelPlan
+from .plan import ParallelPlan, stamped
 from .plan_cache import PlanCache
 from .planner import build_plan
 from .remat_plan import plan_step
@@ -113,11 +113,11 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
     if pipelined(method):
         pipe, stage_method = pipeline_methods(method, mesh_shape, cluster)
-        return plan_pipeline(fun, tuple(args), cluster=cluster,
+        return stamped(plan_pipeline(fun, tuple(args), cluster=cluster,
                              device_ids=tuple(range(cluster.num_devices)),
                              mesh_shape=tuple(mesh_shape), method=pipe,
                              static_argnums=static_argnums, batch_argnums=batch_argnums,
-                             donate_argnums=donate_argnums, stage_method=stage_method)[0]
+                             donate_argnums=donate_argnums, stage_method=stage_method)[0])
     retrace = functools.partial(trace, fun, args, static_argnums=static_argnums,
                                 batch_argnums=batch_argnums, donate_argnums=donate_argnums)
     graph = retrace()
@@ -126,7 +126,7 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     def plan_with(g, m):
         return plan_graph(g, cluster, mesh_shape, axis_names, m, tuple(range(cluster.num_devices)))
     plan_, graph = plan_step(graph, retrace, functools.partial(plan_with, m=method), method)
-    return with_runner_ups(plan_, method, functools.partial(plan_with, graph))
+    return stamped(with_runner_ups(plan_, method, functools.partial(plan_with, graph)))
 
 
 def plan_cache_of(option) -> PlanCache | None:

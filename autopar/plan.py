@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import hashlib
 import json
@@ -211,6 +212,14 @@ class ParallelPlan:
         plan = converted("(the plan)", d, lambda v: cls(**v))
         check_specs(plan)
         return plan
+
+
+def stamped(plan: ParallelPlan) -> ParallelPlan:
+    """`plan` with `searched_at` set to now (UTC) where its search left it unset."""
+    if plan.searched_at:
+        return plan
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return dataclasses.replace(plan, searched_at=now)
 
 
 def spec_from_json(value: Any) -> Spec:

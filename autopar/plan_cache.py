@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import InvalidArgumentError
-from .plan import ParallelPlan
+from .plan import ParallelPlan, stamped
 
 log = logging.getLogger(__name__)
 
@@ -461,10 +461,7 @@ def find_plan(key: str, search: Callable[[], ParallelPlan],
                      cache.path(key))
             return dataclasses.replace(hit, origin="plan cache", timings_s={
                 **hit.timings_s, "plan_lookup": time.perf_counter() - t0})
-        plan = search()
-        if not plan.searched_at:
-            plan = dataclasses.replace(plan, searched_at=datetime.datetime.now(
-                datetime.timezone.utc).isoformat(timespec="seconds"))
+        plan = stamped(search())
         if cache is not None and cache.put(key, plan) is not None:
             log.info("autopar: plan saved to the plan cache (%s)", cache.path(key))
         return plan
