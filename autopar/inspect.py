@@ -63,7 +63,7 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None, max_rows: int 
     for s in stages if plan.pipeline else [None]:
         ops, colls = stage_parts(plan, s)
         blocks += _operators(plan, s, ops, full, max_operators) + [""]
-        blocks += _collectives(plan, s, colls, full, max_rows)
+        blocks += _collectives(plan, s, colls, full, max_rows) + [""]
     blocks += _fallbacks(plan)
     if not full:
         blocks += ["", "(concise: repeated layers folded, the lightest rows left out; "
@@ -201,6 +201,10 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
                             "fwd+bwd/mb", "in flight", "remat/zero", "peak mem", "compiled",
                             "model code"), rows))
     lines += _compiled_stages_line(plan)
+    scale = p["predicted_latency_s"] / max(sum(s.latency_s for s in plan.stages), 1e-30)
+    lines.append(f"  communication per step {_time(plan.predicted_comm_s)} = {scale:.3f} (step / "
+                 "sum of the stages' fwd+bwd) x the stages' per microbatch: " + " + ".join(
+                     _time(s.comm_s) for s in plan.stages))
     lines.append(f"  stage search: {p['stage_option']}, {p['layer_option']}; {p['num_ilps']} "
                  f"ILPs solved, {p['num_reused']} reused; DP tried {p['dp_candidates']} t_max "
                  f"values, pruned {p['dp_pruned']}, in {_time(p['dp_time_s'])}; apply-gradient "

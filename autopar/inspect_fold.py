@@ -13,9 +13,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Sequence
 
-# `word_3`, `/3/` (or a trailing `/3`), `.3.` (or a trailing `.3`), `['name'][3]`
+# `word_3`, `/3/` (or a trailing `/3`), `.3.` (or a trailing `.3`), `['name'][3]`,
+# `name[3]`
 _LAYER = re.compile(r"(?<=[A-Za-z0-9]_)(\d+)(?![A-Za-z0-9_])|(?<=/)(\d+)(?=/|$|\))"
-                    r"|(?<=[A-Za-z_]\.)(\d+)(?=\.|$|\[)|(?<='\]\[)(\d+)(?=\])")
+                    r"|(?<=[A-Za-z_]\.)(\d+)(?=\.|$|\[)|(?<='\]\[)(\d+)(?=\])|(?<=[A-Za-z_]\[)(\d+)(?=\])")
 _SLOT = "\x00"
 
 
@@ -78,14 +79,11 @@ def pair_optimizer_state(params: Sequence, opt_states: Sequence) -> tuple[dict, 
     a parameter's path below its root (`state.opt_state[0].mu['params']['w']` mirrors
     `state.params['params']['w']`; `optimizer.opt_state[0].mu.linear.kernel` mirrors
     `model.linear.kernel`), the longest match winning; and the leaves that mirror none."""
-    by_suffix: dict[str, int] = {}
+    by_suffix: dict[str, int | None] = {}      # None: the suffix of several parameters
     for i, p in enumerate(params):
-        m = _SEGMENT.search(p.path, 1)
-        if m is not None:
+        for m in _SEGMENT.finditer(p.path, 1):
             rest = p.path[m.start():]
-            if rest.startswith(".") and "[" in rest:   # `state.params[...]`: below `params`
-                rest = rest[rest.index("["):]
-            by_suffix.setdefault(rest, i)
+            by_suffix[rest] = i if by_suffix.get(rest, i) == i else None
     paired: dict[int, list] = {}
     unpaired = []
     for o in opt_states:
