@@ -198,6 +198,7 @@ class ParallelizedFunction:
             replay = self._find(args, fingerprint, mesh, search, method)
         if searched is not None:
             plan_, parts, graph = searched
+            plan_ = dataclasses.replace(plan_, searched_at=replay.searched_at)   # find_plan's
         else:      # a saved, cached or shared plan: replay its stages and their solutions
             matching(replay, fingerprint)
             t0 = time.perf_counter()
