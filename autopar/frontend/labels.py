@@ -42,7 +42,8 @@ def _param_of(graph: OpGraph, tid: int, depth: int = 4):
 
 def _label(node: Node, path: str) -> str:
     m = _CALLER.search(node.source)
-    caller = m.group(1).split(".")[0] if m else node.primitive
+    parts = [p for p in m.group(1).split(".") if p != "<locals>"] if m else [node.primitive]
+    caller = parts[-2] if len(parts) > 1 else parts[0]      # the class of a method
     return (f"{node.name_stack}/" if node.name_stack else "") + f"{caller}@{path}"
 
 
