@@ -255,7 +255,8 @@ def with_search_record(plan: ParallelPlan, searched: ParallelPlan, origin: str,
     """`plan`, replayed from `searched` (a cached or saved plan: its stages solved again from
     the saved solutions), with `searched`'s record of the search that produced it: when it
     ran, its timings, its ILP and stage-DP counts, the runner-ups and the compiled checks."""
-    kept = ("num_ilps", "num_reused", "num_replayed", "dp_candidates", "dp_pruned", "dp_time_s")
+    kept = ("num_ilps", "num_reused", "dp_candidates", "dp_pruned", "dp_time_s")   # not
+    # num_replayed: the stage solutions this replay took from the saved plan
     return dataclasses.replace(
         plan, origin=origin, searched_at=searched.searched_at or plan.searched_at,
         timings_s={**{k: v for k, v in searched.timings_s.items() if k != "plan_lookup"},
