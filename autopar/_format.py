@@ -16,3 +16,67 @@ def format_time(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+# ------------------------------------------------------------------ text / markdown documents
+# A document is a list of blocks: a `str` (a line), `Heading`, `Table`; `render` writes it
+# as aligned text or as markdown (headings, pipe tables).
+class Heading(str):
+    """A line that heads a part of the document (markdown: a `##` heading)."""
+
+
+class Table:
+    """A titled table; `notes` follow its rows (counts of rows left out or collapsed).
+    `clip` keeps the first `clip` rows, a count of those left out, and the last row."""
+    def __init__(self, title: str, header: tuple, rows: list, notes: list | None = None,
+                 clip: int | None = None):
+        self.title, self.header, self.rows = title, tuple(header), [tuple(map(str, r))
+                                                                    for r in rows]
+        self.notes, self.clip = list(notes or ()), clip
+
+    def text_lines(self) -> list[str]:
+        widths = [max(len(r[i]) for r in [self.header, *self.rows])
+                  for i in range(len(self.header))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*r).rstrip() for r in self.rows]
+        if self.clip is not None and len(lines) > self.clip + 1:
+            lines = (lines[:self.clip] + [f"... {len(lines) - self.clip - 1} more"]
+                     + lines[-1:])
+        lines = [fmt.format(*self.header).rstrip(), fmt.format(*("-" * w for w in widths))] \
+            + lines + self.notes
+        return ([f"{self.title}:"] if self.title else []) + ["  " + r for r in lines]
+
+    def markdown_lines(self) -> list[str]:
+        rows = self.rows
+        if self.clip is not None and len(rows) > self.clip + 1:
+            more = (f"... {len(rows) - self.clip - 1} more",) + ("",) * (len(self.header) - 1)
+            rows = rows[:self.clip] + [more] + rows[-1:]
+        cell = lambda c: (f"`{c}`" if any(ch in c for ch in "*_[]<>\\") else c
+                          ).replace("|", "\\|") if c else ""
+        out = ([f"### {self.title}", ""] if self.title else []) + [
+            "| " + " | ".join(self.header) + " |",
+            "|" + "|".join("---" for _ in self.header) + "|"]
+        out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+        return out + ([""] + self.notes if self.notes else [])
+
+
+def render(blocks: list, style: str) -> str:
+    """The document as `"text"` (aligned columns) or `"markdown"`."""
+    out: list[str] = []
+    for i, b in enumerate(blocks):
+        if isinstance(b, Table):
+            if style == "markdown":
+                out += (["" ] if out and out[-1] else []) + b.markdown_lines() + [""]
+            else:
+                out += b.text_lines()
+        elif style == "markdown":
+            if isinstance(b, Heading):
+                out += (["" ] if out and out[-1] else []) + \
+                    [("# " if i == 0 else "## ") + b.rstrip(":"), ""]
+            else:
+                out.append(b.strip() + "  " if b.strip() else "")
+        else:
+            out.append(b)
+    if style == "markdown":      # no runs of blank lines
+        out = [line for j, line in enumerate(out) if line or (j and out[j - 1])]
+    return "\n".join(out).rstrip("\n") if style == "markdown" else "\n".join(out)

@@ -37,7 +37,7 @@ from .graph import OpGraph
 from .lower import Lowered, lower, named, put
 from .lower_pipeline import lower_pipeline
 from .options import ShardParallel
-from .pipeshard import plan_pipeline
+from .pipeshard import plan_pipeline, with_search_record
 from .runtime.executor import Executor
 from .plan import ParallelPlan, graph_fingerprint
 from .plan_cache import cache_key, find_plan
@@ -209,9 +209,8 @@ class ParallelizedFunction:
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), solutions=replay.stage_solutions)
             origin = "saved plan" if self._saved_plan is not None else replay.origin
-            plan_ = dataclasses.replace(plan_, origin=origin, timings_s={
-                **plan_.timings_s, "plan_lookup": replay.timings_s.get("plan_lookup", 0.0)
-                + time.perf_counter() - t0})
+            plan_ = with_search_record(plan_, replay, origin, replay.timings_s.get(
+                "plan_lookup", 0.0) + time.perf_counter() - t0)     # keeps its search record
         program = program or program_of(parts)
         log.info("autopar: %s planned as %s; XLA compiles each stage on the first call",
                  getattr(self._fun, "__name__", "step"),

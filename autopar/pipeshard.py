@@ -262,3 +262,20 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             if a["predicted_step_s"] is not None else a for a in result.runner_ups),
         stage_solutions=tuple(solution_record(st.solution, graph_fingerprint(st.graph))
                               for st in result.stages))
+
+
+def with_search_record(plan: ParallelPlan, searched: ParallelPlan, origin: str,
+                       lookup_s: float) -> ParallelPlan:
+    """`plan`, replayed from `searched` (a cached or saved plan: its stages solved again from
+    the saved solutions), with `searched`'s record of the search that produced it: when it
+    ran, its timings, its ILP and stage-DP counts, the runner-ups and the compiled checks."""
+    kept = ("num_ilps", "num_reused", "dp_candidates", "dp_pruned", "dp_time_s")   # not
+    # num_replayed: the stage solutions this replay took from the saved plan
+    return dataclasses.replace(
+        plan, origin=origin, searched_at=searched.searched_at or plan.searched_at,
+        timings_s={**{k: v for k, v in searched.timings_s.items() if k != "plan_lookup"},
+                   "plan_lookup": lookup_s},
+        pipeline={**plan.pipeline, **{k: searched.pipeline[k] for k in kept
+                                      if k in searched.pipeline}},
+        alternatives=searched.alternatives or plan.alternatives,
+        measured={**searched.measured, **plan.measured})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from .frontend.labels import operator_labels
 from .graph import OpGraph
 from .intra_op import ShardingAssignment
 from .intra_op.memory import predicted_peak_bytes
@@ -34,6 +35,23 @@ def output_paths(graph: OpGraph) -> list[str]:
     return out
 
 
+def operator_plans(graph: OpGraph, assignment: ShardingAssignment) -> tuple[OperatorPlan, ...]:
+    """The chosen strategy of each heavy operator (matmul, convolution, gather, ...); one
+    without a name scope is labelled by the parameter it consumes (`operator_labels`)."""
+    specs, trips, out = assignment.tensor_specs, graph.node_trips(), []
+    heavy = [n for n in graph.nodes if n.primitive in HEAVY_OPERATORS]
+    labels = operator_labels(graph, heavy)      # of operators without a name scope (NNX)
+    for node in heavy:
+        t = graph.tensors[node.outputs[0]]
+        out.append(OperatorPlan(
+            node=node.id, primitive=node.primitive, strategy=assignment.node_strategy[node.id],
+            communication=assignment.node_comm[node.id], source=node.source,
+            name_stack=labels.get(node.id, node.name_stack), out_shape=t.shape, out_spec=specs[t.id],
+            flops=node.flops, compute_s=assignment.node_compute_s[node.id],
+            comm_s=assignment.node_comm_s[node.id], trips=trips[node.id]))
+    return tuple(out)
+
+
 def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, cluster: str,
                device_ids: tuple[int, ...], memory_budget_bytes: float,
                timings_s: dict | None = None, call_overhead_s: float = 0.0,
@@ -45,17 +63,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     # The ILP bounds `assignment.peak_memory_bytes`; XLA also reuses result buffers.
     peak = predicted_peak_bytes(graph, specs, assignment.mesh_shape,
                                 assignment.node_collective_bytes or None)
-    operators, trips = [], graph.node_trips()
-    for node in graph.nodes:
-        if node.primitive not in HEAVY_OPERATORS:
-            continue
-        out = graph.tensors[node.outputs[0]]
-        operators.append(OperatorPlan(
-            node=node.id, primitive=node.primitive, strategy=assignment.node_strategy[node.id],
-            communication=assignment.node_comm[node.id], source=node.source,
-            name_stack=node.name_stack, out_shape=out.shape, out_spec=specs[out.id],
-            flops=node.flops, compute_s=assignment.node_compute_s[node.id],
-            comm_s=assignment.node_comm_s[node.id], trips=trips[node.id]))
+    operators = operator_plans(graph, assignment)
     collectives = predict_collectives(graph, assignment, cost)
     reshards = tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, assignment))
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
@@ -76,7 +84,7 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         outputs=tensor_plans(graph, graph.outputs, assignment.output_specs,
                              output_paths(graph)),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
-        operators=tuple(operators), collectives=collectives, reshards=reshards,
+        operators=operators, collectives=collectives, reshards=reshards,
         fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,
         predicted_reshard_s=assignment.reshard_s, predicted_overhead_s=call_overhead_s,

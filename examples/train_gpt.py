@@ -36,9 +36,9 @@ CONFIG = GPTConfig(vocab_size=2048, seq_len=64, num_layers=2, hidden=256, num_he
 
 
 def short_dump(plan) -> str:
-    """`autopar.dump` with long tables clipped and source paths relative to the repo."""
-    text = autopar.dump(plan, max_operators=12, max_rows=14)
-    return text.replace(REPO_ROOT + os.sep, "")
+    """`autopar.dump` (concise: the heaviest operators, repeated layers folded) with source
+    paths relative to the repo."""
+    return autopar.dump(plan).replace(REPO_ROOT + os.sep, "")
 
 
 def create_state(key):

@@ -96,7 +96,8 @@ def test_typed_key_argument_and_host_arrays_share_one_plan():
 
 def _plan_spec(plan, path):
     """The sharding the dump prints for the input leaf `path`, e.g. "[-, model]"."""
-    rows = [line for line in autopar.dump(plan).splitlines() if line.strip().startswith(path + " ")]
+    rows = [line for line in autopar.dump(plan, full=True).splitlines()
+            if line.strip().startswith(path + " ")]
     assert rows, f"{path} not in the dump"
     return re.findall(r"\[[^\]'\[]*\]", rows[0][len(path):])[-1]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ def test_dump_header_and_mesh(mlp_plan):
 
 
 def test_dump_lists_every_input_leaf_with_its_sharding(mlp_plan):
-    text = autopar.dump(mlp_plan)
+    text = autopar.dump(mlp_plan, full=True)
     section = _section(text, "state and inputs:")
     assert len(section) == 1 + 2 + len(mlp_plan.inputs)       # title, header, rule, rows
     assert section[1].split() == ["leaf", "role", "shape", "dtype", "sharding"]
@@ -93,14 +94,14 @@ def test_dump_lists_every_input_leaf_with_its_sharding(mlp_plan):
 
 
 def test_dump_lists_results(mlp_plan):
-    section = _section(autopar.dump(mlp_plan), "results:")
+    section = _section(autopar.dump(mlp_plan, full=True), "results:")
     assert len(section) == 3 + len(mlp_plan.outputs)
     assert "(next state.params['Dense_1']['kernel'])" in "\n".join(section)
     assert section[-1].split()[0] == "result[14]"
 
 
 def test_dump_heavy_operators_with_source(mlp_plan):
-    text = autopar.dump(mlp_plan)
+    text = autopar.dump(mlp_plan, full=True)
     section = _section(text, "heavy operators")
     assert section[0] == f"heavy operators ({len(mlp_plan.operators)}):" == "heavy operators (5):"
     rows = section[3:]
@@ -136,7 +137,7 @@ def test_dump_predicted_costs_memory_and_ilp(mlp_plan):
 def test_dump_lists_fallbacks_with_reasons(fallback_plan):
     prims = [f.primitive for f in fallback_plan.fallbacks]
     assert prims == ["cholesky"]          # the while loop's body is planned (no fallback)
-    text = autopar.dump(fallback_plan)
+    text = autopar.dump(fallback_plan, full=True)
     section = _section(text, "fallbacks")
     assert section[0] == "fallbacks (1):"
     chol = _line_with(text, " cholesky at ")
@@ -159,12 +160,12 @@ def test_fallback_inside_library_jit_points_at_the_call_site(fallback_plan):
 
 
 def test_dump_max_operators(fallback_plan, mlp_plan):
-    text = autopar.dump(mlp_plan, max_operators=2)
+    text = autopar.dump(mlp_plan, max_operators=2, full=True)
     section = _section(text, "heavy operators")
     assert section[0] == "heavy operators (5):"
     assert len(section) == 3 + 2 + 1
     assert section[-1].strip() == "... 3 more"
-    full = autopar.dump(mlp_plan, max_operators=None)
+    full = autopar.dump(mlp_plan, max_operators=None, full=True)
     assert "more" not in "\n".join(_section(full, "heavy operators"))
     assert autopar.dump(fallback_plan, max_operators=10) == autopar.dump(fallback_plan)
 
@@ -196,7 +197,7 @@ def _hand_plan(**overrides) -> ParallelPlan:
 
 
 def test_dump_hand_built_plan():
-    text = autopar.dump(_hand_plan())
+    text = autopar.dump(_hand_plan(), full=True)
     assert "method=zero3  cluster=my-cluster" in text
     assert "mesh: dp=4  devices=[4, 5, 6, 7]" in text
     assert "compute 1.500 s   communication 2.500 ms   resharding 4.0 us   total 1.503 s" in text
@@ -225,7 +226,7 @@ def test_dump_notes_a_non_optimal_solve():
 
 
 def test_dump_no_fallbacks_and_no_operators():
-    text = autopar.dump(_hand_plan(fallbacks=(), operators=()))
+    text = autopar.dump(_hand_plan(fallbacks=(), operators=()), full=True)
     assert "heavy operators (0):" in text
     assert "fallbacks: none (every operator had a sharding rule)" in text
 
@@ -259,7 +260,7 @@ def test_dump_max_rows_clips_state_and_result_tables():
     batch = {"x": jax.ShapeDtypeStruct((BATCH, IN_DIM), "float32"),
              "y": jax.ShapeDtypeStruct((BATCH, HIDDEN), "float32")}
     plan = autopar.plan(mlp_train_step, state, batch, cluster=CLUSTER, batch_argnums=(1,))
-    full, short = autopar.dump(plan), autopar.dump(plan, max_rows=3)
+    full, short = autopar.dump(plan, full=True), autopar.dump(plan, max_rows=3, full=True)
     n_in = len(plan.inputs)
     assert f"... {n_in - 4} more" in short
     assert plan.inputs[-1].path in short and plan.inputs[5].path not in short.split("results:")[0]
@@ -278,3 +279,273 @@ def test_collectives_name_the_priced_algorithm():
     assert all(c.split()[-1] in names for c in comms), comms
     algorithm = comms[0].split()[-1]
     assert f"{len(comms)} x all-reduce ({algorithm}" in autopar.dump(plan)
+
+
+# ------------------------------------------------------------------ concise dump (issue 16)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def _gpt_plan(config, plan_cache=False):
+    from models.gpt import GPT, make_gpt_batch
+    from flax.training import train_state
+    from models.gpt import gpt_loss
+
+    def create():
+        model = GPT(config)
+        params = model.init(jax.random.key(0), jnp.zeros((1, config.seq_len), jnp.int32))
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.adamw(1e-3))
+
+    def step(state, batch):
+        def loss_fn(params):
+            return gpt_loss(state.apply_fn(params, batch["tokens"]), batch["tokens"])
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+    state = jax.eval_shape(create)
+    batch = jax.eval_shape(lambda: make_gpt_batch(jax.random.key(1), 16, config))
+    par = autopar.parallelize(step, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                              batch_argnums=(1,), plan_cache=plan_cache)
+    return par.get_plan(state, batch)
+
+
+@pytest.fixture(scope="module")
+def demo_plan():
+    """The demo's plan (examples/train_gpt.py: its model, optimizer, batch and mesh)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLES / "train_gpt.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    state = jax.eval_shape(lambda: demo.create_state(jax.random.key(0)))
+    batch = jax.eval_shape(lambda: demo.make_gpt_batch(jax.random.key(1), demo.BATCH_SIZE,
+                                                       demo.CONFIG))
+    par = autopar.parallelize(demo.train_step, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                              batch_argnums=(1,), plan_cache=False)
+    return par.get_plan(state, batch)
+
+
+def _rows(text: str, title: str) -> list[str]:
+    """The data rows of the table titled `title` (after its header and rule)."""
+    return [r for r in _section(text, title)[3:] if not r.strip().startswith(("...", "+", "rows"))]
+
+
+def _seconds(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
+def test_demo_gpt_default_dump_is_concise(demo_plan):
+    text = autopar.dump(demo_plan)
+    lines = text.splitlines()
+    assert len(lines) <= 60, text
+    assert "mesh: data=2 x model=4" in text
+    assert len(demo_plan.inputs) == 90 and len(demo_plan.operators) > 40
+    # the heaviest operators first: the first row is the heaviest of the rows shown, and at
+    # least as heavy as the single heaviest operator
+    rows = _rows(text, "heaviest operators")
+    times = [_seconds(re.search(r"\d+\.\d+ (?:ms|us|s)(?=  )", r).group(0)) for r in rows]
+    assert times == sorted(times, reverse=True) and len(rows) == 8
+    top = max(demo_plan.operators, key=lambda o: o.compute_s + o.comm_s)
+    assert times[0] >= (top.compute_s + top.comm_s) * 0.999
+    assert "block_{0..1}" in text and " x2 " in text            # repeated layers folded
+    assert "results keep their input's sharding" in text
+    assert lines[-1].endswith("autopar.dump(plan, full=True) lists every row)")
+
+
+def test_full_dump_lists_every_operator_leaf_and_result(demo_plan):
+    text = autopar.dump(demo_plan, full=True)
+    nodes = [int(r.split()[0]) for r in _rows(text, "heavy operators")]
+    assert nodes == [o.node for o in demo_plan.operators]
+    leaves = [r.split()[0] for r in _rows(text, "state and inputs")]
+    assert leaves == [t.path for t in demo_plan.inputs]
+    assert len(_rows(text, "results")) == len(demo_plan.outputs)
+    reshards = [c for c in demo_plan.collectives if " reshard " in c.detail]
+    assert _section(text, "resharding collectives")[0] == \
+        f"resharding collectives ({len(reshards)}):"
+    assert "full=True" not in text
+
+
+def test_repeated_layers_fold(demo_plan):
+    from models.gpt import GPTConfig
+    small = dict(vocab_size=64, seq_len=8, hidden=32, num_heads=2)
+    two, four = (_gpt_plan(GPTConfig(num_layers=n, **small)) for n in (2, 4))
+    d2, d4 = autopar.dump(two), autopar.dump(four)
+    assert len(four.inputs) > len(two.inputs) + 40
+    assert len(d4.splitlines()) <= len(d2.splitlines()) + 2, d4
+    assert "block_{0..3}" in d4 and " x4 " in d4
+    assert "replicated on every device" in d4
+    # the optimizer state sits on its parameter's row (the demo's is sharded)
+    names = demo_plan.axis_names
+    spec = {t.path: format_spec(t.spec, names) for t in demo_plan.inputs}
+    path = "['params']['block_{}']['mlp']['fc']['kernel']"
+    mu = spec["state.opt_state[1][0].mu" + path.format(0)]
+    assert mu == spec["state.opt_state[1][0].mu" + path.format(1)] == \
+        spec["state.opt_state[1][0].nu" + path.format(0)]
+    row = _line_with(autopar.dump(demo_plan), "state.params" + path.format("{0..1}"))
+    assert row.split()[1] == "x2" and row.endswith(f"mu,nu {mu}")
+    assert f"  {spec['state.params' + path.format(0)]}  " in row
+
+
+def test_markdown_style(mlp_plan):
+    text = autopar.dump(mlp_plan, style="markdown")
+    lines = text.splitlines()
+    assert lines[0] == "# autopar plan  method=shard_parallel  cluster=dgx-a100"
+    assert any(line.startswith("### heaviest operators") for line in lines)
+    header = next(line for line in lines if line.startswith("| op |"))
+    rule = lines[lines.index(header) + 1]
+    assert rule == "|" + "|".join(["---"] * header.count(" | ") + ["---"]) + "|"
+    assert not any(line.startswith("  --") for line in lines)      # no text-style rules
+    full = autopar.dump(mlp_plan, style="markdown", full=True)
+    assert sum(line.startswith("| ") for line in full.splitlines()) > \
+        len(mlp_plan.inputs) + len(mlp_plan.outputs)
+    with pytest.raises(autopar.InvalidArgumentError, match="style='html'.*'markdown'"):
+        autopar.dump(mlp_plan, style="html")
+
+
+def test_negative_limits_warn_and_mean_no_limit(mlp_plan):
+    with pytest.warns(UserWarning, match=r"max_rows=-1 is negative.*Fix: pass None"):
+        text = autopar.dump(mlp_plan, max_rows=-1, full=True)
+    assert text == autopar.dump(mlp_plan, full=True)
+    with pytest.warns(UserWarning, match=r"max_operators=-3"):
+        assert autopar.dump(mlp_plan, max_operators=-3) == autopar.dump(
+            mlp_plan, max_operators=None)
+    with pytest.raises(autopar.InvalidArgumentError, match="max_rows='5'"):
+        autopar.dump(mlp_plan, max_rows="5")
+
+
+# ------------------------------------------------------------------------------ pipelines
+@pytest.fixture(scope="module")
+def pipe_plans(tmp_path_factory):
+    from steps import make_case, mesh_of, sgd_momentum_clip
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4,
+                                     value_and_grad=autopar.value_and_grad)
+    method = autopar.PipeshardParallel(
+        num_microbatches=4, schedule=autopar.Schedule.ONE_F_ONE_B,
+        layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=2))
+    cache = tmp_path_factory.mktemp("plans")
+    plans = [autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method, plan_cache=cache)
+             .get_plan(state, batches[0]) for _ in range(2)]
+    return plans
+
+
+def test_pipeline_stage_tables_add_up(pipe_plans):
+    plan = pipe_plans[0]
+    text = autopar.dump(plan, full=True)
+    total = 0.0
+    for i, s in enumerate(plan.stages):
+        ops, colls = autopar.inspect.stage_parts(plan, i)
+        assert ops, f"stage {i} lists no operators"
+        assert f"heavy operators of stage {i} " in text
+        strategy = sum(c.comm_s for c in colls if " reshard " not in c.detail)
+        assert strategy == pytest.approx(s.comm_s, rel=1e-6, abs=1e-12)
+        concise = autopar.dump(plan, stage=i, max_rows=100)      # every collective row
+        if colls:
+            assert f"(communication {_time(s.comm_s)} stated)" in concise
+            rows = _rows(concise, f"heaviest collectives of stage {i}")
+            shown = sum(_seconds(re.search(r"\d+\.\d+ (?:ms|us|s)(?=  )", r).group(0))
+                        for r in rows)           # rounded to 0.1 us per row
+            assert shown == pytest.approx(sum(c.comm_s for c in colls), abs=1e-7 * len(rows))
+            assert shown == pytest.approx(s.comm_s + s.reshard_s, abs=1e-7 * len(rows))
+        else:
+            assert s.comm_s == 0
+        total += s.comm_s
+    scale = plan.pipeline["predicted_latency_s"] / sum(s.latency_s for s in plan.stages)
+    assert plan.predicted_comm_s == pytest.approx(scale * total)
+    assert f"communication per step {_time(plan.predicted_comm_s)} = {scale:.3f}" in text
+    assert any(s.comm_s > 0 for s in plan.stages)
+
+
+def test_dump_of_one_stage(pipe_plans):
+    plan = pipe_plans[0]
+    text = autopar.dump(plan, stage=1)
+    assert "of stage 1 " in text and "of stage 0 " not in text
+    assert all(r.split()[-1] == "1" for r in _rows(text, "state and inputs"))
+    for bad in (2, -1, True):
+        with pytest.raises(autopar.InvalidArgumentError, match=r"2 stage\(s\), numbered 0..1"):
+            autopar.dump(plan, stage=bad)
+
+
+def test_stage_argument_of_a_one_mesh_plan(mlp_plan):
+    assert autopar.dump(mlp_plan, stage=0) == autopar.dump(mlp_plan)
+    with pytest.raises(autopar.InvalidArgumentError, match=r"1 stage\(s\)"):
+        autopar.dump(mlp_plan, stage=1)
+
+
+def test_cache_hit_keeps_the_search_record(pipe_plans, mlp_plan, tmp_path):
+    first, hit = pipe_plans
+    assert first.origin == "search" and hit.origin == "plan cache"
+    assert hit.searched_at == first.searched_at != ""
+    assert {k: v for k, v in hit.timings_s.items() if k != "plan_lookup"} == first.timings_s
+    for k in ("num_ilps", "num_reused", "dp_candidates"):
+        assert hit.pipeline[k] == first.pipeline[k]
+    line = _line_with(autopar.dump(hit), "plan from:")
+    assert line.startswith("plan from: plan cache (looked up in ")
+    assert (f"searched {first.searched_at} in "
+            f"{_time(sum(first.timings_s.values()))}: {first.pipeline['num_ilps']} ILPs") in line
+    # one mesh: the same record
+    state = jax.eval_shape(_create_state)
+    batch = {"x": _sds(BATCH, IN_DIM), "y": _sds(BATCH, HIDDEN)}
+    one, two = (autopar.parallelize(train_step, mesh=jax.make_mesh((2, 4), ("a", "b")),
+                                    batch_argnums=(1,), plan_cache=tmp_path)
+                .get_plan(state, batch) for _ in range(2))
+    assert two.origin == "plan cache" and two.searched_at == one.searched_at
+    assert f"searched {one.searched_at} in {_time(sum(one.timings_s.values()))}: 1 ILP" in \
+        _line_with(autopar.dump(two), "plan from:")
+
+
+def test_summary_has_five_lines(mlp_plan, pipe_plans):
+    for plan in (mlp_plan, *pipe_plans):
+        lines = plan.summary().splitlines()
+        assert len(lines) == 5, plan.summary()
+        assert "data=2 x model=4" in lines[0] and "8 devices" in lines[0]
+        assert lines[1].startswith(f"predicted step {_time(plan.predicted_step_s)}: compute")
+        assert _bytes(plan.memory_budget_bytes) in lines[2]
+        assert lines[4].startswith(f"plan from {plan.origin}")
+    assert "heaviest collectives" in mlp_plan.summary().splitlines()[3]
+    assert "2 stages" in pipe_plans[0].summary().splitlines()[3]
+    assert "schedule 1f1b" in pipe_plans[0].summary().splitlines()[3]
+
+
+# -------------------------------------------------------------------------- NNX labels
+def test_nnx_operators_are_labelled_by_their_parameter():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear1 = nnx.Linear(16, 32, rngs=rngs)
+            self.linear2 = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear2(nnx.relu(self.linear1(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Block(rngs), Block(rngs)])
+
+        def __call__(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(batch["x"]) - batch["y"]) ** 2).mean())(
+            model)
+        optimizer.update(model, grads)
+        return loss
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    batch = {"x": jnp.ones((16, 16)), "y": jnp.ones((16, 16))}
+    plan = autopar.parallelize(step, mesh=jax.make_mesh((2, 4), ("data", "model")),
+                               batch_argnums=(2,), plan_cache=False
+                               ).get_plan(model, optimizer, batch)
+    labels = [o.name_stack for o in plan.operators]
+    assert len(labels) == 11       # 4 forward, 4 weight- and 3 input-gradient matmuls
+    assert all("@model.layers[" in s for s in labels), labels
+    for layer in (0, 1):
+        for lin in ("linear1", "linear2"):
+            mine = [s for s in labels if s.endswith(f"@model.layers[{layer}].{lin}.kernel")]
+            # forward, weight gradient, input gradient (none for the first: x needs none)
+            assert len(mine) == (2 if (layer, lin) == (0, "linear1") else 3), labels
+            assert sum(s.startswith("jvp()/") for s in mine) == 1
+    text = autopar.dump(plan, full=True)
+    assert "jvp()/Block@model.layers[1].linear2.kernel" in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +29,10 @@ from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, buil
 from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
 from ..intra_op.batch_dims import batch_dims
-from ..plan import constrained_tensors, spec_from_json
+from ..intra_op.predict import predict_collectives
+from ..plan import (CollectivePlan, OperatorPlan, _collective_plan, constrained_tensors,
+                    spec_from_json)
+from ..planner import operator_plans
 from ..spec import Spec, dim_shards, num_shards
 from ..trace import trace
 from .pipeline import LossGraph, StageSlice
@@ -151,6 +155,10 @@ class StageSolution:
     # parameters it then costs once per step.
     zero_split_bytes: float = 0.0
     zero_gather_s: float = 0.0
+    # For the dump: the stage's heavy operators and predicted collectives (one microbatch's
+    # forward + backward), as a one-mesh plan lists them.
+    operators: tuple[OperatorPlan, ...] = ()
+    collectives: tuple[CollectivePlan, ...] = ()
 
     def optimizer_bytes(self, opt_ratio: float, zero: bool = False) -> float:
         """Per device: the optimizer state (`opt_ratio` bytes per parameter byte), with ZeRO
@@ -286,6 +294,10 @@ def solution_from_record(record: dict) -> tuple[str, StageSolution]:
     d["logical_shape"] = tuple(d["logical_shape"])
     d["constraints"] = tuple((int(t), spec_from_json(s)) for t, s in d["constraints"])
     d["ilp"] = IlpStats(**d["ilp"])
+    d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
+                                           "out_spec": spec_from_json(o["out_spec"])})
+                           for o in d.get("operators", ()))
+    d["collectives"] = tuple(_collective_plan(c) for c in d.get("collectives", ()))
     return fp, StageSolution(**d)
 
 
@@ -399,7 +411,9 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,
         **_zero_fields(graph, ins[:p], logical),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph,
-                                                                        a.constant_tensors)))
+                                                                        a.constant_tensors)),
+        operators=operator_plans(graph, a),
+        collectives=predict_collectives(graph, a, CostModel(mesh=logical)))
 
 
 def _zero_fields(graph: OpGraph, param_specs, logical: LogicalMesh) -> dict:
@@ -430,4 +444,20 @@ def mirrored(sol: StageSolution, graph: OpGraph, logical: LogicalMesh) -> StageS
         data_specs=specs(sol.data_specs), act_specs=specs(sol.act_specs),
         out_specs=specs(sol.out_specs), grad_specs=specs(sol.grad_specs),
         constraints=tuple((t, swap(x)) for t, x in sol.constraints),
-        **_zero_fields(graph, param_specs, logical))
+        **_zero_fields(graph, param_specs, logical), **_mirrored_records(sol, logical))
+
+
+def _mirrored_records(sol: StageSolution, logical: LogicalMesh) -> dict:
+    """`sol`'s operator and collective records with the two mesh axes swapped (specs, and the
+    axis names in strategy and collective labels)."""
+    a, b = logical.axis_names[:2]
+    pattern = re.compile(rf"\b({re.escape(a)}|{re.escape(b)})\b")
+    name = lambda text: pattern.sub(lambda m: b if m.group(1) == a else a, text)
+    swap = lambda spec: tuple(tuple(1 - x for x in dim) for dim in spec)
+    return dict(
+        operators=tuple(dataclasses.replace(o, strategy=name(o.strategy),
+                                            communication=name(o.communication),
+                                            out_spec=swap(o.out_spec)) for o in sol.operators),
+        collectives=tuple(dataclasses.replace(c, detail=name(c.detail), src=swap(c.src),
+                                              dst=swap(c.dst), axes=tuple(map(name, c.axes)))
+                          for c in sol.collectives))
