@@ -330,15 +330,22 @@ def _collectives(plan: ParallelPlan) -> str:
             "is in the header's split" + (" and the stage table)." if _is_pipeline(plan)
                                           else ").") if plan.pipeline else "."))
         return _section("collectives", "Collectives", _note(text))
-    rows = [(g.kind, "*".join(g.axes) or "-", g.origin, g.algorithm, g.count,
-             format_bytes(g.nbytes), format_time(g.comm_s)) for g in groups]
+    staged = groups[0].stage is not None
+    rows = [((f"stage {g.stage}",) if staged else ()) + (
+        g.kind, "*".join(g.axes) or "-", g.origin, g.algorithm, g.count,
+        format_bytes(g.nbytes), format_time(g.comm_s)) for g in groups]
     total = sum(g.comm_s for g in groups)
+    head = ("kind", "mesh axes", "from", "algorithm", "count", "bytes / device",
+            "predicted time")
+    numeric = frozenset(i + staged for i in (4, 5, 6))
     return _section("collectives", "Collectives", _table(
-        ("kind", "mesh axes", "from", "algorithm", "count", "bytes / device", "predicted time"),
-        rows, frozenset({4, 5, 6})) + _note(
-        f"{len(plan.collectives)} collectives, {format_time(total)} predicted in all. XLA may "
-        "combine independent all-reduces and all-gathers."),
-        "Grouped by kind, mesh axes, origin and algorithm; the most time first.")
+        (("stage",) if staged else ()) + head, rows, numeric) + _note(
+        f"{sum(g.count for g in groups)} collectives, {format_time(total)} predicted in all"
+        + (" (per microbatch's forward + backward of each stage; the stage axes are the "
+           "stage's logical mesh)" if staged else "")
+        + ". XLA may combine independent all-reduces and all-gathers."),
+        "Grouped by " + ("stage, " if staged else "") + "kind, mesh axes, origin and "
+        "algorithm; the most time first.")
 
 
 # ------------------------------------------------------------------------ runner-ups

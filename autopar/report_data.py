@@ -116,6 +116,7 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
 # ---------------------------------------------------------------------- collectives
 @dataclass(frozen=True, slots=True)
 class CollectiveGroup:
+    stage: int | None      # pipeline stage (its collectives per microbatch); None: one mesh
     kind: str
     axes: tuple[str, ...]
     algorithm: str
@@ -135,15 +136,20 @@ def algorithm(c: CollectivePlan) -> str:
 
 
 def collective_groups(plan: ParallelPlan) -> list[CollectiveGroup]:
-    """The plan's collectives grouped by kind, mesh axes, algorithm and origin, the most
-    predicted time first."""
+    """The plan's collectives grouped by kind, mesh axes, algorithm and origin (and stage,
+    for a pipeline: each stage's one microbatch forward + backward, from its saved solution),
+    the most predicted time first."""
+    from .inspect import stage_parts
+    stages = range(len(plan.stage_solutions)) if plan.stage_solutions else [None]
     groups: dict[tuple, list[CollectivePlan]] = {}
-    for c in plan.collectives:
-        origin = "resharding" if " reshard " in c.detail else "strategy"
-        groups.setdefault((c.kind, tuple(c.axes), algorithm(c), origin), []).append(c)
-    out = [CollectiveGroup(k, a, alg, o, len(cs), sum(c.nbytes for c in cs),
+    for stage in stages:
+        for c in stage_parts(plan, stage)[1]:
+            origin = "resharding" if " reshard " in c.detail else "strategy"
+            groups.setdefault((stage, c.kind, tuple(c.axes), algorithm(c), origin),
+                              []).append(c)
+    out = [CollectiveGroup(st, k, a, alg, o, len(cs), sum(c.nbytes for c in cs),
                            sum(c.comm_s for c in cs))
-           for (k, a, alg, o), cs in groups.items()]
+           for (st, k, a, alg, o), cs in groups.items()]
     return sorted(out, key=lambda g: (-g.comm_s, g.kind))
 
 

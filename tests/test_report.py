@@ -195,6 +195,13 @@ def test_pipeline_report(pipe_plan):
         assert mine["activations in flight"] == pytest.approx(q * s.activation_bytes)
         assert "not attributed" not in mine
         assert sum(mine.values()) == pytest.approx(s.peak_memory_bytes)
+    # collectives: per stage, from the stage solutions, the counts adding up to theirs
+    coll = _html_section(text, "collectives")
+    for s, rec in enumerate(plan.stage_solutions):
+        counts = re.findall(rf"<td>stage {s}</td><td>[^<]*</td>(?:<td>[^<]*</td>){{3}}"
+                            r"<td class=num>(\d+)</td>", coll)
+        assert sum(map(int, counts)) == len(rec["collectives"])
+    assert any(rec["collectives"] for rec in plan.stage_solutions)
     sharding = page.section("sharding")
     assert "Stage 0: state and inputs" in sharding and "Stage 1: state and inputs" in sharding
     assert "Dense_{0..1}" in sharding and "Dense_{2..3}" in sharding
