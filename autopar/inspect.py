@@ -71,6 +71,20 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None, max_rows: int 
     return render(blocks, style)
 
 
+def _runner_ups(plan: ParallelPlan) -> list[str]:
+    """Why this plan: the runner-ups' predicted steps as multiples of this plan's."""
+    if not plan.alternatives:
+        return []
+    def one(a):
+        if a["predicted_step_s"] is None:
+            return f"{a['name']} " + ("over budget" if a["fits"] is False else "not priced")
+        return (f"{a['name']} {a['predicted_step_s'] / max(plan.predicted_step_s, 1e-30):.2f}x"
+                + ("" if a["fits"] else " (over budget)"))
+    return ["  why this plan: runner-ups' predicted steps (same cost model) "
+            + ", ".join(one(a) for a in plan.alternatives[:4])
+            + (f", ... {len(plan.alternatives) - 4} more" if len(plan.alternatives) > 4 else "")]
+
+
 def _limit(name: str, value):
     if value is None:
         return None
@@ -130,6 +144,7 @@ def _overview(plan: ParallelPlan, stage) -> list:
              + f"   total {_time(plan.predicted_step_s)}",
              f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
              f"{_bytes(plan.memory_budget_bytes)}"]
+    lines += _runner_ups(plan)
     if plan.remat:
         bounds, layers = plan.remat["layer_boundaries"], plan.remat["layers"]
         lines.append("  rematerialization (loss layers, forward operators): " + ", ".join(

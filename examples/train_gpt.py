@@ -80,6 +80,9 @@ def main() -> int:
     print(short_dump(plan))
     print("\n(mesh axis names are only labels: the ILP decides what each axis splits, the batch, "
           "the weights or both, from the axis sizes and link costs)")
+    report = os.path.abspath("plan.html")
+    autopar.report(plan, report)
+    print(f"\nthe plan as a page (mesh, memory, collectives, why this plan): {report}")
 
     print(f"\n== training {NUM_STEPS} steps with autopar on mesh "
           f"{dict(zip(mesh.axis_names, mesh.devices.shape))} ==")

@@ -212,6 +212,17 @@ def test_dump_hand_built_plan():
     assert "  node 7 sort at step.py:12:4 (f): no sharding rule for primitive 'sort'" in text
 
 
+def test_dump_names_the_runner_ups():
+    from autopar.runner_ups import record
+    step = _hand_plan().predicted_step_s
+    plan = _hand_plan(alternatives=(
+        record("DataParallel()", "method", 1.5 * step, 2**30, 16 * 2**30, "dp"),
+        record("Zero2Parallel()", "method", None, 2**40, 16 * 2**30, "does not fit")))
+    line = _line_with(autopar.dump(plan), "why this plan")
+    assert "DataParallel() 1.50x" in line and "Zero2Parallel() over budget" in line
+    assert "why this plan" not in autopar.dump(_hand_plan())
+
+
 def test_dump_notes_a_non_optimal_solve():
     ilp = dict(num_groups=3, num_edges=2, num_memory_points=1, num_variables=9,
                num_constraints=4, backend="highs", status="feasible", build_time_s=0.001,
