@@ -182,7 +182,7 @@ class _Reporter:
             log.handle(record)               # the user's logging shows autopar's INFO records
         elif self.console is not None:
             if event != "start":             # the bar shows what runs
-                self.console.print(text, markup=False, highlight=False)
+                self.console.print(text, markup=False, highlight=False, soft_wrap=True)
         elif log.hasHandlers():
             log.handle(record)               # verbose asked for them: past the logger's level
         else:
