@@ -31,8 +31,8 @@ The `autopar` loggers (`logging.getLogger("autopar")` sets them all):
 - DEBUG: per-ILP details of the stage search.
 
 Phases: "trace", "intra-op ILP", "rematerialization search", "stage search" (counters
-"layer plans" and "stages solved whole"), "lowering", "memory check" (compiles a plan whose budget binds), "XLA
-compile" and, for pipelines, "first step (XLA compiles the stages)".
+"layer plans" and "stages solved whole"), "lowering", "memory check" (compiles a plan whose
+budget binds), "XLA compile" and, for pipelines, "first step (XLA compiles the stages)".
 
 Example (a script run in a pipe, or under pytest):
     >>> step = autopar.parallelize(train_step, mesh=mesh, verbose=True)
@@ -48,8 +48,9 @@ Example (a script run in a pipe, or under pytest):
 
 Code hooks its phases with `with progress.phase(name) as ph: ...; ph.done(detail)`, the
 `@progress.timed(name, summary)` decorator, `bar = progress.counter(n, label)` and
-`bar.advance()` (or `for x in progress.each(items, n, label)`); all are no-ops outside a `progress.session(verbose, name)` (set for one
-planning or compiling call, in a context variable: nothing leaks between functions).
+`bar.advance()` (or `for x in progress.each(items, n, label)`); all are no-ops outside a
+`progress.session(verbose, name)` (set for one planning or compiling call, in a context
+variable: nothing leaks between functions).
 """
 from __future__ import annotations
 
