@@ -26,7 +26,7 @@ import numpy as np
 
 from .cluster import ClusterSpec
 from .distributed import check_agreement
-from . import _compat
+from . import _compat, progress
 from .errors import InvalidArgumentError, UnsupportedError
 from .frontend import checks
 from .frontend.jit_options import PinnedShardings, argnums_for_names
@@ -66,8 +66,10 @@ class ParallelizedFunction:
     """What `parallelize` returns: call it like the original function."""
 
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
-                 plan, cluster, plan_cache=True, pins: PinnedShardings | None = None):
+                 plan, cluster, plan_cache=True, pins: PinnedShardings | None = None,
+                 verbose=None):
         functools.update_wrapper(self, fun)
+        self._verbose = verbose
         self._user_fun, self._fun = fun, PureStep(fun)    # NNX arguments: see frontend.nnx
         self._mesh = mesh
         self._method = method or ShardParallel()
@@ -132,8 +134,9 @@ class ParallelizedFunction:
         key = self._key(args)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[key] = under_mesh_if_needed(
-                self._mesh, lambda: self._new_entry(args))
+            with self._progress():
+                entry = self._cache[key] = under_mesh_if_needed(
+                    self._mesh, lambda: self._new_entry(args))
         return entry
 
     def _new_entry(self, args) -> _Entry:
@@ -229,8 +232,12 @@ class ParallelizedFunction:
 
     def _compiled(self, args, entry: _Entry):
         if entry.compiled is None:
-            entry.compiled = self._lowered(args, entry).compile()
+            with self._progress():
+                entry.compiled = progress.compiled(lambda: self._lowered(args, entry))
         return entry.compiled
+
+    def _progress(self):
+        return progress.session(self._verbose, getattr(self._fun, "__name__", "step"))
 
     def _lowered(self, args, entry: _Entry):
         abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s)
@@ -269,7 +276,8 @@ class ParallelizedFunction:
         compiled = None if pipeline else self._compiled(args, entry)
         with no_context_mesh():
             flat = [put(relabel(x, s), s) for x, s in zip(leaves, shardings)]
-            out = entry.executor.run(flat) if pipeline else compiled(*flat)
+            out = progress.first_run(entry.executor, flat, self._progress) if pipeline \
+                else compiled(*flat)
             if entry.out_pins:      # a pipeline's results, moved where out_shardings says
                 out = [put(x, entry.out_pins[i]) if i in entry.out_pins else x
                        for i, x in enumerate(out)]
@@ -337,7 +345,8 @@ class ParallelizedFunction:
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,
-                                    plan_cache=self.plan_cache_of, pins=self._pins)
+                                    plan_cache=self.plan_cache_of, pins=self._pins,
+                                    verbose=self._verbose)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -405,7 +414,7 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
                 batch_argnums: Sequence[int] = checks.DEFAULT_BATCH_ARGNUMS,
                 plan: ParallelPlan | None = None, cluster: ClusterSpec | None = None,
                 plan_cache: bool | str | os.PathLike = True, static_argnames=(),
-                donate_argnames=(), in_shardings=None, out_shardings=None):
+                donate_argnames=(), in_shardings=None, out_shardings=None, verbose=None):
     """Parallelize a training step over a device mesh.
 
     Args:
@@ -438,6 +447,10 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
       out_shardings: the same for the step's result (a prefix of it; for an NNX step, of
         what it returns). Pinned results come back in that layout (`out.sharding`): planned
         into it, or for a pipeline moved there after the last stage.
+      verbose: progress while planning and compiling (see `autopar.progress`): None (the
+        default) reads $AUTOPAR_VERBOSE (0 / 1 / 2), else shows progress on a terminal
+        only; True / 1: a line per phase (a live bar on a terminal); 2: every step too;
+        False / 0: nothing.
 
     Plans and executables are cached per abstract signature of the arguments (tree
     structure, shapes, dtypes, static values); a new shape re-plans.
@@ -466,8 +479,9 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
             donate_argnums=donate_argnums, batch_argnums=batch_argnums, plan=plan,
             cluster=cluster, plan_cache=plan_cache, static_argnames=static_argnames,
             donate_argnames=donate_argnames, in_shardings=in_shardings,
-            out_shardings=out_shardings)
+            out_shardings=out_shardings, verbose=verbose)
     checks.check_mesh(mesh)
+    progress.check(verbose, "parallelize: verbose")
     as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
     return ParallelizedFunction(
         fun, mesh=mesh, method=checks.method_instance(method), plan=checks.check_plan(plan),
@@ -477,4 +491,4 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
             fun, donate_argnames, "donate_argnames"),
         cluster=checks.check_cluster(cluster), plan_cache=plan_cache,
-        pins=PinnedShardings.of(in_shardings, out_shardings))
+        pins=PinnedShardings.of(in_shardings, out_shardings), verbose=verbose)

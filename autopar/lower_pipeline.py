@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from . import progress
 from .inter_op.apply_grad import PIPELINE, Placement, Segment
 from .inter_op.pipeline import LossGraph, StageSlice
 from .inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
@@ -190,6 +191,7 @@ def donated_inputs(loss: LossGraph, placement: Placement, index: int) -> tuple[i
     return tuple(k for k, t in enumerate(seg.inputs) if t in replaced and t not in later)
 
 
+@progress.timed("lowering", lambda p: f"{len(p.stages)} stage(s)", long=False)
 def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
                    devices: list, schedule: Schedule, num_microbatches: int,
                    max_in_flight_calls: int,

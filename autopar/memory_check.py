@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import progress
 from .errors import InfeasiblePlanError
 from .graph import OpGraph
 from .options import ShardParallel
@@ -83,7 +84,9 @@ def replan_until_it_fits(planned, budget: float, measure: Callable, replan: Call
         no plan; it names where, the predicted and the compiled bytes, and `fix`.
     """
     for round_ in range(ROUNDS + 1):
-        planned, built, over = measure(planned, round_)
+        with progress.phase("memory check", "compiles the plan to read its memory use") as ph:
+            planned, built, over = measure(planned, round_)
+            ph.done("fits the budget" if over is None else "over the budget")
         if over is None:
             return planned, built
         if round_ == ROUNDS:

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable, Sequence
 
+from . import progress
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .errors import InvalidArgumentError, PlanMismatchError
@@ -33,6 +34,7 @@ from .trace import trace
 log = logging.getLogger(__name__)
 
 
+@progress.timed("intra-op ILP", lambda p: progress.ilp_summary(p.ilp))
 def plan_graph(graph: OpGraph, cluster: ClusterSpec, mesh_shape, axis_names, method,
                 device_ids, perturb=None, output_pins=None) -> ParallelPlan:
     t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,
 def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | None = None,
          mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None,
          batch_argnums: Sequence[int] = DEFAULT_BATCH_ARGNUMS, static_argnums: Sequence[int] = (),
-         donate_argnums: Sequence[int] = ()) -> ParallelPlan:
+         donate_argnums: Sequence[int] = (), verbose=None) -> ParallelPlan:
     """Plan `fun(*args)` for a cluster this machine need not have.
 
     `args` may be abstract (`jax.ShapeDtypeStruct`, e.g. from `jax.eval_shape`), so a large
@@ -105,7 +107,17 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
         >>> cluster = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
         >>> abstract_state = jax.eval_shape(create_state)
         >>> p = autopar.plan(train_step, abstract_state, batch_spec, cluster=cluster)
+
+    `verbose`: progress while planning, as in `parallelize` (see `autopar.progress`).
     """
+    with progress.session(verbose, getattr(fun, "__name__", "step")):
+        return _plan(fun, *args, cluster=cluster, method=method, mesh_shape=mesh_shape,
+                     axis_names=axis_names, batch_argnums=batch_argnums,
+                     static_argnums=static_argnums, donate_argnums=donate_argnums)
+
+
+def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, static_argnums,
+          donate_argnums) -> ParallelPlan:
     method = method_instance(method) or ShardParallel()
     batch_argnums = as_argnums(batch_argnums)
     if mesh_shape is None:
@@ -113,11 +125,11 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
     if pipelined(method):
         pipe, stage_method = pipeline_methods(method, mesh_shape, cluster)
-        return stamped(plan_pipeline(fun, tuple(args), cluster=cluster,
-                             device_ids=tuple(range(cluster.num_devices)),
-                             mesh_shape=tuple(mesh_shape), method=pipe,
-                             static_argnums=static_argnums, batch_argnums=batch_argnums,
-                             donate_argnums=donate_argnums, stage_method=stage_method)[0])
+        return stamped(plan_pipeline(
+            fun, tuple(args), cluster=cluster, device_ids=tuple(range(cluster.num_devices)),
+            mesh_shape=tuple(mesh_shape), method=pipe, static_argnums=static_argnums,
+            batch_argnums=batch_argnums, donate_argnums=donate_argnums,
+            stage_method=stage_method)[0])
     retrace = functools.partial(trace, fun, args, static_argnums=static_argnums,
                                 batch_argnums=batch_argnums, donate_argnums=donate_argnums)
     graph = retrace()

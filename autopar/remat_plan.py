@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Callable
 
+from . import progress
 from .errors import InfeasiblePlanError, PlanMismatchError, UnsupportedError
 from .grad import VALUE_AND_GRAD
 from .graph import OpGraph
@@ -119,6 +120,8 @@ def plan_step(graph: OpGraph, retrace: Retrace, plan_of: PlanOf,
         else:
             hi = mid
     plan, g = attempt(hi)
+    progress.note("rematerialization search", f"{'/'.join(c.value for c in cands[hi])} "
+                  f"after {len(tried)} plan(s)", time.perf_counter() - t0)
     log.info("autopar: rematerialization %s chosen for the loss's %d layers after %d plan(s) "
              "in %.2f s", "/".join(c.value for c in cands[hi]), num, len(tried),
              time.perf_counter() - t0)

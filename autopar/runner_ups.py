@@ -25,6 +25,7 @@ import os
 import time
 from typing import Callable
 
+from . import progress
 from .errors import InfeasiblePlanError
 from .options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from .plan import ParallelPlan
@@ -69,6 +70,14 @@ def with_runner_ups(plan: ParallelPlan, method: ShardParallel,
     bytes they need. The time taken is `timings_s["runner_ups"]`."""
     if os.environ.get("AUTOPAR_RUNNER_UPS", "").lower() in ("0", "off", "false", "no"):
         return plan
+    return _priced(plan, method, plan_with)
+
+
+@progress.timed("runner-ups", lambda p: ", ".join(
+    f"{a['name']} {a['predicted_step_s'] / max(p.predicted_step_s, 1e-30):.2f}x"
+    if a["predicted_step_s"] is not None else f"{a['name']} -" for a in p.alternatives))
+def _priced(plan: ParallelPlan, method: ShardParallel,
+            plan_with: Callable[[ShardParallel], ParallelPlan]) -> ParallelPlan:
     t0 = time.perf_counter()
     cap = max(MIN_TIME_S, TIME_SHARE * sum(plan.timings_s.values()))
     chosen = method.kind if not method.sharding_rules else None

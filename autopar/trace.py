@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _compat
+from . import _compat, progress
 from .errors import InvalidArgumentError
 from .grad import VALUE_AND_GRAD, expand as _expand_marker
 from .graph import InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor, TensorKind
@@ -299,6 +299,7 @@ class _Builder:
         return out
 
 
+@progress.timed("trace", lambda g: f"{len(g.nodes)} operators, {len(g.tensors)} tensors")
 def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
           batch_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
           keep_grad: bool = False, expand: Callable | None = None) -> OpGraph:

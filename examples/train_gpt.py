@@ -71,8 +71,9 @@ def main() -> int:
     ref_state = jax.device_put(jax.tree_util.tree_map(np.array, state), devices[0])
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
+    # verbose=True: a line per planning phase with its time (a live bar on a terminal)
     parallel_step = autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,),
-                                        donate_argnums=(0,))
+                                        donate_argnums=(0,), verbose=True)
 
     t0 = time.perf_counter()
     plan = parallel_step.get_plan(state, batches[0])

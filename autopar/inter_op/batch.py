@@ -29,6 +29,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Callable, Hashable, Sequence
 
+from .. import progress
 from ..intra_op.solve import ILP_CALL
 from .parallel import PlanPool
 
@@ -65,6 +66,7 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
     t0, calls0, busy0 = time.perf_counter(), pool.num_calls, pool.busy_s
     results: list = [None] * len(jobs)
     todo, waiting, runs, said = list(range(len(jobs))), {}, 0, t0
+    bar = progress.counter(len(jobs), what)
     _state.calls, _state.pool = {}, pool
     token = ILP_CALL.set(_deferred)
     try:
@@ -73,6 +75,7 @@ def run_jobs(jobs: Sequence, fn: Callable, pool: PlanPool | None, what: str = "j
                 runs += 1
                 try:
                     results[i] = fn(jobs[i])
+                    bar.advance()
                 except _Pending as p:
                     waiting[i] = _state.calls[p.args[0]]
             if not waiting:
@@ -100,7 +103,7 @@ def _in_process(jobs: Sequence, fn: Callable, what: str) -> list:
     """The sequential reference: one job after another, progress at most every 10 s."""
     t0 = said = time.perf_counter()
     results = []
-    for job in jobs:
+    for job in progress.each(jobs, len(jobs), what):
         results.append(fn(job))
         if time.perf_counter() - said > 10.0:
             said = time.perf_counter()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import progress
 from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..errors import InfeasiblePlanError, InvalidArgumentError
@@ -113,8 +114,9 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
     stages = []
     lean = lean or [False] * len(spans)
     in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).in_flight()
-    for p, ((i, j), sub, shape, devs) in enumerate(
-            zip(spans, submeshes, shapes, _place(submeshes, device_ids))):
+    for p, ((i, j), sub, shape, devs) in progress.each(enumerate(
+            zip(spans, submeshes, shapes, _place(submeshes, device_ids))), len(spans),
+            "stages solved whole"):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
         chosen = lambda sol, r, z: ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub),
                                                device_ids=devs, solution=sol,
@@ -185,6 +187,8 @@ def _stage_zeros(option, num_stages: int, pipeline: bool) -> list[tuple[bool, ..
     return [(False, True) if pipeline else (False,)] * num_stages
 
 
+@progress.timed("stage search", lambda r: f"{len(r.stages)} stage(s), {r.num_ilps} ILPs "
+                f"solved, {r.num_reused} reused, {r.num_replayed} replayed")
 def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: ClusterSpec,
                   device_ids: tuple[int, ...], method: PipeshardParallel,
                   stage_method: ShardParallel | None = None,
