@@ -18,6 +18,7 @@ Example (save under one plan, resume under another on the same or another cluste
 """
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import os
@@ -26,7 +27,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from ._format import format_bytes, format_time
@@ -37,9 +37,31 @@ from .plan import ParallelPlan
 
 log = logging.getLogger(__name__)
 
+def _ocp():
+    """`orbax.checkpoint`, imported on first use (importing it is slow, and logs)."""
+    import orbax.checkpoint as ocp
+    return ocp
+
+
+def _keeps_root_logging(fn):
+    """orbax logs through absl, whose first log call runs `logging.basicConfig()` (a root
+    handler with its format) when the root has none: neither `import autopar` nor a
+    checkpoint call may leave that behind to reformat the user's logging."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        before = list(logging.root.handlers)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for h in [h for h in logging.root.handlers if h not in before]:
+                logging.root.removeHandler(h)
+    return run
+
+
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"   # orbax's name for a step directory not yet committed
 
 
+@_keeps_root_logging
 def save_checkpoint(path, state, step: int, *, keep: int | None = None) -> str:
     """Save the pytree `state` as checkpoint number `step` under the directory `path`, and
     return the checkpoint's directory (`path/<step>`).
@@ -70,6 +92,7 @@ def save_checkpoint(path, state, step: int, *, keep: int | None = None) -> str:
             "nothing to save. Fix: pass the training state pytree (e.g. a TrainState).")
     t0 = time.perf_counter()
     directory = _directory(path)
+    ocp = _ocp()
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False, cleanup_tmp_directories=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(keep) if keep else None)
@@ -139,6 +162,7 @@ def _narrow(x, want):
                                         dtype=value.dtype)
 
 
+@_keeps_root_logging
 def restore_checkpoint(path, target, *, step: int | None = None, like: Any = None,
                        argnum: int = 0, devices=None):
     """Restore checkpoint `step` (default: the latest committed one) from `path`, placing
@@ -194,7 +218,7 @@ def restore_checkpoint(path, target, *, step: int | None = None, like: Any = Non
                     "latest.")
         abstract = _abstract_target(target, _saved_leaves(manager, directory, step), step)
         wide = _spanning(abstract)
-        restored = manager.restore(step, args=ocp.args.StandardRestore(wide))
+        restored = manager.restore(step, args=_ocp().args.StandardRestore(wide))
         restored = jax.tree_util.tree_map(_narrow, restored, abstract)
     leaves = jax.tree_util.tree_leaves(restored)
     log.info("autopar: restored checkpoint %d (%d leaves, %s) from %s in %s", step,
@@ -203,6 +227,7 @@ def restore_checkpoint(path, target, *, step: int | None = None, like: Any = Non
     return restored
 
 
+@_keeps_root_logging
 def all_steps(path) -> tuple[int, ...]:
     """The committed checkpoint steps under `path`, oldest first (empty if there are none or
     `path` does not exist); an unfinished save is not listed.
@@ -218,6 +243,7 @@ def all_steps(path) -> tuple[int, ...]:
         return tuple(sorted(manager.all_steps()))
 
 
+@_keeps_root_logging
 def latest_step(path) -> int | None:
     """The newest committed checkpoint step under `path`, or None if there is none.
 
@@ -261,7 +287,9 @@ def _listing(directory: epath.Path, limit: int = 12) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _reader(directory: epath.Path) -> ocp.CheckpointManager:
+def _reader(directory: epath.Path):
+    """A read-only `orbax.checkpoint.CheckpointManager` of `directory`."""
+    ocp = _ocp()
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     return ocp.CheckpointManager(directory, item_handlers=ocp.StandardCheckpointHandler(),
                                  options=options)

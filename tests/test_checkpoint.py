@@ -271,3 +271,17 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     # The next save clears the leftover and commits.
     save_checkpoint(path, {"x": got + 1}, 2)
     assert all_steps(path) == (1, 2) and not (path / f"2{TMP}").exists()
+
+
+def test_autopar_and_its_checkpoints_leave_the_users_logging_alone(tmp_path):
+    """orbax's import runs absl's logging.basicConfig(); neither `import autopar` nor a save
+    may leave that root handler behind (it would reformat the user's and autopar's logs)."""
+    import subprocess
+    import sys
+    code = ("import logging, jax.numpy as jnp, autopar\n"
+            "assert logging.root.handlers == [], logging.root.handlers\n"
+            f"autopar.save_checkpoint({str(tmp_path)!r}, {{'w': jnp.ones(3)}}, step=1)\n"
+            "assert logging.root.handlers == [], logging.root.handlers\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
