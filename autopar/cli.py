@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from .cli_plan import METHODS, SCHEDULES, UserCodeError, cmd_plan, ints, load_factory
-from .errors import AutoparError, InvalidArgumentError, UnsupportedError
+from .errors import AutoparError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +78,8 @@ def load_plan(path: str):
 
 
 def _render_text(plan, ns) -> str:
-    import autopar
-    wanted = {"style": ns.format, "full": ns.full, "stage": ns.stage}
-    defaults = {"style": "text", "full": False, "stage": None}
-    kw = {k: v for k, v in wanted.items() if v != defaults[k]}
-    accepted = inspect.signature(autopar.dump).parameters
-    missing = [k for k in kw if k not in accepted]
-    if missing:
-        raise UnsupportedError(f"this autopar's dump() does not take {missing} (needed by "
-                               f"--format {ns.format} / --full / --stage). Fix: update autopar.")
-    return autopar.dump(plan, **kw)
+    from .inspect import dump
+    return dump(plan, style=ns.format, full=ns.full, stage=ns.stage)
 
 
 def cmd_dump(ns, parser) -> int:
@@ -104,11 +95,7 @@ def cmd_dump(ns, parser) -> int:
     if ns.format == "json":
         text = plan.to_json()
     elif ns.format == "html":
-        try:
-            from .report import report
-        except ImportError as e:
-            raise UnsupportedError(f"--format html needs autopar.report, which this autopar "
-                                   f"does not have ({e}). Fix: update autopar.") from None
+        from .report import report
         text = report(plan)
     else:
         text = _render_text(plan, ns)
