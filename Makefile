@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest python-latest bench bench-paper clean
+.PHONY: demo test test-latest python-latest bench bench-paper readme clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# README's excerpts of real output (the demo's dump, progress and losses; the CLI), rewritten
+readme: $(STAMP)
+	$(PY) examples/update_readme.py
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -e ".[test,bench]"

@@ -42,13 +42,14 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + inner + m.group(2), text, count=1)
 
 
-def demo_parts(out: str) -> dict[str, str]:
-    """The demo's output cut into the README's excerpts."""
+def demo_parts(out: str, err: str) -> dict[str, str]:
+    """The demo's output (stdout, and stderr: the progress lines) cut into the README's
+    excerpts."""
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("autopar plan "))
     end = next(i for i, line in enumerate(lines) if line.startswith("(concise:"))
     tail = next(i for i, line in enumerate(lines) if line.startswith("step       autopar"))
-    progress = [line for line in lines if line.startswith("autopar: [")]
+    progress = [line for line in err.splitlines() if line.startswith("autopar: train_step:")]
     return {"demo-dump": "\n".join(lines[start:end + 1]),
             "demo-tail": "\n".join(lines[tail:]),
             "demo-progress": "\n".join(progress) or "(the demo printed no progress lines)"}
@@ -63,7 +64,7 @@ def machine_line() -> str:
             f"CPU devices. Times vary with the machine and its load.")
 
 
-def run(cmd: list[str], cwd: str = REPO_ROOT) -> str:
+def run(cmd: list[str], cwd: str = REPO_ROOT) -> tuple[str, str]:
     env = {**os.environ, "AUTOPAR_PLAN_CACHE": "off", "PYTHONPATH": REPO_ROOT,
            "COLUMNS": "200"}
     got = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
@@ -71,7 +72,7 @@ def run(cmd: list[str], cwd: str = REPO_ROOT) -> str:
     if got.returncode:
         raise SystemExit(f"update_readme: {' '.join(cmd)} failed ({got.returncode}):\n"
                          f"{got.stdout[-2000:]}\n{got.stderr[-2000:]}")
-    return got.stdout + got.stderr
+    return got.stdout, got.stderr
 
 
 def main(argv=None) -> int:
@@ -85,11 +86,11 @@ def main(argv=None) -> int:
         for name in BLOCKS:
             replace_block(text, name, "")
         return 0
-    parts = demo_parts(run([sys.executable, "examples/train_gpt.py"]))
+    parts = demo_parts(*run([sys.executable, "examples/train_gpt.py"]))
     cli = ["plan", "examples/cli_factory.py:make_step", "--preset", "dgx-a100", "--hosts", "2",
            "--mesh", "2x8", "-o", "plan.json"]
     with tempfile.TemporaryDirectory() as tmp:      # plan.json is written there
-        cli_out = run([sys.executable, "-m", "autopar", *cli[:1],
+        cli_out, _ = run([sys.executable, "-m", "autopar", *cli[:1],
                        os.path.join(REPO_ROOT, cli[1]), *cli[2:]], cwd=tmp)
     parts["cli-plan"] = "$ autopar " + " ".join(cli) + "\n" + cli_out
     parts["machine"] = machine_line()
