@@ -27,6 +27,7 @@ from typing import Callable
 
 from . import progress
 from .errors import InfeasiblePlanError
+from .intra_op.solve import UNMET_PINS_LEVEL
 from .options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from .plan import ParallelPlan
 
@@ -93,6 +94,7 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
                         "note": f"not priced: the rivals had taken their {cap:.1f} s "
                                 f"({TIME_SHARE:.0%} of the search's time)"})
             continue
+        quiet = UNMET_PINS_LEVEL.set(logging.DEBUG)     # not the user's method: no warnings
         try:
             got = plan_with(rival)
         except InfeasiblePlanError as e:
@@ -100,6 +102,8 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
                               f"{what}; does not fit: needs {e.needed_bytes:.4g} bytes per "
                               f"device"))
             continue
+        finally:
+            UNMET_PINS_LEVEL.reset(quiet)
         out.append(record(name, "method", got.predicted_step_s, got.peak_memory_bytes, budget,
                           what))
     out.sort(key=lambda a: (a["predicted_step_s"] is None, a["predicted_step_s"] or 0.0))

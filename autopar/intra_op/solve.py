@@ -40,6 +40,12 @@ def ilp_call(fn: Callable, problem, *args, **kwargs):
     return fn(problem, *args, **kwargs) if call is None else call(fn, problem, *args, **kwargs)
 
 
+# The level of the "could not pin" message (`_warn_unmet`): the runner-ups pass prices rival
+# methods the user did not ask for, and logs theirs at DEBUG.
+UNMET_PINS_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "autopar_unmet_pins_level", default=logging.WARNING)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IlpStats:
     num_groups: int              # strategy variables before presolve
@@ -190,7 +196,7 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
         made = graph.nodes[t.producer] if t.producer is not None else None
         where.append(f"{t.path or 'value'} {t.shape} from {made.primitive} at {made.source}"
                      if made is not None else f"{t.path or 'value'} {t.shape}")
-    log.warning("autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
+    log.log(UNMET_PINS_LEVEL.get(), "autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
                 "operator making them keeps the batch split as the method says%s): %s%s",
                 type(method).__name__, len(unmet),
                 ", together with the code's sharding annotations (plan them as hints with "
