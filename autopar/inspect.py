@@ -50,6 +50,10 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None, max_rows: int 
         >>> print(autopar.dump(plan))                      # concise
         >>> print(autopar.dump(plan, full=True, stage=1, style="markdown"))
     """
+    if not isinstance(plan, ParallelPlan):
+        raise InvalidArgumentError(
+            f"autopar.dump(plan=...) got {type(plan).__name__}; pass a ParallelPlan. Fix: "
+            "step.get_plan(state, batch), autopar.plan(...) or ParallelPlan.from_json(text).")
     max_operators = _limit("max_operators", max_operators)
     max_rows = _limit("max_rows", max_rows)
     if style not in STYLES:

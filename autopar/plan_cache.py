@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import InvalidArgumentError
+from . import progress
 from .plan import ParallelPlan, stamped
 
 log = logging.getLogger(__name__)
@@ -459,6 +460,8 @@ def find_plan(key: str, search: Callable[[], ParallelPlan],
         if hit is not None:
             log.info("autopar: plan cache hit (%s): the search is skipped",
                      cache.path(key))
+            progress.note("plan cache", f"hit, no search (searched {hit.searched_at or '?'}; "
+                          f"{cache.path(key)})", time.perf_counter() - t0)
             return dataclasses.replace(hit, origin="plan cache", timings_s={
                 **hit.timings_s, "plan_lookup": time.perf_counter() - t0})
         plan = stamped(search())

@@ -268,6 +268,8 @@ CASES = [
     ("restore a missing checkpoint", lambda: autopar.restore_checkpoint(
         "/nonexistent/autopar/ckpt", STATE),
      InvalidArgumentError, ["/nonexistent/autopar/ckpt", "Fix:"], []),
+    ("dump of a file name", lambda: autopar.dump("plan.json"),
+     InvalidArgumentError, ["got str", "ParallelPlan.from_json", "Fix:"], []),
     ("calibrate a plain function", lambda: autopar.calibrate(step),
      InvalidArgumentError, ["parallelized function", "Fix:"], []),
     # -- saved plans -----------------------------------------------------------------------

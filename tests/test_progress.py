@@ -142,6 +142,19 @@ def test_autopar_plan_takes_verbose(caplog):
     assert {"trace", "intra-op ILP"} <= set(_ended(caplog))
 
 
+def test_a_plan_cache_hit_says_so_and_searches_nothing(caplog, tmp_path):
+    step, state, batches = _case()
+    autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=tmp_path, verbose=False
+                        ).get_plan(state, batches[0])
+    caplog.clear()
+    autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=tmp_path, verbose=True
+                        ).get_plan(state, batches[0])
+    ended = _ended(caplog)
+    assert "plan cache" in ended and "intra-op ILP" not in ended
+    hit = next(r.getMessage() for r in _records(caplog, "end") if r.autopar_phase == "plan cache")
+    assert "hit, no search (searched 20" in hit and str(tmp_path) in hit
+
+
 def test_terminal_shows_a_bar_and_a_line_per_phase(caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger=LOGGER)     # logging does not show INFO
     tty = FakeTty()
