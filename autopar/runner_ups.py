@@ -33,7 +33,7 @@ from .plan import ParallelPlan
 
 log = logging.getLogger(__name__)
 
-TIME_SHARE = 0.5     # of the search's time the rivals may take
+TIME_SHARE = 0.25    # of the search's time the rivals may take
 MIN_TIME_S = 2.0
 
 # (class, what it does), in the order they are priced.
