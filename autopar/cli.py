@@ -338,7 +338,6 @@ def _set_verbose() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-    os.environ["AUTOPAR_VERBOSE"] = "1"      # autopar.progress (where present) reads it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.verbose:
             traceback.print_exc()
         print(f"{where}: error: {e}", file=sys.stderr)
+        return EXIT_AUTOPAR
+    except OSError as e:                      # -o into a missing directory, a full disk, ...
+        if ns.verbose:
+            traceback.print_exc()
+        print(f"{where}: error: {e.strerror or e} ({e.filename or 'a file'}). Fix: check the "
+              "path and its directory's permissions.", file=sys.stderr)
         return EXIT_AUTOPAR
     except UserCodeError as e:
         traceback.print_exception(e.__cause__)

@@ -168,7 +168,7 @@ def cmd_plan(ns, parser) -> int:
     method = _method(ns, parser, kwargs.get("method"))
     kwargs.update({k: v for k, v in (("method", method), ("mesh_shape", mesh),
                                      ("axis_names", names)) if v is not None})
-    plan = autopar.plan(step, *args, cluster=cluster, **kwargs)
+    plan = autopar.plan(step, *args, cluster=cluster, verbose=ns.verbose or None, **kwargs)
     Path(ns.output).write_text(plan.to_json())
     print(plan.summary())
     print(f"wrote {ns.output}")

@@ -34,7 +34,7 @@ def run(capsys, *argv):
 
 @pytest.fixture(autouse=True)
 def _quiet_autopar_logger(monkeypatch):
-    """--verbose sets the autopar logger's level and AUTOPAR_VERBOSE: undo both after a test."""
+    """--verbose sets the autopar logger's level: undo it after a test."""
     logger = logging.getLogger("autopar")
     level, handlers = logger.level, list(logger.handlers)
     monkeypatch.delenv("AUTOPAR_VERBOSE", raising=False)
@@ -202,9 +202,11 @@ def test_verbose_logs_info_and_shows_tracebacks(capsys, caplog, tmp_path):
     code, _, err = run(capsys, "--verbose", "plan", FACTORY, "--preset", "cpu", "-o",
                        str(tmp_path / "p.json"))
     assert code == 0, err
-    assert os.environ["AUTOPAR_VERBOSE"] == "1"
+    assert "AUTOPAR_VERBOSE" not in os.environ        # no process-wide side effect
     assert logging.getLogger("autopar").getEffectiveLevel() == logging.INFO
     assert any("autopar: traced" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "autopar.progress" and getattr(r, "autopar_phase", "") == "trace"
+               for r in caplog.records)                 # progress, through autopar.plan
     code, _, err = run(capsys, "plan", FACTORY, "--preset", "cpu", "--microbatches", "3",
                        "--verbose")                      # after the subcommand too
     assert code == 1 and "Traceback" in err
@@ -467,3 +469,9 @@ def test_console_script_entry_point():
     r = _subprocess("-c", f"import sys; from {module} import {func}; sys.exit({func}())",
                     "dump", "--format", "pdf", "x.json")
     assert r.returncode == 2 and "invalid choice: 'pdf'" in r.stderr
+
+
+def test_an_unwritable_output_is_an_error_not_a_crash(plan_file, capsys, tmp_path):
+    code, _, err = run(capsys, "dump", str(plan_file), "-o", str(tmp_path / "no" / "x.txt"))
+    assert code == 1 and "No such file or directory" in err and "Fix:" in err
+    assert "internal error" not in err

@@ -95,7 +95,7 @@ def test_rivals_stop_at_their_time_share(mesh, monkeypatch):
     monkeypatch.setattr(runner_ups, "TIME_SHARE", 0.0)
     plan = plan_of(mesh, autopar.ShardParallel())
     assert len(plan.alternatives) == 3
-    assert all(a["predicted_step_s"] is None and a["fits"] is None
+    assert all(a["predicted_step_s"] is None and a["fits"] is None and a["peak_memory_bytes"] is None
                and a["note"].startswith("not priced") for a in plan.alternatives)
 
 

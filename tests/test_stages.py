@@ -238,6 +238,13 @@ def test_auto_stages(loss, bounds, cluster):
         assert st.solution.logical_shape in logical_shapes(len(st.device_ids), "flat")
     assert res.dp_candidates >= 1
     assert res.num_reused > 0               # layers 1 and 2 share their ILPs
+    # the chosen layout's pipeline latency, on the scale of its runner-ups' (reranked's)
+    from autopar.inter_op.stage_costs import latency
+    lat = [latency(st.solution, st.zero, 4) for st in res.stages]
+    assert res.chosen_latency_s == pytest.approx(sum(lat) + 3 * max(lat))
+    assert all(a["kind"] == "stage layout" for a in res.runner_ups)
+    assert all(a["predicted_step_s"] >= res.chosen_latency_s * (1 - 1e-9)
+               for a in res.runner_ups if a["predicted_step_s"] is not None)
 
 
 def test_auto_stages_capped_at_one_stage(loss, bounds, cluster):

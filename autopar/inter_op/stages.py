@@ -208,7 +208,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
     solver = StageSolver(loss, cluster, stage_method or method, tuple(boundaries))
     pipeline = stage_method is None          # not gradient accumulation
-    dp, seen = (0, 0, 0.0), []
+    dp, others, chosen = (0, 0, 0.0), (), 0.0
     dph = cluster.devices_per_host
     if isinstance(option, ManualStageOption):
         if option.layer_spans[-1][1] != num_layers - 1:
@@ -241,9 +241,9 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         with PlanPool(plan_workers(option.workers)) as solver.pool:
             stages, dp, seen = _auto(loss, boundaries, cluster, device_ids, method, option,
                                      solver, budget, pipeline)
+        chosen = next(t for got, t, _ in seen if got is stages)     # reranked's pick
+        others = _layout_records([c for c in seen if c[0] is not stages], loss, method, budget)
     stages = _with_peaks(stages, loss, method, budget)
-    chosen = next((t for got, t, _ in seen if got is not None and
-                   [g.layers for g in got] == [st.layers for st in stages]), 0.0)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
              solver.num_replayed, time.perf_counter() - start)
@@ -252,8 +252,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          num_replayed=solver.num_replayed,
                          dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
                          profile_time_s=time.perf_counter() - start,
-                         runner_ups=_layout_records(seen, stages, loss, method, budget),
-                         chosen_latency_s=chosen)
+                         runner_ups=others, chosen_latency_s=chosen)
 
 
 def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
@@ -401,9 +400,8 @@ def _layout_text(stages) -> str:
         f"{'x'.join(map(str, st.solution.logical_shape))}" for st in stages)
 
 
-def _layout_records(seen, chosen, loss, method, budget) -> tuple[dict, ...]:
-    """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`) other
-    than `chosen`."""
+def _layout_records(seen, loss, method, budget) -> tuple[dict, ...]:
+    """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`)."""
     from ..runner_ups import record
     out = []
     for stages, t, error in seen:
@@ -412,9 +410,6 @@ def _layout_records(seen, chosen, loss, method, budget) -> tuple[dict, ...]:
                               "stage layout", None, error.needed_bytes, budget,
                               "a layout the DP ranked high; when solved whole a stage did not "
                               "fit"))
-            continue
-        if [st.layers for st in stages] == [st.layers for st in chosen] and \
-                [st.submesh for st in stages] == [st.submesh for st in chosen]:
             continue
         peaks = _peaks(stages, loss, method)
         out.append(record(_layout_text(stages), "stage layout", t, max(p for p, _ in peaks),
