@@ -103,8 +103,8 @@ def revision_text(start: str | None, end: str | None) -> str:
 # Sections of BENCHMARKS.md that separate scripts own, between HTML-comment markers.
 # ---------------------------------------------------------------------------------------------
 
-SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper", "loops",
-                "real_world", "ilp", "plan_workers", "memory")   # in the order they appear
+SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper", "loops",   # in the
+                "real_world", "ilp", "plan_workers", "memory", "runner_ups")  # order they appear
 
 
 def markers(key: str) -> tuple[str, str]:

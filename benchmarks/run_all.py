@@ -28,7 +28,8 @@ fresh search; the step time of 2 processes x 4 devices next to 1 process x 8), t
 Method promises` section from `benchmarks/methods.py` (each method's compiled collectives next
 to its plan's), the `## Loops` section from `benchmarks/loops.py` (a scanned GPT next to its
 unrolled twin) and the `## Real-world steps` section from `benchmarks/real_world.py` (memory
-per device of Flax/JAX-doc-style steps), run last; the
+per device of Flax/JAX-doc-style steps), then the memory fidelity and `## Why this plan`
+(`benchmarks/runner_ups.py`: what pricing the runner-ups costs) sections, run last; the
 `## GPU` section (`benchmarks/gpu.py`, on a GPU machine) is kept as it is.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
@@ -47,6 +48,7 @@ import loops as loops_bench               # benchmarks/loops.py (this script's f
 import memory as memory_bench             # benchmarks/memory.py (this script's folder)
 import methods as methods_bench           # benchmarks/methods.py (this script's folder)
 import real_world as real_world_bench     # benchmarks/real_world.py (this script's folder)
+import runner_ups as runner_ups_bench     # benchmarks/runner_ups.py (this script's folder)
 import multihost as multihost_bench       # benchmarks/multihost.py (this script's folder)
 import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
 import pipeline_report
@@ -509,6 +511,9 @@ def main(argv=None) -> int:
         others["real_world"] = real_world_bench.section(real_world_bench.run(), args.cmdline)
         _progress("memory section ...")
         others["memory"] = memory_bench.section(memory_bench.run(), args.cmdline)
+        _save(text, args.out, others)
+        _progress("runner-ups section ...")
+        others["runner_ups"] = runner_ups_bench.section(runner_ups_bench.run(), args.cmdline)
         _save(text, args.out, others)
     _progress(f"wrote {args.out}")
     print(text)
