@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import autopar
