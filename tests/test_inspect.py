@@ -312,7 +312,7 @@ def test_demo_gpt_default_dump_is_concise(demo_plan):
     lines = text.splitlines()
     assert len(lines) <= 60, text
     assert "mesh: data=2 x model=4" in text
-    assert demo_plan.alternatives and "  why this plan: runner-ups' predicted steps" in lines
+    assert demo_plan.alternatives and "\n  why this plan: runner-ups' predicted steps" in text
     assert len(demo_plan.inputs) == 90 and len(demo_plan.operators) > 40
     # the heaviest operators first: the first row is the heaviest of the rows shown, and at
     # least as heavy as the single heaviest operator
