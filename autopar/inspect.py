@@ -130,7 +130,8 @@ def search_record(plan: ParallelPlan) -> str:
 
 def _overview(plan: ParallelPlan, stage) -> list:
     lines = [Heading(f"autopar plan  method={plan.method}  cluster={plan.cluster}"),
-             f"mesh: {mesh_text(plan.axis_names, plan.mesh_shape)}  devices={list(plan.device_ids)}",
+             f"mesh: {mesh_text(plan.axis_names, plan.mesh_shape)}  "
+             f"devices={list(plan.device_ids)}",
              f"plan from: {search_record(plan)}", "",
              "predicted per step (per device):",
              f"  compute {_time(plan.predicted_compute_s)}   communication "
@@ -305,7 +306,8 @@ def _where(plan: ParallelPlan, stage) -> str:
     if stage is None:
         return ""
     s = plan.stages[stage]
-    return f" of stage {stage} ({mesh_text(s.axis_names, s.logical_mesh_shape)}; one microbatch's forward + backward)"
+    return (f" of stage {stage} ({mesh_text(s.axis_names, s.logical_mesh_shape)}; one "
+            "microbatch's forward + backward)")
 
 
 def _operators(plan: ParallelPlan, stage, ops, full: bool, max_operators) -> list:
@@ -455,7 +457,7 @@ def summary(plan: ParallelPlan) -> str:
             "collectives: " + (", ".join(f"{k} {_time(t)}" for k, t in heavy) if heavy
                                else "none")
     return "\n".join([
-        f"{plan.method} on {mesh_text(plan.axis_names, plan.mesh_shape)} ({len(plan.device_ids)} devices, {kind}, cluster "
-        f"{plan.cluster})",
+        f"{plan.method} on {mesh_text(plan.axis_names, plan.mesh_shape)} "
+        f"({len(plan.device_ids)} devices, {kind}, cluster {plan.cluster})",
         f"predicted step {_time(plan.predicted_step_s)}: " + ", ".join(parts),
         memory, fourth, f"plan from {search_record(plan)}"])
