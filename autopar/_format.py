@@ -3,11 +3,13 @@ from __future__ import annotations
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return ""
+        if abs(n) < 1024 or unit == "TiB":
+            break
+    return f"{n:.2f} {unit}"
 
 
 def format_time(s: float) -> str:
@@ -16,6 +18,40 @@ def format_time(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def mesh_text(names, shape) -> str:
+    """A mesh as its axes and sizes: `mesh_text(("data", "model"), (2, 4))` is
+    "data=2 x model=4"."""
+    return " x ".join(f"{n}={k}" for n, k in zip(names, shape))
+
+
+def id_range(ids) -> str:
+    """Device ids as a range where they are consecutive ("0..3"), else listed ("0, 2, 5";
+    two ids "0, 1")."""
+    ids = list(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def ratio_text(value: float | None, base: float, suffix: str = "") -> str:
+    """`value / base` as "1.50" (+ `suffix`); "-" where `value` is unknown (None) or `base`
+    is not positive."""
+    if value is None or not base > 0:
+        return "-"
+    return f"{value / base:.2f}{suffix}"
+
+
+def runner_up_text(alt: dict, step_s: float) -> str:
+    """One `ParallelPlan.alternatives` entry in a few words, its predicted step as a multiple
+    of the chosen plan's `step_s`: "DataParallel() 1.52x", "... 1.52x (over budget)",
+    "... over budget" (no plan of it fits), "... not priced" (not searched: `fits` None)."""
+    name, step = alt.get("name", "?"), alt.get("predicted_step_s")
+    if step is None:
+        return f"{name} " + ("over budget" if alt.get("fits") is False else "not priced")
+    return (f"{name} {ratio_text(step, step_s, 'x')}"
+            + ("" if alt.get("fits") else " (over budget)"))
 
 
 # ------------------------------------------------------------------ text / markdown documents

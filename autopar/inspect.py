@@ -14,10 +14,11 @@ from __future__ import annotations
 import collections
 import warnings
 
-from ._format import Heading, Table, format_bytes as _bytes, format_time as _time, render
+from ._format import (Heading, Table, format_bytes as _bytes, format_time as _time, id_range,
+                      mesh_text, render, runner_up_text)
 from .errors import InvalidArgumentError
 from .inspect_fold import fold, kept_results, pair_optimizer_state
-from .plan import CollectivePlan, OperatorPlan, ParallelPlan, _collective_plan, spec_from_json
+from .plan import CollectivePlan, ParallelPlan
 from .spec import format_spec
 
 STYLES = ("text", "markdown")
@@ -65,7 +66,7 @@ def dump(plan: ParallelPlan, *, max_operators: int | None = None, max_rows: int 
     blocks += _results(plan, stage, full, max_rows) + [""]
     stages = range(len(plan.stages)) if stage is None else [stage]
     for s in stages if plan.pipeline else [None]:
-        ops, colls = stage_parts(plan, s)
+        ops, colls = plan.stage_parts(s)
         blocks += _operators(plan, s, ops, full, max_operators) + [""]
         blocks += _collectives(plan, s, colls, full, max_rows) + [""]
     blocks += _fallbacks(plan)
@@ -79,13 +80,8 @@ def _runner_ups(plan: ParallelPlan) -> list[str]:
     """Why this plan: the runner-ups' predicted steps as multiples of this plan's."""
     if not plan.alternatives:
         return []
-    def one(a):
-        if a["predicted_step_s"] is None:
-            return f"{a['name']} " + ("over budget" if a["fits"] is False else "not priced")
-        return (f"{a['name']} {a['predicted_step_s'] / max(plan.predicted_step_s, 1e-30):.2f}x"
-                + ("" if a["fits"] else " (over budget)"))
     return ["  why this plan: runner-ups' predicted steps (same cost model) "
-            + ", ".join(one(a) for a in plan.alternatives[:4])
+            + ", ".join(runner_up_text(a, plan.predicted_step_s) for a in plan.alternatives[:4])
             + (f", ... {len(plan.alternatives) - 4} more" if len(plan.alternatives) > 4 else "")]
 
 
@@ -115,10 +111,6 @@ def _stage_arg(plan: ParallelPlan, stage):
     return stage
 
 
-def _mesh(plan: ParallelPlan) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
-
-
 def search_record(plan: ParallelPlan) -> str:
     """Where the plan came from and the search that produced it, e.g. "plan cache (looked up
     in 2.0 ms); searched 2026-11-24T10:00:00+00:00 in 8.5 s: 81 ILPs solved, 12 reused"."""
@@ -138,7 +130,8 @@ def search_record(plan: ParallelPlan) -> str:
 
 def _overview(plan: ParallelPlan, stage) -> list:
     lines = [Heading(f"autopar plan  method={plan.method}  cluster={plan.cluster}"),
-             f"mesh: {_mesh(plan)}  devices={list(plan.device_ids)}",
+             f"mesh: {mesh_text(plan.axis_names, plan.mesh_shape)}  "
+             f"devices={list(plan.device_ids)}",
              f"plan from: {search_record(plan)}", "",
              "predicted per step (per device):",
              f"  compute {_time(plan.predicted_compute_s)}   communication "
@@ -192,7 +185,7 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     if p.get("microbatch_combine"):      # per loss output: mean, sum, ratio, concat, unknown
         reduced += "; loss outputs over microbatches: " + ", ".join(p["microbatch_combine"])
     compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
-    if p.get("gradient_accumulation"):
+    if not plan.is_pipeline:           # gradient accumulation on one mesh
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
                 f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
@@ -208,11 +201,9 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     for s, q, c in zip(plan.stages, p["in_flight"], compiled):
         if stage is not None and s.index != stage:
             continue
-        devs = f"{s.device_ids[0]}..{s.device_ids[-1]}" if len(s.device_ids) > 1 else \
-            str(s.device_ids[0])
-        rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", devs,
+        rows.append((str(s.index), f"{s.layers[0]}..{s.layers[1]}", id_range(s.device_ids),
                      "x".join(map(str, s.submesh)),
-                     " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape)),
+                     mesh_text(s.axis_names, s.logical_mesh_shape),
                      _time(s.latency_s), str(q), s.remat + (" +zero" if s.zero else ""),
                      _bytes(s.peak_memory_bytes), _bytes(c) if c is not None else "-",
                      ", ".join(s.scopes[:3]) + (" ..." if len(s.scopes) > 3 else "")))
@@ -311,25 +302,12 @@ def _results(plan: ParallelPlan, stage, full: bool, max_rows) -> list:
                   clip=max_rows)]
 
 
-def stage_parts(plan: ParallelPlan, stage: int | None
-                ) -> tuple[tuple[OperatorPlan, ...], tuple[CollectivePlan, ...]]:
-    """The heavy operators and predicted collectives of a pipeline plan's stage (from its
-    saved solution, one microbatch's forward + backward), or of a one-mesh plan (None)."""
-    if stage is None:
-        return plan.operators, plan.collectives
-    rec = plan.stage_solutions[stage] if stage < len(plan.stage_solutions) else {}
-    ops = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
-                                "out_spec": spec_from_json(o["out_spec"])})
-                for o in rec.get("operators", ()))
-    return ops, tuple(_collective_plan(c) for c in rec.get("collectives", ()))
-
-
 def _where(plan: ParallelPlan, stage) -> str:
     if stage is None:
         return ""
     s = plan.stages[stage]
-    mesh = " x ".join(f"{n}={k}" for n, k in zip(s.axis_names, s.logical_mesh_shape))
-    return f" of stage {stage} ({mesh}; one microbatch's forward + backward)"
+    return (f" of stage {stage} ({mesh_text(s.axis_names, s.logical_mesh_shape)}; one "
+            "microbatch's forward + backward)")
 
 
 def _operators(plan: ParallelPlan, stage, ops, full: bool, max_operators) -> list:
@@ -368,9 +346,10 @@ def _operators(plan: ParallelPlan, stage, ops, full: bool, max_operators) -> lis
 
 
 def _how(c: CollectivePlan) -> str:
-    parts = c.detail.split(" ")
-    return "resharding" if " reshard " in c.detail else parts[3] if len(parts) == 4 \
-        else "strategy"
+    """Where a collective comes from, as the dump's "from" column: "resharding", or the
+    algorithm its strategy was priced with ("strategy" when not named)."""
+    return ("resharding" if c.is_reshard else "strategy" if c.algorithm == "-"
+            else c.algorithm)
 
 
 def _collectives(plan: ParallelPlan, stage, colls, full: bool, max_rows) -> list:
@@ -387,17 +366,17 @@ def _collectives(plan: ParallelPlan, stage, colls, full: bool, max_rows) -> list
         f"{sum(n.values())} x {k} ({', '.join(f'{a} {m}' for a, m in n.most_common())}; "
         f"{_bytes(nbytes[k])})" for k, n in kinds.items()) or "none")
         + " (XLA combines independent all-reduces and all-gathers)"]
-    strategy_s = sum(c.comm_s for c in colls if " reshard " not in c.detail)
-    reshard_s = sum(c.comm_s for c in colls if " reshard " in c.detail)
+    strategy_s = sum(c.comm_s for c in colls if not c.is_reshard)
+    reshard_s = sum(c.comm_s for c in colls if c.is_reshard)
     comm, resh = ((plan.predicted_comm_s, plan.predicted_reshard_s) if stage is None else
                   (plan.stages[stage].comm_s, plan.stages[stage].reshard_s))
     total = (f"rows total {_time(strategy_s + reshard_s)}: strategies {_time(strategy_s)} "
              f"(communication {_time(comm)} stated), resharding {_time(reshard_s)} (the ILP's "
              f"resharding estimate {_time(resh)})")
-    what = lambda c: (c.detail.split(" reshard ", 1)[1] if " reshard " in c.detail
+    what = lambda c: (c.detail.split(" reshard ", 1)[1] if c.is_reshard
                       else f"{c.primitive} {c.name_stack or '-'}")
     if full:
-        reshards = [c for c in colls if " reshard " in c.detail]
+        reshards = [c for c in colls if c.is_reshard]
         if reshards:
             rows = [(c.kind, "*".join(c.axes), _bytes(c.nbytes), f"{format_spec(c.src, names)}"
                      f" -> {format_spec(c.dst, names)}", what(c), c.source or "-")
@@ -446,8 +425,8 @@ def summary(plan: ParallelPlan) -> str:
         ...
     """
     p = plan.pipeline
-    kind = ("gradient accumulation" if p.get("gradient_accumulation") else
-            f"{len(plan.stages)}-stage pipeline" if p else "one mesh")
+    kind = (f"{len(plan.stages)}-stage pipeline" if plan.is_pipeline else
+            "gradient accumulation" if p else "one mesh")
     parts = [f"compute {_time(plan.predicted_compute_s)}",
              f"communication {_time(plan.predicted_comm_s)}",
              f"resharding {_time(plan.predicted_reshard_s)}"]
@@ -462,7 +441,7 @@ def summary(plan: ParallelPlan) -> str:
         memory += f"; compiled by XLA to {_bytes(compiled)}"
     if "step_s" in plan.measured:
         memory += f"; measured step {_time(plan.measured['step_s'])}"
-    if p and not p.get("gradient_accumulation"):
+    if plan.is_pipeline:
         fourth = (f"pipeline: {len(plan.stages)} stages over {p['num_layers']} layers, "
                   f"schedule {p['schedule']}, {p['num_microbatches']} microbatches, bubble "
                   f"{p['bubble_fraction']:.1%}, slowest stage "
@@ -470,7 +449,7 @@ def summary(plan: ParallelPlan) -> str:
     else:
         by_kind: dict[str, float] = collections.defaultdict(float)
         colls = plan.collectives or [c for s in range(len(plan.stage_solutions))
-                                     for c in stage_parts(plan, s)[1]]
+                                     for c in plan.stage_parts(s)[1]]
         for c in colls:
             by_kind[f"{c.kind} over {'*'.join(c.axes) or '-'}"] += c.comm_s
         heavy = sorted(by_kind.items(), key=lambda kv: -kv[1])[:3]
@@ -478,7 +457,7 @@ def summary(plan: ParallelPlan) -> str:
             "collectives: " + (", ".join(f"{k} {_time(t)}" for k, t in heavy) if heavy
                                else "none")
     return "\n".join([
-        f"{plan.method} on {_mesh(plan)} ({len(plan.device_ids)} devices, {kind}, cluster "
-        f"{plan.cluster})",
+        f"{plan.method} on {mesh_text(plan.axis_names, plan.mesh_shape)} "
+        f"({len(plan.device_ids)} devices, {kind}, cluster {plan.cluster})",
         f"predicted step {_time(plan.predicted_step_s)}: " + ", ".join(parts),
         memory, fourth, f"plan from {search_record(plan)}"])

@@ -77,6 +77,18 @@ class CollectivePlan:
     src: Spec = ()
     dst: Spec = ()
 
+    @property
+    def is_reshard(self) -> bool:
+        """A resharding step's collective (its detail names " reshard "), not a strategy's."""
+        return " reshard " in self.detail
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm the cost model priced ("ring", "butterfly", ...), the detail's last
+        word (e.g. "all-reduce(data) 4 B ring"); "-" when not named (a resharding step's)."""
+        parts = self.detail.split(" ")
+        return parts[3] if len(parts) == 4 and not self.is_reshard else "-"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FallbackPlan:
@@ -164,6 +176,25 @@ class ParallelPlan:
                                  zero=tuple(s.zero for s in self.stages))
 
     @property
+    def is_pipeline(self) -> bool:
+        """A real pipeline (stages on submeshes), not one-mesh gradient accumulation (whose
+        `pipeline` record is also set) nor a one-mesh plan."""
+        return bool(self.pipeline) and not self.pipeline.get("gradient_accumulation")
+
+    def stage_parts(self, stage: int | None
+                    ) -> tuple[tuple[OperatorPlan, ...], tuple[CollectivePlan, ...]]:
+        """The heavy operators and predicted collectives of a pipeline plan's stage (from its
+        saved solution, one microbatch's forward + backward), or of a one-mesh plan (None).
+
+            >>> ops, colls = plan.stage_parts(0)
+        """
+        if stage is None:
+            return self.operators, self.collectives
+        rec = self.stage_solutions[stage] if stage < len(self.stage_solutions) else {}
+        return (tuple(_operator_plan(o) for o in rec.get("operators", ())),
+                tuple(_collective_plan(c) for c in rec.get("collectives", ())))
+
+    @property
     def predicted_step_s(self) -> float:
         return (self.predicted_compute_s + self.predicted_comm_s + self.predicted_reshard_s
                 + self.predicted_overhead_s)
@@ -192,9 +223,7 @@ class ParallelPlan:
             "inputs": lambda v: tuple(_tensor_plan(t) for t in v),
             "outputs": lambda v: tuple(_tensor_plan(t) for t in v),
             "constraints": lambda v: tuple((int(t), spec(s)) for t, s in v),
-            "operators": lambda v: tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
-                                                         "out_spec": spec(o["out_spec"])})
-                                         for o in v),
+            "operators": lambda v: tuple(_operator_plan(o) for o in v),
             "collectives": lambda v: tuple(_collective_plan(c) for c in v),
             "reshards": lambda v: tuple((int(n), int(i), spec(s)) for n, i, s in v),
             "fallbacks": lambda v: tuple(FallbackPlan(**f) for f in v),
@@ -225,6 +254,12 @@ def stamped(plan: ParallelPlan) -> ParallelPlan:
 def spec_from_json(value: Any) -> Spec:
     """A spec read back from JSON (lists) as the tuples `Spec` is."""
     return tuple(tuple(int(a) for a in dim) for dim in value)
+
+
+def _operator_plan(d: dict) -> OperatorPlan:
+    """An OperatorPlan read back from JSON (lists as tuples)."""
+    return OperatorPlan(**{**d, "out_shape": tuple(d["out_shape"]),
+                           "out_spec": spec_from_json(d["out_spec"])})
 
 
 def _collective_plan(d: dict) -> CollectivePlan:

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ._format import mesh_text
 from .errors import InvalidArgumentError
 from . import progress
 from .plan import ParallelPlan, stamped
@@ -177,6 +178,23 @@ def default_cache_dir() -> Path:
         return Path(os.environ["AUTOPAR_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "autopar" / "plans"
+
+
+ENV = "AUTOPAR_PLAN_CACHE"
+_OFF_WORDS = ("0", "off", "false", "no")
+
+
+def env_setting() -> tuple[str, bool]:
+    """($AUTOPAR_PLAN_CACHE as set, "" when unset; whether it turns the cache off: 0, off,
+    false or no, in any case). A directory there is where `parallelize(plan_cache=True)` and
+    `autopar cache` look.
+
+    Example:
+        >>> os.environ["AUTOPAR_PLAN_CACHE"] = "OFF"; env_setting()
+        ('OFF', True)
+    """
+    text = os.environ.get(ENV, "")
+    return text, text.lower() in _OFF_WORDS
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -370,8 +388,7 @@ def _entry_info(key: str, path: Path, *, aside: bool) -> EntryInfo:
         d = json.loads(data.decode())
         plan = d["plan"]
         base.update(created_utc=str(d.get("created_utc", "")), method=str(plan["method"]),
-                    mesh=" x ".join(f"{n}={s}" for n, s in zip(plan["axis_names"],
-                                                               plan["mesh_shape"])),
+                    mesh=mesh_text(plan["axis_names"], plan["mesh_shape"]),
                     cluster=str(plan.get("cluster", "")),
                     searched_at=str(plan.get("searched_at", "")),
                     versions=tuple((k, str(d[k])) for k in library_versions() if k in d))

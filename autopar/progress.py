@@ -38,13 +38,13 @@ Example (a script run in a pipe, or under pytest):
     >>> step = autopar.parallelize(train_step, mesh=mesh, verbose=True)
     >>> state, loss = step(state, batch)              # doctest: +SKIP
     autopar: train_step: trace ...
-    autopar: train_step: trace: 0.31 s; 412 operators, 1033 tensors
+    autopar: train_step: trace: 310.000 ms; 412 operators, 1033 tensors
     autopar: train_step: intra-op ILP ...
-    autopar: train_step: intra-op ILP: 1.42 s; 812 variables, 904 constraints, optimal
-    (highs), built in 0.30 s, solved in 1.12 s
-    autopar: train_step: lowering: 0.05 s
+    autopar: train_step: intra-op ILP: 1.420 s; 812 variables, 904 constraints, optimal
+    (highs), built in 300.000 ms, solved in 1.120 s
+    autopar: train_step: lowering: 50.000 ms
     autopar: train_step: XLA compile ...
-    autopar: train_step: XLA compile: 6.10 s
+    autopar: train_step: XLA compile: 6.100 s
 
 Code hooks its phases with `with progress.phase(name) as ph: ...; ph.done(detail)`, the
 `@progress.timed(name, summary)` decorator, `bar = progress.counter(n, label)` and
@@ -65,6 +65,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
+from ._format import format_time
 from .errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -204,10 +205,10 @@ class _Reporter:
         if ph.task is not None:
             self.bar.remove_task(ph.task)
         if error is not None:
-            self._emit(f"{self.prefix(ph.name)}: failed after {seconds:.2f} s "
+            self._emit(f"{self.prefix(ph.name)}: failed after {format_time(seconds)} "
                        f"({type(error).__name__})", "failed", ph.name, seconds)
             return
-        self._emit(f"{self.prefix(ph.name)}: {seconds:.2f} s" + (
+        self._emit(f"{self.prefix(ph.name)}: {format_time(seconds)}" + (
             f"; {ph.end_detail}" if ph.end_detail else ""), "end", ph.name, seconds)
 
     def counting(self, c: _Counter) -> None:
@@ -234,7 +235,7 @@ class _Reporter:
             self.bar.remove_task(c.task)
             c.task = None
         seconds = time.perf_counter() - c.t0
-        self._emit(f"{self.prefix(c.label)}: {c.k} of {c.total} in {seconds:.2f} s", "end",
+        self._emit(f"{self.prefix(c.label)}: {c.k} of {c.total} in {format_time(seconds)}", "end",
                    c.label, seconds)
 
 
@@ -340,7 +341,7 @@ def note(name: str, detail: str, seconds: float) -> None:
     """An end line for work timed elsewhere (e.g. a search made of other phases)."""
     rep = _reporter()
     if rep is not None:
-        rep._emit(f"{rep.prefix(name)}: {seconds:.2f} s; {detail}", "end", name, seconds)
+        rep._emit(f"{rep.prefix(name)}: {format_time(seconds)}; {detail}", "end", name, seconds)
 
 
 def compiled(lowered: Callable[[], Any]) -> Any:
@@ -367,7 +368,7 @@ def first_run(executor, flat_args: list, session_of: Callable) -> list:
 
 def ilp_summary(ilp: dict) -> str:
     """An intra-op ILP's end line from `ParallelPlan.ilp`, e.g. "812 variables, 904
-    constraints, optimal (highs), built in 0.30 s, solved in 1.12 s"."""
+    constraints, optimal (highs), built in 300.000 ms, solved in 1.120 s"."""
     return (f"{ilp['num_variables']} variables, {ilp['num_constraints']} constraints, "
-            f"{ilp['status']} ({ilp['backend']}), built in {ilp['build_time_s']:.2f} s, solved "
-            f"in {ilp['solve_time_s']:.2f} s")
+            f"{ilp['status']} ({ilp['backend']}), built in {format_time(ilp['build_time_s'])}, "
+            f"solved in {format_time(ilp['solve_time_s'])}")

@@ -15,10 +15,12 @@ import logging
 import os
 from html import escape
 
-from ._format import format_bytes, format_time
-from .errors import InvalidArgumentError
+from ._format import format_bytes, format_time, id_range, mesh_text, ratio_text
+from .errors import InvalidArgumentError, PlanMismatchError
+from .inspect_fold import fold
 from .plan import ParallelPlan
-from .report_data import collective_groups, fold, memory_bars
+from .plan_check import check_specs
+from .report_data import collective_groups, memory_bars
 from .report_svg import (PART_COLOURS, mesh_svg, memory_svg, split_bar_svg, stage_colour,
                          timeline_svg)
 from .spec import format_spec
@@ -115,16 +117,27 @@ def _note(text: str) -> str:
 
 
 def _mesh_text(plan: ParallelPlan) -> str:
-    return " x ".join(f"{n}={k}" for n, k in zip(plan.axis_names, plan.mesh_shape))
+    return mesh_text(plan.axis_names, plan.mesh_shape)
 
 
-def _is_pipeline(plan: ParallelPlan) -> bool:
-    return bool(plan.pipeline) and not plan.pipeline.get("gradient_accumulation")
+def _fold_rows(rows: list[tuple], add: int | None = None) -> list[tuple]:
+    """Rows equal but for the layer indices in their first column (`inspect_fold`: e.g.
+    `Dense_0` .. `Dense_3`) and the number in column `add` (summed) folded into one row,
+    whose first column shows the indices (`Dense_{0..3}`) and whose last (added) column
+    counts the rows ("" for one), in order of first appearance."""
+    rest = (lambda r: r[1:]) if add is None else (lambda r: r[1:add] + r[add + 1:])
+    out = []
+    for g in fold(rows, lambda r: str(r[0]), rest):
+        r = g.items[0]
+        if add is not None:
+            r = r[:add] + (sum(x[add] for x in g.items),) + r[add + 1:]
+        out.append((g.name,) + r[1:] + (str(g.count) if g.count > 1 else "",))
+    return out
 
 
 # ---------------------------------------------------------------------------- header
 def _header(plan: ParallelPlan) -> str:
-    kind = (f"{len(plan.stages)}-stage pipeline" if _is_pipeline(plan) else
+    kind = (f"{len(plan.stages)}-stage pipeline" if plan.is_pipeline else
             "gradient accumulation" if plan.pipeline else "one mesh")
     budget = plan.memory_budget_bytes
     used = plan.peak_memory_bytes / max(budget, 1)
@@ -133,7 +146,7 @@ def _header(plan: ParallelPlan) -> str:
     cards = [
         _card("method", plan.method, kind),
         _card("cluster", plan.cluster, f"{len(plan.device_ids)} devices"),
-        _card("mesh", _mesh_text(plan), "devices " + _ids(plan.device_ids)),
+        _card("mesh", _mesh_text(plan), "devices " + id_range(plan.device_ids)),
         _card("predicted step", format_time(plan.predicted_step_s),
               f"compute {format_time(plan.predicted_compute_s)} \u00b7 comm "
               f"{format_time(plan.predicted_comm_s)} \u00b7 reshard "
@@ -175,22 +188,15 @@ def _header(plan: ParallelPlan) -> str:
             + "".join(extra) + "</header>")
 
 
-def _ids(ids) -> str:
-    ids = list(ids)
-    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}..{ids[-1]}"
-    return ", ".join(map(str, ids))
-
-
 # ------------------------------------------------------------------------------ mesh
 def _mesh(plan: ParallelPlan) -> str:
     body = mesh_svg(plan)
-    if _is_pipeline(plan):
+    if plan.is_pipeline:
         legend = "".join(
             f'<span><span class="swatch" style="background:{stage_colour(s.index)}"></span>'
             f"stage {s.index}: layers {s.layers[0]}..{s.layers[1]}, devices "
-            f"{escape(_ids(s.device_ids))}, logical mesh "
-            f"{escape(' x '.join(f'{n}={k}' for n, k in zip(s.axis_names, s.logical_mesh_shape)))}"
+            f"{escape(id_range(s.device_ids))}, logical mesh "
+            f"{escape(mesh_text(s.axis_names, s.logical_mesh_shape))}"
             "</span>" for s in plan.stages)
         body += f'<div class="legend">{legend}</div>'
         sub = "Devices coloured by the pipeline stage that runs on them; hosts as rows."
@@ -206,8 +212,7 @@ def _inputs_table(plan: ParallelPlan, tensors, names) -> str:
     def table(ts) -> str:
         rows = [(t.path, t.role, "x".join(map(str, t.shape)) or "scalar", t.dtype,
                  format_spec(t.spec, names)) for t in ts]
-        out = [r + (str(n) if n > 1 else "",) for r, n in fold(rows)]
-        return _table(("leaf", "role", "shape", "dtype", "sharding", "x layers"), out,
+        return _table(("leaf", "role", "shape", "dtype", "sharding", "x layers"), _fold_rows(rows),
                       frozenset({5}), cls="mono")
     opt = [t for t in tensors if t.role == "opt_state"]
     text = table([t for t in tensors if t.role != "opt_state"])
@@ -220,14 +225,13 @@ def _inputs_table(plan: ParallelPlan, tensors, names) -> str:
 def _sharding(plan: ParallelPlan) -> str:
     names = plan.axis_names
     parts = []
-    if _is_pipeline(plan):
+    if plan.is_pipeline:
         rows = []
         for s in plan.stages:
             q = plan.pipeline.get("in_flight", [0] * len(plan.stages))[s.index]
-            rows.append((s.index, f"{s.layers[0]}..{s.layers[1]}", _ids(s.device_ids),
+            rows.append((s.index, f"{s.layers[0]}..{s.layers[1]}", id_range(s.device_ids),
                          "x".join(map(str, s.submesh)),
-                         " x ".join(f"{n}={k}" for n, k in zip(s.axis_names,
-                                                                s.logical_mesh_shape)),
+                         mesh_text(s.axis_names, s.logical_mesh_shape),
                          ", ".join(s.scopes) or "-", s.remat + (" + zero" if s.zero else ""),
                          format_time(s.latency_s), format_time(s.compute_s),
                          format_time(s.comm_s), q, format_bytes(s.peak_memory_bytes)))
@@ -260,18 +264,17 @@ def _sharding(plan: ParallelPlan) -> str:
         rows = [(o.name_stack or "-", o.primitive + (f" x{o.trips}" if o.trips > 1 else ""),
                  "x".join(map(str, o.out_shape)), o.strategy, format_spec(o.out_spec, names),
                  o.communication or "-", o.compute_s, o.source) for o in plan.operators]
-        folded = fold(rows)
-        out = [r[:6] + (format_time(r[6] * n), r[7], n if n > 1 else "") for r, n in folded]
+        out = [r[:6] + (format_time(r[6]),) + r[7:] for r in _fold_rows(rows, add=6)]
         parts.append(f"<h3>Heavy operators and their activations ({len(plan.operators)})</h3>"
                      + _table(("scope", "op", "out shape", "strategy", "out sharding",
                                "collective", "compute", "source", "x layers"), out,
                               frozenset({6, 8}), cls="mono"))
-    elif _is_pipeline(plan):
+    elif plan.is_pipeline:
         parts.append(_note("Pipeline plans record each stage's activation specs in the stage "
                            "solutions above, not per operator."))
     res = [(t.path, "x".join(map(str, t.shape)) or "scalar", format_spec(t.spec, names))
            for t in plan.outputs]
-    folded = [r + (str(n) if n > 1 else "",) for r, n in fold(res)]
+    folded = _fold_rows(res)
     parts.append(f"<details><summary>Results ({len(plan.outputs)} leaves)</summary>"
                  + _table(("result", "shape", "sharding", "x layers"), folded,
                           frozenset({3}), cls="mono") + "</details>")
@@ -316,7 +319,7 @@ def _timeline(plan: ParallelPlan) -> str:
            f"{format_time(p.get('predicted_latency_s', plan.predicted_step_s))}. Task order from "
            "the executor's schedule (runtime.schedule); the plan records each stage's "
            "forward+backward per microbatch, not its split: each is drawn as half.")
-    title = "Pipeline schedule" if _is_pipeline(plan) else \
+    title = "Pipeline schedule" if plan.is_pipeline else \
         "Microbatch schedule (gradient accumulation on one mesh)"
     return _section("timeline", title, timeline_svg(plan), sub)
 
@@ -327,7 +330,7 @@ def _collectives(plan: ParallelPlan) -> str:
     if not groups:
         text = ("The plan records no collectives" + (
             " per operator for pipeline stages or microbatched steps (the communication time "
-            "is in the header's split" + (" and the stage table)." if _is_pipeline(plan)
+            "is in the header's split" + (" and the stage table)." if plan.is_pipeline
                                           else ").") if plan.pipeline else "."))
         return _section("collectives", "Collectives", _note(text))
     staged = groups[0].stage is not None
@@ -352,17 +355,17 @@ def _collectives(plan: ParallelPlan) -> str:
 def _runner_ups(plan: ParallelPlan) -> str:
     step, peak = plan.predicted_step_s, plan.peak_memory_bytes
     fits = peak <= plan.memory_budget_bytes
-    rows = [(f"{plan.method} (chosen)", "pipeline" if _is_pipeline(plan) else "method",
+    rows = [(f"{plan.method} (chosen)", "pipeline" if plan.is_pipeline else "method",
              format_time(step), "1.00", format_bytes(peak), "1.00", "yes" if fits else "no",
              "this plan")]
     for a in plan.alternatives:
-        s, m = a.get("predicted_step_s"), a.get("peak_memory_bytes")
+        fit = a.get("fits")      # None: not priced (its step and peak are not known)
+        s = a.get("predicted_step_s")
+        m = a.get("peak_memory_bytes") if fit is not None else None
         rows.append((a.get("name", "?"), a.get("kind", "-"),
-                     format_time(s) if s is not None else "-",
-                     f"{s / step:.2f}" if s is not None and step > 0 else "-",
-                     format_bytes(m) if m is not None else "-",
-                     f"{m / peak:.2f}" if m is not None and peak > 0 else "-",
-                     "yes" if a.get("fits") else "no", a.get("note", "")))
+                     format_time(s) if s is not None else "-", ratio_text(s, step),
+                     format_bytes(m) if m is not None else "-", ratio_text(m, peak),
+                     "-" if fit is None else "yes" if fit else "no", a.get("note", "")))
     body = _table(("plan", "kind", "predicted step", "x step", "peak memory", "x memory",
                    "fits", "note"), rows, frozenset({2, 3, 4, 5}),
                   ["chosen"] + [""] * len(plan.alternatives))
@@ -374,22 +377,18 @@ def _runner_ups(plan: ParallelPlan) -> str:
 
 
 def _check(plan) -> None:
-    """A clear error for what the page cannot draw: not a plan, or a leaf sharded over a mesh
-    axis its (stage's) mesh does not have."""
+    """A clear error for what the page cannot draw: not a plan, or a leaf whose spec does not
+    fit its (stage's) mesh (`plan_check.check_specs`, as `ParallelPlan.from_json` checks)."""
     if not isinstance(plan, ParallelPlan):
         raise InvalidArgumentError(
             f"autopar.report(plan=...) got {type(plan).__name__}; pass a ParallelPlan, e.g. "
             "step.get_plan(state, batch) or ParallelPlan.from_json(text).")
-    ranks = {s.index: len(s.logical_mesh_shape) for s in plan.stages} if plan.pipeline else {}
-    for t in plan.inputs:
-        rank = ranks.get(t.stage, len(plan.mesh_shape))
-        bad = [a for dim in t.spec for a in dim if not 0 <= a < rank]
-        if bad:
-            raise InvalidArgumentError(
-                f"autopar.report: input leaf {t.path!r} is sharded over mesh axis {bad[0]} but "
-                f"its mesh has {rank} axes (plan mesh {plan.mesh_shape}); the plan is "
-                "inconsistent. Fix: report a plan made by autopar (get_plan, autopar.plan or "
-                "ParallelPlan.from_json of a saved one).")
+    try:
+        check_specs(plan)
+    except PlanMismatchError as e:
+        raise InvalidArgumentError(
+            f"autopar.report: the plan is inconsistent: {e} (report a plan made by autopar: "
+            "get_plan, autopar.plan or ParallelPlan.from_json of a saved one)") from None
 
 
 def report(plan: ParallelPlan, path: str | os.PathLike | None = None) -> str:

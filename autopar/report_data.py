@@ -1,6 +1,6 @@
 """The numbers `autopar.report` shows, read off a `ParallelPlan`: memory per stage broken into
-the parts the plan records, collectives grouped by kind and mesh axes, and rows of repeated
-layers folded into one. Pure functions of the plan (no JAX).
+the parts the plan records, and collectives grouped by kind and mesh axes. Pure functions of
+the plan (no JAX).
 
 Example:
     >>> bars, notes = memory_bars(plan)
@@ -10,7 +10,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,67 +125,18 @@ class CollectiveGroup:
     comm_s: float
 
 
-def algorithm(c: CollectivePlan) -> str:
-    """The algorithm the cost model priced ("ring", "butterfly", ...; "-" when not named):
-    the detail's last word, e.g. "all-reduce(data) 4 B ring"."""
-    if " reshard " in c.detail:
-        return "-"
-    parts = c.detail.split(" ")
-    return parts[3] if len(parts) == 4 else "-"
-
-
 def collective_groups(plan: ParallelPlan) -> list[CollectiveGroup]:
     """The plan's collectives grouped by kind, mesh axes, algorithm and origin (and stage,
     for a pipeline: each stage's one microbatch forward + backward, from its saved solution),
     the most predicted time first."""
-    from .inspect import stage_parts
     stages = range(len(plan.stage_solutions)) if plan.stage_solutions else [None]
     groups: dict[tuple, list[CollectivePlan]] = {}
     for stage in stages:
-        for c in stage_parts(plan, stage)[1]:
-            origin = "resharding" if " reshard " in c.detail else "strategy"
-            groups.setdefault((stage, c.kind, tuple(c.axes), algorithm(c), origin),
+        for c in plan.stage_parts(stage)[1]:
+            origin = "resharding" if c.is_reshard else "strategy"
+            groups.setdefault((stage, c.kind, tuple(c.axes), c.algorithm, origin),
                               []).append(c)
     out = [CollectiveGroup(st, k, a, alg, o, len(cs), sum(c.nbytes for c in cs),
                            sum(c.comm_s for c in cs))
            for (st, k, a, alg, o), cs in groups.items()]
     return sorted(out, key=lambda g: (-g.comm_s, g.kind))
-
-
-# --------------------------------------------------------------------------- folding
-def _numbers(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    parts = re.split(r"(\d+)", text)
-    return tuple(parts[0::2]), tuple(int(p) for p in parts[1::2])
-
-
-def _span(values: list[int]) -> str:
-    vs = sorted(set(values))
-    if len(vs) == 1:
-        return str(vs[0])
-    if vs == list(range(vs[0], vs[-1] + 1)):
-        return f"{{{vs[0]}..{vs[-1]}}}"
-    return "{" + ",".join(map(str, vs)) + "}"
-
-
-def fold(rows: list[tuple], text_col: int = 0) -> list[tuple[tuple, int]]:
-    """Rows equal but for the numbers in column `text_col` (layer indices, e.g.
-    `Dense_0` .. `Dense_3`), folded into one whose text shows the range (`Dense_{0..3}`),
-    with the count; in first-appearance order.
-
-        >>> fold([("l_0/w", "[-, model]"), ("l_1/w", "[-, model]"), ("head", "[-]")])
-        [(('l_{0..1}/w', '[-, model]'), 2), (('head', '[-]'), 1)]
-    """
-    groups: dict[tuple, list[tuple]] = {}
-    for r in rows:
-        words, nums = _numbers(str(r[text_col]))
-        key = (words, len(nums)) + r[:text_col] + r[text_col + 1:]
-        groups.setdefault(key, []).append(r)
-    out = []
-    for key, members in groups.items():
-        words = key[0]
-        nums = [_numbers(str(m[text_col]))[1] for m in members]
-        spans = [_span([n[i] for n in nums]) for i in range(key[1])]
-        text = "".join(w + (spans[i] if i < len(spans) else "") for i, w in enumerate(words))
-        first = members[0]
-        out.append((first[:text_col] + (text,) + first[text_col + 1:], len(members)))
-    return out

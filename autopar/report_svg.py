@@ -56,7 +56,7 @@ def mesh_grid(plan: ParallelPlan) -> tuple[int, int]:
 
 def device_stage(plan: ParallelPlan) -> dict[int, int]:
     """Device id -> the pipeline stage that runs on it (all 0 for a single-mesh plan)."""
-    if plan.pipeline and len(plan.stages) > 1:
+    if plan.is_pipeline:
         return {d: s.index for s in plan.stages for d in s.device_ids}
     return {d: 0 for d in plan.device_ids}
 
@@ -65,7 +65,7 @@ def mesh_svg(plan: ParallelPlan) -> str:
     """The device mesh: one square per device (its id inside), hosts / the first mesh axis as
     rows; coloured by pipeline stage, or one colour for a single-mesh plan."""
     rows, cols = mesh_grid(plan)
-    staged = bool(plan.pipeline) and len(plan.stages) > 1
+    staged = plan.is_pipeline
     owner = device_stage(plan)
     cell, gap, left, top = 46, 8, 110, 34
     width = left + cols * (cell + gap) + 20

@@ -244,6 +244,21 @@ def test_json_round_trip_keeps_predicted_reshards():
     assert ParallelPlan.from_json(json.dumps(old)).reshards == ()
 
 
+def test_collective_origin_pipeline_kind_and_stage_parts():
+    c = lambda detail: CollectivePlan(node=1, primitive="dot_general", kind="all-reduce",
+                                      detail=detail, name_stack="", source="", comm_s=1e-6)
+    ring, moved = c("all-reduce(a) 64 B ring"), c("all-reduce(a) 64 B reshard operand 0 of x")
+    assert (ring.algorithm, ring.is_reshard) == ("ring", False)
+    assert (moved.algorithm, moved.is_reshard) == ("-", True) and c("x").algorithm == "-"
+    rec = json.loads(json.dumps({"operators": [dataclasses.asdict(_tiny_plan().operators[0])],
+                                 "collectives": [dataclasses.asdict(ring)]}))
+    staged = _tiny_plan(pipeline={"num_microbatches": 2}, stage_solutions=(rec,))
+    assert staged.stage_parts(0) == (_tiny_plan().operators, (ring,))
+    assert staged.stage_parts(None) == (staged.operators, ()) and staged.is_pipeline
+    assert not _tiny_plan().is_pipeline and not _tiny_plan(
+        pipeline={"gradient_accumulation": True}).is_pipeline
+
+
 def test_plan_is_frozen():
     p = _tiny_plan()
     with pytest.raises(dataclasses.FrozenInstanceError):

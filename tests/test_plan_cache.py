@@ -16,7 +16,8 @@ import autopar
 from autopar import plan_cache
 from autopar.errors import InvalidArgumentError
 from autopar.plan import ParallelPlan
-from autopar.plan_cache import PlanCache, cache_key, canonical_text, default_cache_dir
+from autopar.plan_cache import (PlanCache, cache_key, canonical_text, default_cache_dir,
+                                env_setting)
 
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
 METHOD = autopar.PipeshardParallel(
@@ -143,6 +144,18 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 
 # -- hits and misses -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, want", [
+    (None, ("", False)), ("", ("", False)), ("off", ("off", True)), ("No", ("No", True)),
+    ("0", ("0", True)), ("FALSE", ("FALSE", True)), ("/tmp/plans", ("/tmp/plans", False)),
+])
+def test_env_setting(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("AUTOPAR_PLAN_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("AUTOPAR_PLAN_CACHE", value)
+    assert env_setting() == want
+
 
 def test_put_then_get_is_a_hit(cache, plan, caplog):
     caplog.set_level(logging.DEBUG, LOGGER)

@@ -30,8 +30,8 @@ from ..lower import run_nodes
 from ..options import MethodKind, ShardParallel
 from ..intra_op.batch_dims import batch_dims
 from ..intra_op.predict import predict_collectives
-from ..plan import (CollectivePlan, OperatorPlan, _collective_plan, constrained_tensors,
-                    spec_from_json)
+from ..plan import (CollectivePlan, OperatorPlan, _collective_plan, _operator_plan,
+                    constrained_tensors, spec_from_json)
 from ..planner import operator_plans
 from ..spec import Spec, dim_shards, num_shards
 from ..trace import trace
@@ -294,9 +294,7 @@ def solution_from_record(record: dict) -> tuple[str, StageSolution]:
     d["logical_shape"] = tuple(d["logical_shape"])
     d["constraints"] = tuple((int(t), spec_from_json(s)) for t, s in d["constraints"])
     d["ilp"] = IlpStats(**d["ilp"])
-    d["operators"] = tuple(OperatorPlan(**{**o, "out_shape": tuple(o["out_shape"]),
-                                           "out_spec": spec_from_json(o["out_spec"])})
-                           for o in d.get("operators", ()))
+    d["operators"] = tuple(_operator_plan(o) for o in d.get("operators", ()))
     d["collectives"] = tuple(_collective_plan(c) for c in d.get("collectives", ()))
     return fp, StageSolution(**d)
 
