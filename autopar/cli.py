@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 from .cli_plan import METHODS, SCHEDULES, UserCodeError, cmd_plan, ints, load_factory
+from ._format import mesh_text
 from .errors import AutoparError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,11 @@ def cmd_dump(ns, parser) -> int:
 # -- cache, profile, launch -------------------------------------------------------------------
 
 def _cache(ns):
-    from .plan_cache import PlanCache
+    from .plan_cache import PlanCache, env_setting
     if ns.dir:
         return PlanCache(ns.dir), ""
-    env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
-    if env.lower() in ("0", "off", "false", "no"):
+    env, off = env_setting()
+    if off:
         return PlanCache(), f" (AUTOPAR_PLAN_CACHE={env}: parallelize does not use it now)"
     return PlanCache(env or None), ""
 
@@ -195,7 +196,7 @@ def cmd_profile(ns, parser) -> int:
                            use_cache=not ns.no_cache)
     prof.save(ns.output)
     print(f"{prof.device_kind} ({prof.platform}), mesh "
-          + " x ".join(f"{a.name}={a.size}" for a in prof.axes)
+          + mesh_text([a.name for a in prof.axes], [a.size for a in prof.axes])
           + f", {prof.num_hosts} host(s)")
     print("matmul: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s"
                                  for d, v in prof.matmul_flops_per_s.items())

@@ -25,7 +25,7 @@ from .intra_op import solve_intra_op
 from .options import PipeshardParallel, ShardParallel
 from .pipeshard import accumulation_method, plan_pipeline
 from .plan import ParallelPlan, stamped
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, env_setting
 from .planner import build_plan
 from .remat_plan import plan_step
 from .runner_ups import with_runner_ups
@@ -145,10 +145,8 @@ def plan_cache_of(option) -> PlanCache | None:
     """`parallelize(plan_cache=...)`: True = the default directory (`AUTOPAR_PLAN_CACHE=off`
     turns it off, a path there moves it), a path = that directory, False / None = off."""
     if option is True:
-        env = os.environ.get("AUTOPAR_PLAN_CACHE", "")
-        if env.lower() in ("0", "off", "false", "no"):
-            return None
-        return PlanCache(env or None)
+        env, off = env_setting()
+        return None if off else PlanCache(env or None)
     if option is False or option is None:
         return None
     if isinstance(option, (str, os.PathLike)):

@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 from . import progress
+from ._format import runner_up_text
 from .errors import InfeasiblePlanError
 from .intra_op.solve import UNMET_PINS_LEVEL
 from .options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
@@ -76,8 +77,7 @@ def with_runner_ups(plan: ParallelPlan, method: ShardParallel,
 
 
 @progress.timed("runner-ups", lambda p: ", ".join(
-    f"{a['name']} {a['predicted_step_s'] / max(p.predicted_step_s, 1e-30):.2f}x"
-    if a["predicted_step_s"] is not None else f"{a['name']} -" for a in p.alternatives))
+    runner_up_text(a, p.predicted_step_s) for a in p.alternatives))
 def _priced(plan: ParallelPlan, method: ShardParallel,
             plan_with: Callable[[ShardParallel], ParallelPlan]) -> ParallelPlan:
     t0 = time.perf_counter()
