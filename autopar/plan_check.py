@@ -169,9 +169,9 @@ def _check_record(name: str, record: Any, required: dict, optional: dict | None 
 def check_contents(plan) -> None:
     """The plan's mesh, tensors and records hold what the lowering, `autopar.dump` and
     `autopar.report` read: axis names match the mesh, tensor shapes are ints and stages exist,
-    and the `ilp`, `pipeline`, `remat`, `timings_s`, `alternatives` and `stage_solutions`
-    records have their keys with values of the right kind. A malformed one is an
-    InvalidArgumentError naming its key path (a mesh that does not fit: PlanMismatchError)."""
+    and the `ilp`, `pipeline`, `remat`, `alternatives` and `stage_solutions` records have
+    their keys with values of the right kind. A malformed one is an InvalidArgumentError
+    naming its key path (a mesh that does not fit: PlanMismatchError)."""
     if len(plan.axis_names) != len(plan.mesh_shape):
         raise PlanMismatchError(
             f"ParallelPlan.from_json: axis_names {tuple(plan.axis_names)} has "
@@ -216,10 +216,6 @@ def _check_records(plan) -> None:
                              f"{len(plan.stages)} stage(s): it needs one per stage")
     if plan.remat:
         _check_record("remat", plan.remat, REMAT_KEYS)
-    bad = [k for k, v in plan.timings_s.items() if not _is(v, _NUM)]
-    if bad:
-        raise _malformed(f"timings_s[{bad[0]!r}]", f"is {short_repr(plan.timings_s[bad[0]])}, "
-                         "not a number of seconds")
     for k, a in enumerate(plan.alternatives):
         _check_record(f"alternatives[{k}]", a, ALTERNATIVE_KEYS)
     _check_stage_solutions(plan)
