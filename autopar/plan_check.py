@@ -201,7 +201,7 @@ def _check_tensors(plan) -> None:
 
 def _check_records(plan) -> None:
     if plan.ilp:
-        status = plan.ilp.get("status")
+        status = plan.ilp.get("status") if isinstance(plan.ilp, dict) else None
         _check_record("ilp", plan.ilp, {**ILP_KEYS, **(
             {} if status in ("optimal", "trivial") else {"message": _STR})},
             {"layer_reuse": _STR, "num_ilps": _INT})
