@@ -121,21 +121,11 @@ class ShardParallel:
     def __post_init__(self):
         name = type(self).__name__
         object.__setattr__(self, "remat", Remat.of(self.remat, f"{name}.remat"))
-        try:
-            object.__setattr__(self, "annotations", Annotations(self.annotations))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{name}.annotations={self.annotations!r} must be one of "
-                f"{[a.value for a in Annotations]} ('pin': the code's sharding annotations "
-                "are kept exactly, 'hint': preferred, 'ignore': planned without). Fix: "
-                f"{name}(annotations='pin'), 'hint' or 'ignore'.") from None
-        try:
-            object.__setattr__(self, "layer_reuse", LayerReuse(self.layer_reuse))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{name}.layer_reuse={self.layer_reuse!r} is not a LayerReuse. Fix: "
-                f"{name}(layer_reuse=autopar.LayerReuse.AUTO) (or one of "
-                f"{[r.value for r in LayerReuse]}).") from None
+        object.__setattr__(self, "annotations", _as_enum(
+            self, "annotations", Annotations, " ('pin': the code's sharding annotations are "
+            "kept exactly, 'hint': preferred, 'ignore': planned without)"))
+        object.__setattr__(self, "layer_reuse", _as_enum(
+            self, "layer_reuse", LayerReuse, " (repeated layers share ILP variables)"))
         v = self.num_microbatches
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidArgumentError(
@@ -199,6 +189,19 @@ class Zero3Parallel(ShardParallel):
     @property
     def kind(self) -> MethodKind:
         return MethodKind.ZERO3
+
+
+def _as_enum(owner, field: str, cls: type[enum.Enum], meaning: str = "") -> enum.Enum:
+    """`owner.field` as a member of `cls` (its value strings accepted), or a clear error."""
+    value = getattr(owner, field)
+    try:
+        return cls(value)
+    except ValueError:
+        values = [m.value for m in cls]
+        raise InvalidArgumentError(
+            f"{type(owner).__name__}.{field}={value!r} must be one of {values}{meaning}. Fix: "
+            f"e.g. {type(owner).__name__}({field}={values[0]!r}) or "
+            f"{field}=autopar.{cls.__name__}.{cls(values[0]).name}.") from None
 
 
 def _is_number(v) -> bool:
