@@ -75,7 +75,7 @@ class ParallelizedFunction:
         self._method = method or ShardParallel()
         self._static = tuple(static_argnums)
         self._donate = tuple(donate_argnums)
-        self._batch = checks.as_argnums(batch_argnums)
+        self._batch = checks.as_argnums(batch_argnums, "batch_argnums")
         self._saved_plan = plan
         self._cluster = cluster
         self.plan_cache_of = plan_cache
@@ -425,7 +425,7 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
       method: `ShardParallel()` (default), `DataParallel()`, `Zero2Parallel()`,
         `Zero3Parallel()` (any of them with `num_microbatches=M` for gradient accumulation)
         or `PipeshardParallel(...)`.
-      static_argnums, donate_argnums: as in `jax.jit` (an int or a sequence of ints).
+      static_argnums, donate_argnums: as in `jax.jit` (an int, a sequence of ints, or None).
       static_argnames, donate_argnames: as in `jax.jit`: parameter names (a str or a
         sequence), mapped to their positions through `fun`'s signature and added to the
         *_argnums (an argument passed by keyword binds to its position too).
@@ -482,13 +482,12 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
             out_shardings=out_shardings, verbose=verbose)
     checks.check_mesh(mesh)
     progress.check(verbose, "parallelize: verbose")
-    as_tuple = lambda v: (v,) if isinstance(v, int) else tuple(v)
     return ParallelizedFunction(
         fun, mesh=mesh, method=checks.method_instance(method), plan=checks.check_plan(plan),
-        batch_argnums=checks.as_argnums(batch_argnums),
-        static_argnums=as_tuple(static_argnums) + argnums_for_names(
-            fun, static_argnames, "static_argnames"),
-        donate_argnums=as_tuple(donate_argnums) + argnums_for_names(
-            fun, donate_argnames, "donate_argnames"),
+        batch_argnums=checks.as_argnums(batch_argnums, "batch_argnums"),
+        static_argnums=checks.as_argnums(static_argnums, "static_argnums", none_ok=True)
+        + argnums_for_names(fun, static_argnames, "static_argnames"),
+        donate_argnums=checks.as_argnums(donate_argnums, "donate_argnums", none_ok=True)
+        + argnums_for_names(fun, donate_argnames, "donate_argnames"),
         cluster=checks.check_cluster(cluster), plan_cache=plan_cache,
         pins=PinnedShardings.of(in_shardings, out_shardings), verbose=verbose)

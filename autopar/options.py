@@ -119,28 +119,33 @@ class ShardParallel:
     remat: Remat = Remat.AUTO
 
     def __post_init__(self):
-        object.__setattr__(self, "remat", Remat.of(self.remat, f"{type(self).__name__}.remat"))
-        try:
-            object.__setattr__(self, "annotations", Annotations(self.annotations))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{type(self).__name__}.annotations={self.annotations!r} must be one of "
-                f"{[a.value for a in Annotations]} ('pin': the code's sharding annotations "
-                "are kept exactly, 'hint': preferred, 'ignore': planned without).") from None
+        name = type(self).__name__
+        object.__setattr__(self, "remat", Remat.of(self.remat, f"{name}.remat"))
+        object.__setattr__(self, "annotations", _as_enum(
+            self, "annotations", Annotations, " ('pin': the code's sharding annotations are "
+            "kept exactly, 'hint': preferred, 'ignore': planned without)"))
+        object.__setattr__(self, "layer_reuse", _as_enum(
+            self, "layer_reuse", LayerReuse, " (repeated layers share ILP variables)"))
         v = self.num_microbatches
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidArgumentError(f"{type(self).__name__}.num_microbatches={v!r} must be "
-                                       "an int >= 1.")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise InvalidArgumentError(
-                f"memory_budget_bytes={self.memory_budget_bytes!r} must be positive or None.")
-        if not self.solver_time_limit_s > 0:
+                f"{name}.num_microbatches={v!r} must be an int >= 1 (1: no gradient "
+                f"accumulation). Fix: {name}(num_microbatches=4) with a number that divides "
+                "the batch size, or leave it out.")
+        budget = self.memory_budget_bytes
+        if budget is not None and (not _is_number(budget) or budget <= 0):
             raise InvalidArgumentError(
-                f"solver_time_limit_s={self.solver_time_limit_s!r} must be positive.")
+                f"{name}.memory_budget_bytes={budget!r} must be a positive number of bytes per "
+                f"device, or None (the cluster's device memory). Fix: e.g. {name}("
+                "memory_budget_bytes=16 * 2**30) for 16 GiB, or leave it out.")
+        if not _is_number(self.solver_time_limit_s) or not self.solver_time_limit_s > 0:
+            raise InvalidArgumentError(
+                f"{name}.solver_time_limit_s={self.solver_time_limit_s!r} must be a positive "
+                f"number of seconds. Fix: e.g. {name}(solver_time_limit_s=60.0).")
         if not isinstance(self.solver, SolverBackend):
             raise InvalidArgumentError(
-                f"solver={self.solver!r} is not a SolverBackend; use one of "
-                f"{[b for b in SolverBackend]}.")
+                f"{name}.solver={self.solver!r} is not a SolverBackend. Fix: pass one of "
+                f"{[b for b in SolverBackend]}, e.g. solver=autopar.SolverBackend.HIGHS.")
         object.__setattr__(self, "sharding_rules", _check_rules(self.sharding_rules))
         axis = self.batch_axis
         if isinstance(axis, list):
@@ -149,8 +154,8 @@ class ShardParallel:
         if not (axis is None or isinstance(axis, str) or (
                 isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis))):
             raise InvalidArgumentError(
-                f"{type(self).__name__}.batch_axis={axis!r} must be None, a mesh axis name or "
-                "a tuple of axis names, e.g. batch_axis='data'.")
+                f"{name}.batch_axis={axis!r} must be None, a mesh axis name or a tuple of axis "
+                f"names. Fix: e.g. {name}(batch_axis='data') or batch_axis=('x', 'y').")
 
     @property
     def kind(self) -> MethodKind:
@@ -186,13 +191,31 @@ class Zero3Parallel(ShardParallel):
         return MethodKind.ZERO3
 
 
+def _as_enum(owner, field: str, cls: type[enum.Enum], meaning: str = "") -> enum.Enum:
+    """`owner.field` as a member of `cls` (its value strings accepted), or a clear error."""
+    value = getattr(owner, field)
+    try:
+        return cls(value)
+    except ValueError:
+        values = [m.value for m in cls]
+        raise InvalidArgumentError(
+            f"{type(owner).__name__}.{field}={value!r} must be one of {values}{meaning}. Fix: "
+            f"e.g. {type(owner).__name__}({field}={values[0]!r}) or "
+            f"{field}=autopar.{cls.__name__}.{cls(values[0]).name}.") from None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
 def _rule_entry(entry, where: str):
     ok = entry is None or isinstance(entry, str) or (
         isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry))
     if not ok:
         raise InvalidArgumentError(
             f"sharding_rules{where}: spec entry {entry!r} must be None, a mesh axis name or a "
-            "tuple of axis names, as in jax.sharding.PartitionSpec.")
+            "tuple of axis names, as in jax.sharding.PartitionSpec. Fix: e.g. (None, 'model') "
+            "or (('data', 'model'), None).")
     return tuple(entry) if isinstance(entry, list) else entry
 
 
@@ -205,13 +228,14 @@ def _check_rules(rules) -> tuple[tuple[str, tuple], ...]:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
                 and hasattr(rule[1], "__iter__") and not isinstance(rule[1], str)):
             raise InvalidArgumentError(
-                f"sharding_rules[{i}]={rule!r} must be a (regex, spec) pair, e.g. "
+                f"sharding_rules[{i}]={rule!r} must be a (regex, spec) pair. Fix: e.g. "
                 "(r\"\\['fc'\\]\\['kernel'\\]\", (None, \"model\")).")
         try:
             re.compile(rule[0])
         except re.error as e:
             raise InvalidArgumentError(
-                f"sharding_rules[{i}]: {rule[0]!r} is not a regular expression ({e}).") from None
+                f"sharding_rules[{i}]: {rule[0]!r} is not a regular expression ({e}). Fix: "
+                "correct it (re.search on leaf paths; escape brackets: r\"\\['w'\\]\").") from None
         out.append((rule[0], tuple(_rule_entry(e, f"[{i}]") for e in rule[1])))
     return tuple(out)
 
@@ -231,11 +255,14 @@ class AutoLayerOption:
     def __post_init__(self):
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
                 or self.num_layers < 1:
-            raise InvalidArgumentError(f"AutoLayerOption.num_layers={self.num_layers!r} must be "
-                                       "an int >= 1.")
-        if not self.imbalance >= 0:
-            raise InvalidArgumentError(f"AutoLayerOption.imbalance={self.imbalance!r} must be "
-                                       ">= 0.")
+            raise InvalidArgumentError(
+                f"AutoLayerOption.num_layers={self.num_layers!r} must be an int >= 1. Fix: "
+                "e.g. AutoLayerOption(num_layers=4), at least the number of pipeline stages.")
+        if not _is_number(self.imbalance) or not self.imbalance >= 0:
+            raise InvalidArgumentError(
+                f"AutoLayerOption.imbalance={self.imbalance!r} must be a number >= 0 (each "
+                "layer's FLOPs within 1 + imbalance of the mean). Fix: e.g. "
+                "AutoLayerOption(imbalance=0.25).")
 
     @property
     def kind(self) -> LayerOptionKind:
@@ -259,13 +286,15 @@ def _check_shape_tuple(owner: str, name: str, value, length: int | None = None) 
     if items is None or not items or not all(
             isinstance(x, (int, np.integer)) and not isinstance(x, bool)
             for item in items for x in item):
-        raise InvalidArgumentError(f"{owner}.{name}={value!r} must be a non-empty tuple of "
-                                   "int tuples, one per stage.")
+        raise InvalidArgumentError(
+            f"{owner}.{name}={value!r} must be a non-empty tuple of int tuples, one per stage. "
+            f"Fix: e.g. {name}=((0, 1), (2, 3)) for two stages.")
     out = tuple(tuple(int(x) for x in item) for item in items)
     if any(x < 0 for item in out for x in item) or (length is not None and len(out) != length):
         raise InvalidArgumentError(
             f"{owner}.{name}={value!r} is invalid: need {length if length else 'some'} tuples "
-            "of non-negative ints (one per stage).")
+            "of non-negative ints (one per stage). Fix: give one tuple per entry of "
+            "layer_spans.")
     return out
 
 
@@ -292,15 +321,20 @@ class AutoStageOption:
         if self.max_stages is not None and (not isinstance(self.max_stages, int)
                                             or isinstance(self.max_stages, bool)
                                             or self.max_stages < 1):
-            raise InvalidArgumentError(f"AutoStageOption.max_stages={self.max_stages!r} must be "
-                                       "None or an int >= 1.")
+            raise InvalidArgumentError(
+                f"AutoStageOption.max_stages={self.max_stages!r} must be None or an int >= 1. "
+                "Fix: e.g. AutoStageOption(max_stages=4), or None (up to the number of "
+                "layers).")
         if self.logical_shapes not in ("all", "flat"):
-            raise InvalidArgumentError(f"AutoStageOption.logical_shapes="
-                                       f"{self.logical_shapes!r} must be 'all' or 'flat'.")
+            raise InvalidArgumentError(
+                f"AutoStageOption.logical_shapes={self.logical_shapes!r} must be 'all' or "
+                "'flat'. Fix: AutoStageOption(logical_shapes='all') (every 2-D view of a "
+                "submesh) or 'flat' ((1, n) and (n, 1) only).")
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(
                 self.workers, int) or self.workers < 1):
-            raise InvalidArgumentError(f"AutoStageOption.workers={self.workers!r} must be None "
-                                       "or an int >= 1 (1: plan in this process).")
+            raise InvalidArgumentError(
+                f"AutoStageOption.workers={self.workers!r} must be None or an int >= 1 (1: plan "
+                "in this process). Fix: e.g. AutoStageOption(workers=2), or None.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,8 +346,10 @@ class UniformStageOption:
     def __post_init__(self):
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
                 or self.num_stages < 1:
-            raise InvalidArgumentError(f"UniformStageOption.num_stages={self.num_stages!r} "
-                                       "must be an int >= 1.")
+            raise InvalidArgumentError(
+                f"UniformStageOption.num_stages={self.num_stages!r} must be an int >= 1. Fix: "
+                "e.g. UniformStageOption(num_stages=2), a number that divides the device "
+                "count.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -343,13 +379,14 @@ class ManualStageOption:
             raise InvalidArgumentError(
                 f"ManualStageOption.zero={self.zero!r}: give one bool per stage ({n}), or none "
                 "(the search splits a stage's optimizer state over its data axis where memory "
-                "needs it).")
+                f"needs it). Fix: e.g. zero=({', '.join(['False'] * n)}{',' * (n == 1)}).")
         object.__setattr__(self, "zero", zero)
         remat = tuple(Remat.of(r, "ManualStageOption.remat") for r in self.remat)
         if remat and len(remat) != n:
             raise InvalidArgumentError(
                 f"ManualStageOption.remat={self.remat!r} has {len(remat)} entries for {n} "
-                "stage(s): give one per stage, or none (the method's remat for every stage).")
+                "stage(s). Fix: give one per stage, or none (the method's remat for every "
+                "stage).")
         object.__setattr__(self, "remat", remat)
         object.__setattr__(self, "layer_spans", spans)
         object.__setattr__(self, "submesh_shapes", _check_shape_tuple(
@@ -360,13 +397,14 @@ class ManualStageOption:
             if b < a or (p and a != spans[p - 1][1] + 1) or (p == 0 and a != 0):
                 raise InvalidArgumentError(
                     f"ManualStageOption.layer_spans={spans!r}: stage {p} covers layers {a}..{b}; "
-                    "spans must be (first, last) pairs covering 0..L-1 in order.")
+                    "spans must be (first, last) pairs covering 0..L-1 in order. Fix: e.g. "
+                    "layer_spans=((0, 1), (2, 3)) for 4 layers in 2 stages.")
         for p, (sub, logical) in enumerate(zip(self.submesh_shapes, self.logical_shapes)):
             if math.prod(sub) != math.prod(logical) or len(sub) != 2:
                 raise InvalidArgumentError(
                     f"ManualStageOption: stage {p} has submesh {sub} ({math.prod(sub)} devices) "
-                    f"but logical mesh {logical}: give (hosts, devices) and a logical shape "
-                    "with the same device count.")
+                    f"but logical mesh {logical}. Fix: give the submesh as (hosts, devices) and "
+                    "a logical shape with the same device count, e.g. (1, 4) and (2, 2).")
 
 
 StageOption = AutoStageOption | UniformStageOption | ManualStageOption
@@ -407,20 +445,23 @@ class PipeshardParallel(ShardParallel):
         super(PipeshardParallel, self).__post_init__()
         v = self.max_in_flight_calls
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidArgumentError(f"PipeshardParallel.max_in_flight_calls={v!r} must be "
-                                       "an int >= 1.")
+            raise InvalidArgumentError(
+                f"PipeshardParallel.max_in_flight_calls={v!r} must be an int >= 1. Fix: e.g. "
+                "PipeshardParallel(max_in_flight_calls=16).")
         if not isinstance(self.schedule, Schedule):
-            raise InvalidArgumentError(f"PipeshardParallel.schedule={self.schedule!r} is not a "
-                                       f"Schedule; use one of {[s for s in Schedule]}.")
+            raise InvalidArgumentError(
+                f"PipeshardParallel.schedule={self.schedule!r} is not a Schedule. Fix: pass one "
+                f"of {[s for s in Schedule]}, e.g. schedule=autopar.Schedule.ONE_F_ONE_B.")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise InvalidArgumentError(
-                f"PipeshardParallel.layer_option={self.layer_option!r}: pass "
-                "AutoLayerOption(num_layers=...) or ManualLayerOption().")
+                f"PipeshardParallel.layer_option={self.layer_option!r} is not a layer option. "
+                "Fix: pass AutoLayerOption(num_layers=...) or ManualLayerOption().")
         if not isinstance(self.stage_option, (AutoStageOption, UniformStageOption,
                                               ManualStageOption)):
             raise InvalidArgumentError(
-                f"PipeshardParallel.stage_option={self.stage_option!r}: pass AutoStageOption(), "
-                "UniformStageOption(num_stages=...) or ManualStageOption(...).")
+                f"PipeshardParallel.stage_option={self.stage_option!r} is not a stage option. "
+                "Fix: pass AutoStageOption(), UniformStageOption(num_stages=...) or "
+                "ManualStageOption(...).")
 
     @property
     def kind(self) -> MethodKind:

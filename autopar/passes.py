@@ -18,8 +18,8 @@ from . import progress
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .errors import InvalidArgumentError, PlanMismatchError
-from .frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums, method_instance,
-                              warn_one_microbatch, warn_unmatched_rules)
+from .frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums, check_cluster,
+                              method_instance, warn_one_microbatch, warn_unmatched_rules)
 from .graph import InputRole, OpGraph
 from .intra_op import solve_intra_op
 from .options import PipeshardParallel, ShardParallel
@@ -119,7 +119,10 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
 def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, static_argnums,
           donate_argnums) -> ParallelPlan:
     method = method_instance(method) or ShardParallel()
-    batch_argnums = as_argnums(batch_argnums)
+    check_cluster(cluster, required=True)     # the cluster to plan for: no devices to read
+    batch_argnums = as_argnums(batch_argnums, "batch_argnums")
+    static_argnums = as_argnums(static_argnums, "static_argnums", none_ok=True)
+    donate_argnums = as_argnums(donate_argnums, "donate_argnums", none_ok=True)
     if mesh_shape is None:
         mesh_shape = (cluster.num_hosts, cluster.devices_per_host)
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])

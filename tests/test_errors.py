@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import pathlib
 import signal
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -39,6 +43,16 @@ def acc_step(state, batch):        # gradient accumulation needs autopar.value_a
     return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), l
 
 
+def _layer_model_step(state, batch):
+    def loss(p):
+        h = batch["x"]
+        for w in p:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+    l, g = autopar.value_and_grad(loss)(state)
+    return [a - 0.1 * b for a, b in zip(state, g)], l
+
+
 STATE = {"w": jnp.ones((16, 16))}
 BATCH = {"x": jnp.ones((16, 16))}
 
@@ -61,6 +75,56 @@ def edited_plan(edit) -> str:
     d = plan_json()
     edit(d)
     return json.dumps(d)
+
+
+_PIPE = {}
+
+
+def pipeline_plan_json() -> dict:
+    """A real two-stage pipeline plan for `_layer_model_step`, as JSON data (planned once)."""
+    if "p" not in _PIPE:
+        _PIPE["p"] = autopar.plan(
+            _layer_model_step, [jnp.ones((8, 8))] * 2, {"x": jnp.ones((8, 8))}, cluster=CPU,
+            mesh_shape=(1, 2), method=PipeshardParallel(
+                num_microbatches=2, layer_option=AutoLayerOption(num_layers=2),
+                stage_option=UniformStageOption(num_stages=2)))
+    return json.loads(_PIPE["p"].to_json())
+
+
+def edited_pipeline(edit):
+    """`ParallelPlan.from_json` of the pipeline plan after `edit(data)`, as a case."""
+    d = pipeline_plan_json()
+    edit(d)
+    return from_json(json.dumps(d))
+
+
+def edited(edit):
+    """`ParallelPlan.from_json` of `step`'s plan after `edit(data)`, as a case."""
+    return lambda: autopar.ParallelPlan.from_json(edited_plan(edit))
+
+
+def setter(*path_and_value):
+    """An edit that sets data[k0][k1]... = value (the last argument)."""
+    *path, value = path_and_value
+
+    def edit(d):
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return edit
+
+
+def dropper(*path):
+    """An edit that deletes data[k0][k1]...[kn]."""
+    def edit(d):
+        for k in path[:-1]:
+            d = d[k]
+        del d[path[-1]]
+    return edit
+
+
+ALTERNATIVE = {"name": "DataParallel()", "kind": "method", "predicted_step_s": 1e-3,
+               "peak_memory_bytes": 1024.0, "fits": True, "note": ""}
 
 
 def with_input(key, value):
@@ -164,6 +228,23 @@ CASES = [
      InvalidArgumentError, ["batch_argnums=(1,) (the default)", "batch['s']", "Fix:"], []),
     ("batch leaves disagree", lambda: par()(STATE, {**BATCH, "y": jnp.ones((8,))}),
      InvalidArgumentError, ["batch['y']", "16", "8", "Fix:"], []),
+    ("static_argnums a name", lambda: par(static_argnums="cfg"),
+     InvalidArgumentError, ["static_argnums='cfg'", "static_argnames='cfg'", "Fix:"], []),
+    ("donate_argnums holds a bool", lambda: par(donate_argnums=(True,)),
+     InvalidArgumentError, ["donate_argnums=(True,)", "element True", "Fix:"], []),
+    ("batch_argnums None", lambda: par(batch_argnums=None),
+     InvalidArgumentError, ["batch_argnums=None", "Fix:", "batch_argnums=(1,)"], []),
+    ("autopar.plan static_argnums an int out of range", lambda: autopar.plan(
+        step, STATE, BATCH, cluster=CPU, mesh_shape=(2, 4), static_argnums=5),
+     InvalidArgumentError, ["static_argnums=(5,)", "Fix:"], []),
+    ("autopar.plan donate_argnums not ints", lambda: autopar.plan(
+        step, STATE, BATCH, cluster=CPU, mesh_shape=(2, 4), donate_argnums=[0.5]),
+     InvalidArgumentError, ["donate_argnums=[0.5]", "element 0.5", "Fix:"], []),
+    ("autopar.plan cluster given a name", lambda: autopar.plan(step, STATE, BATCH,
+                                                               cluster="cpu"),
+     InvalidArgumentError, ["cluster='cpu'", "ClusterSpec.preset(", "Fix:"], []),
+    ("autopar.plan cluster None", lambda: autopar.plan(step, STATE, BATCH, cluster=None),
+     InvalidArgumentError, ["cluster=None", "ClusterSpec.from_devices", "Fix:"], []),
     ("static_argnums out of range", lambda: par(static_argnums=(5,))(STATE, BATCH),
      InvalidArgumentError, ["static_argnums=(5,)", "Fix:"], []),
     ("donate_argnums out of range", lambda: par(donate_argnums=(7,))(STATE, BATCH),
@@ -171,9 +252,9 @@ CASES = [
     ("static and batch argument", lambda: par(static_argnums=(1,))(STATE, (1, 2)),
      InvalidArgumentError, ["[1]", "static_argnums", "batch_argnums", "Fix:"], []),
     ("unknown static_argnames", lambda: par(static_argnames="cfg"),
-     InvalidArgumentError, ["'cfg'"], []),
+     InvalidArgumentError, ["'cfg'", "Fix:"], []),
     ("in_shardings names a missing axis", lambda: par(in_shardings=(P("foo"), None))(
-        STATE, BATCH), InvalidArgumentError, ["'foo'"], []),
+        STATE, BATCH), InvalidArgumentError, ["'foo'", "Fix:"], []),
     # -- batches that do not divide --------------------------------------------------------
     ("DataParallel microbatches do not divide", lambda: par(
         acc_step, method=DataParallel(num_microbatches=4))(STATE, {"x": jnp.ones((6, 16))}),
@@ -190,13 +271,18 @@ CASES = [
      InvalidArgumentError, ["3 entries", "Fix:"], []),
     # -- method options --------------------------------------------------------------------
     ("num_microbatches=0", lambda: ShardParallel(num_microbatches=0),
-     InvalidArgumentError, ["num_microbatches=0", ">= 1"], []),
+     InvalidArgumentError, ["num_microbatches=0", ">= 1", "Fix:"], []),
     ("negative memory budget", lambda: ShardParallel(memory_budget_bytes=-1),
-     InvalidArgumentError, ["memory_budget_bytes=-1"], []),
+     InvalidArgumentError, ["memory_budget_bytes=-1", "Fix:"], []),
+    ("memory budget as text", lambda: ShardParallel(memory_budget_bytes="16G"),
+     InvalidArgumentError, ["memory_budget_bytes='16G'", "Fix:", "2**30"], []),
+    ("unknown layer_reuse", lambda: ShardParallel(layer_reuse="sometimes"),
+     InvalidArgumentError, ["layer_reuse='sometimes'", "'always'", "Fix:",
+                            "layer_reuse='auto'"], []),
     ("solver as a string", lambda: ShardParallel(solver="highs"),
      InvalidArgumentError, ["solver='highs'", "SolverBackend"], []),
     ("unknown annotations mode", lambda: ShardParallel(annotations="strict"),
-     InvalidArgumentError, ["'strict'", "'pin'"], []),
+     InvalidArgumentError, ["'strict'", "'pin'", "Fix:"], []),
     ("unknown remat mode", lambda: ShardParallel(remat="sometimes"),
      InvalidArgumentError, ["'sometimes'", "selective"], []),
     ("batch_axis not a name", lambda: ShardParallel(batch_axis=3),
@@ -296,6 +382,50 @@ CASES = [
     ("plan JSON spec does not divide", lambda: autopar.ParallelPlan.from_json(
         edited_plan(lambda d: d["inputs"][0].update(shape=[6, 16], spec=[[1]]))),
      PlanMismatchError, ["inputs[0]", "state['w']", "size 6", "4 ways", "Fix:"], []),
+    ("plan JSON shape not ints", edited(with_input("shape", ["a", 16])),
+     InvalidArgumentError, ["inputs[0]", "['shape']", "['a', 16]", "Fix:"], []),
+    ("plan JSON axis_names of another rank", edited(setter("axis_names", ["data"])),
+     PlanMismatchError, ["axis_names ('data',)", "(2, 4)", "Fix:"], []),
+    ("plan JSON stage not an int", edited(with_input("stage", "0")),
+     InvalidArgumentError, ["inputs[0]", "['stage']", "'0'", "Fix:"], []),
+    ("plan JSON stage out of range", edited(with_input("stage", 3)),
+     PlanMismatchError, ["inputs[0]", "['stage'] is 3", "1 stage(s)", "Fix:"], []),
+    ("plan JSON ilp missing a key", edited(dropper("ilp", "num_edges")),
+     InvalidArgumentError, ["ilp lacks", "'num_edges'", "Fix:"], []),
+    ("plan JSON ilp value of another kind", edited(setter("ilp", "solve_time_s", "fast")),
+     InvalidArgumentError, ["ilp['solve_time_s']", "'fast'", "a number", "Fix:"], []),
+    ("plan JSON ilp not an object", edited(setter("ilp", [1])),
+     InvalidArgumentError, ["ilp is [1]", "Fix:"], []),
+    ("plan JSON pipeline record cut short", edited(setter("pipeline", {"schedule": "1f1b"})),
+     InvalidArgumentError, ["pipeline lacks", "'num_microbatches'", "Fix:"], []),
+    ("plan JSON remat record cut short", edited(setter("remat", {"layers": ["none"]})),
+     InvalidArgumentError, ["remat lacks", "'layer_boundaries'", "Fix:"], []),
+    ("plan JSON alternative missing a key", edited(setter("alternatives", [{"name": "x"}])),
+     InvalidArgumentError, ["alternatives[0] lacks", "'predicted_step_s'", "Fix:"], []),
+    ("plan JSON alternative step not a number", edited(setter(
+        "alternatives", [ALTERNATIVE, {**ALTERNATIVE, "predicted_step_s": "1 ms"}])),
+     InvalidArgumentError, ["alternatives[1]['predicted_step_s']", "'1 ms'", "null", "Fix:"],
+     []),
+    ("plan JSON alternative not an object", edited(setter("alternatives", ["DataParallel"])),
+     InvalidArgumentError, ["alternatives[0]", "'DataParallel'", "Fix:"], []),
+    ("pipeline plan JSON unknown schedule", edited_pipeline(
+        setter("pipeline", "schedule", "zigzag")),
+     InvalidArgumentError, ["pipeline['schedule']", "'zigzag'", "'1f1b'", "Fix:"], []),
+    ("pipeline plan JSON in_flight of another length", edited_pipeline(
+        setter("pipeline", "in_flight", [1])),
+     InvalidArgumentError, ["pipeline['in_flight']", "1 entries for 2 stage(s)", "Fix:"], []),
+    ("pipeline plan JSON bubble not a number", edited_pipeline(
+        setter("pipeline", "bubble_fraction", None)),
+     InvalidArgumentError, ["pipeline['bubble_fraction']", "None", "Fix:"], []),
+    ("pipeline plan JSON stage solution without fingerprint", edited_pipeline(
+        dropper("stage_solutions", 1, "graph_fingerprint")),
+     InvalidArgumentError, ["stage_solutions[1] lacks", "'graph_fingerprint'", "Fix:"], []),
+    ("pipeline plan JSON stage solution cut short", edited_pipeline(
+        dropper("stage_solutions", 0, "param_specs")),
+     InvalidArgumentError, ["stage_solutions[0]", "does not load", "param_specs", "Fix:"], []),
+    ("pipeline plan JSON stage solution ilp cut short", edited_pipeline(
+        dropper("stage_solutions", 0, "ilp", "status")),
+     InvalidArgumentError, ["stage_solutions[0]", "does not load", "status", "Fix:"], []),
     ("saved plan, other shapes", _saved_plan_other_shapes,
      PlanMismatchError, ["argument 0 leaf state['w']: (16, 16) float32 -> (32, 16) float32",
                          "argument 1 leaf batch['x']", "Fix:"], []),
@@ -335,17 +465,78 @@ def test_bad_input_raises_a_teaching_error(name, provoke, error, present, absent
         assert text not in message, f"{name}: {text!r} in: {message}"
 
 
+# Cases that reach native code (XLA, the HiGHS solver) or read saved plans: run again in a
+# fresh interpreter under a timeout, so that a hang there, which SIGALRM cannot interrupt, or
+# a segfault fails this test instead of stalling or killing the whole run.
+NATIVE_PREFIXES = ("plan JSON", "pipeline plan JSON", "saved plan", "shard_map",
+                   "call inside jax.jit", "DataParallel", "sharding rule names",
+                   "gradient accumulation on a 3-D mesh", "pipeline without",
+                   "autopar.plan mesh of another size")
+SUBPROCESS_TIMEOUT_S = 300
+_CHILD = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import autopar, test_errors as t
+cases = {c[0]: c for c in t.CASES}
+for name in sys.argv[1:]:
+    print("START", name, flush=True)
+    try:
+        cases[name][1]()
+        got = "no error"
+    except Exception as e:
+        got = type(e).__name__
+    print("GOT", name, "=", got, flush=True)
+"""
+
+
+def _last_started(out: str) -> str | None:
+    started = [ln[6:] for ln in out.splitlines() if ln.startswith("START ")]
+    return started[-1] if started else None
+
+
+def test_native_cases_in_a_subprocess():
+    names = [c[0] for c in CASES if c[0].startswith(NATIVE_PREFIXES)]
+    assert len(names) >= 25
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(pathlib.Path(__file__).parent), str(pathlib.Path(autopar.__file__).parents[1]),
+         os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, *names], env=env, text=True,
+                              capture_output=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"hung over {SUBPROCESS_TIMEOUT_S} s in case {_last_started(out)!r}")
+    got = dict(ln[4:].rsplit(" = ", 1) for ln in done.stdout.splitlines()
+               if ln.startswith("GOT "))
+    assert done.returncode == 0, (f"the interpreter died (exit {done.returncode}) in case "
+                                  f"{_last_started(done.stdout)!r}: {done.stderr[-2000:]}")
+    expected = {c[0]: c[2].__name__ for c in CASES if c[0] in names}
+    assert got == expected
+
+
+def test_none_argnums_mean_none():
+    """static_argnums=None / donate_argnums=None as jax.jit reads them: no such arguments."""
+    got = par(static_argnums=None, donate_argnums=None)(STATE, BATCH)
+    want = jax.jit(step)(STATE, BATCH)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 got, want)
+    p = autopar.plan(step, STATE, BATCH, cluster=CPU, mesh_shape=(2, 4),
+                     static_argnums=None, donate_argnums=None)
+    assert p.graph_fingerprint == autopar.plan(step, STATE, BATCH, cluster=CPU,
+                                               mesh_shape=(2, 4)).graph_fingerprint
+
+
+@pytest.mark.parametrize("data", [plan_json, pipeline_plan_json], ids=["shard", "pipeline"])
+def test_real_plans_pass_the_checks_and_dump(data):
+    """The checks refuse none of what a search writes, and what they pass dumps and reports."""
+    d = data()
+    plan = autopar.ParallelPlan.from_json(json.dumps(d))
+    assert json.loads(plan.to_json()) == d
+    assert "autopar plan" in autopar.dump(plan)
+    assert "<html" in autopar.report(plan).lower()
+
+
 # -- warnings: input that runs, but not as the user meant ------------------------------------
-
-def _layer_model_step(state, batch):
-    def loss(p):
-        h = batch["x"]
-        for w in p:
-            h = jnp.tanh(h @ w)
-        return jnp.mean(h ** 2)
-    l, g = autopar.value_and_grad(loss)(state)
-    return [a - 0.1 * b for a, b in zip(state, g)], l
-
 
 def _cholesky(x):
     return jnp.linalg.cholesky(x @ x.T + 64.0 * jnp.eye(64)).sum()

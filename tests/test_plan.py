@@ -216,9 +216,14 @@ def _tiny_plan(**overrides) -> ParallelPlan:
                           peak_memory_bytes=64.0),),
         predicted_compute_s=1e-6, predicted_comm_s=2e-6, predicted_reshard_s=3e-6,
         peak_memory_bytes=64.0, memory_budget_bytes=1e9,
-        ilp={"status": "optimal", "num_groups": 3}, timings_s={"trace": 0.5})
+        ilp=TINY_ILP, timings_s={"trace": 0.5})
     fields.update(overrides)
     return ParallelPlan(**fields)
+
+
+TINY_ILP = {"num_groups": 3, "num_edges": 2, "num_memory_points": 1, "num_variables": 6,
+            "num_constraints": 4, "backend": "highs", "status": "optimal", "build_time_s": 0.01,
+            "solve_time_s": 0.02, "message": "", "objective_s": 1e-6}
 
 
 def test_json_round_trip_hand_built_plan_with_fallbacks():

@@ -392,8 +392,8 @@ def _reader(directory, key, ready, done, results):
         if got is None:
             reads.append(None)
         else:
-            writer = got.pipeline["writer"]
-            reads.append(writer if len(got.pipeline["pad"]) == PAD * (writer + 1) else "bad")
+            writer = got.measured["writer"]
+            reads.append(writer if len(got.measured["pad"]) == PAD * (writer + 1) else "bad")
     done.set()
     results.put((reads, warnings))
 
@@ -401,7 +401,7 @@ def _reader(directory, key, ready, done, results):
 def test_concurrent_writers_leave_a_complete_entry(tmp_path, plan):
     ctx = multiprocessing.get_context("spawn")
     directory, key, writers = tmp_path / "plans", _key(), 3
-    plans = [dataclasses.replace(plan, pipeline={"writer": i, "pad": "x" * (PAD * (i + 1))})
+    plans = [dataclasses.replace(plan, measured={"writer": i, "pad": "x" * (PAD * (i + 1))})
              for i in range(writers)]
     PlanCache(directory).put(key, plans[0])
     ready, done, results = ctx.Barrier(writers + 1), ctx.Event(), ctx.Queue()

@@ -43,19 +43,39 @@ def arg_label(fun: Callable | None, num_args: int, i: int, path: str = "") -> st
     return f"argument {i} ({name})" + (f" leaf {path}" if path else "")
 
 
-def as_argnums(value, name: str = "batch_argnums") -> tuple[int, ...]:
-    """An int or a sequence of ints as a tuple (the default kept as `DEFAULT_BATCH_ARGNUMS`,
-    so that messages can say it was the default)."""
+def as_argnums(value, name: str, *, none_ok: bool = False) -> tuple[int, ...]:
+    """`value` (an int or a sequence of ints: positional argument indices) as a tuple, every
+    element checked (`name`: the option, for the message). The default `batch_argnums` is
+    kept as `DEFAULT_BATCH_ARGNUMS`, so that messages can say it was the default; with
+    `none_ok`, None means none (as `jax.jit` reads `static_argnums=None`).
+
+    Example:
+        >>> as_argnums(0, "donate_argnums")
+        (0,)
+        >>> as_argnums(None, "static_argnums", none_ok=True)
+        ()
+    """
     if isinstance(value, DefaultArgnums):
         return value
-    if isinstance(value, int):
+    if value is None and none_ok:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
+    hint = (f" To name parameters, use {name[:-4]}names={value!r}." if isinstance(value, str)
+            and name in ("static_argnums", "donate_argnums") else "")
     try:
-        return tuple(value)
+        items = () if isinstance(value, (str, bytes)) else tuple(value)
     except TypeError:
+        items = None
+    bad = [v for v in items or () if isinstance(v, bool) or not isinstance(v, int)]
+    if items is None or bad or isinstance(value, (str, bytes)):
+        what = f"its element {bad[0]!r} is not an int" if bad else "it is not an int or a " \
+            "sequence of ints"
         raise InvalidArgumentError(
-            f"{name}={value!r} must be an int or a sequence of ints (positional argument "
-            f"indices), e.g. {name}=(1,).") from None
+            f"{name}={short_repr(value)}: {what}. {name} takes positional argument indices. "
+            f"Fix: pass an int or a tuple of ints, e.g. {name}=(1,){' or ()' if none_ok else ''}"
+            f".{hint}")
+    return items
 
 
 def method_instance(method):
@@ -182,10 +202,11 @@ def check_mesh(mesh, where: str = "mesh"):
     return mesh
 
 
-def check_cluster(cluster):
-    """`cluster` if it is a `ClusterSpec` (or None: read off the devices)."""
+def check_cluster(cluster, *, required: bool = False):
+    """`cluster` if it is a `ClusterSpec` (or, unless `required`, None: read off the
+    devices)."""
     from ..cluster import ClusterSpec
-    if cluster is not None and not isinstance(cluster, ClusterSpec):
+    if (cluster is not None or required) and not isinstance(cluster, ClusterSpec):
         raise InvalidArgumentError(
             f"cluster={short_repr(cluster)} is not an autopar.ClusterSpec. Fix: pass "
             f"autopar.ClusterSpec.preset(name) (presets: {list(ClusterSpec.preset_names())}) "
