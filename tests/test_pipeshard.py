@@ -111,14 +111,22 @@ def test_auto_stages_and_replay_from_plan():
     again = autopar.ParallelPlan.from_json(plan.to_json())
     assert again == plan
     replay = autopar.parallelize(par.__wrapped__, mesh=mesh_of((2, 4)), method=method, plan=again)
-    replayed = replay.get_plan(state, batches[0])
+    from autopar.intra_op.solve import ILP_CALL
+    solves = []
+    token = ILP_CALL.set(lambda fn, *a, **k: solves.append(fn) or fn(*a, **k))
+    try:
+        replayed = replay.get_plan(state, batches[0])
+    finally:
+        ILP_CALL.reset(token)
     assert [s.layers for s in replayed.stages] == [s.layers for s in plan.stages]
     assert [s.device_ids for s in replayed.stages] == [s.device_ids for s in plan.stages]
     assert [s.logical_mesh_shape for s in replayed.stages] == \
         [s.logical_mesh_shape for s in plan.stages]
     # The saved stage solutions are replayed: no ILP is solved, and the replay trains as the
-    # searched plan did (which equals jax.jit, checked by _check).
-    assert replayed.pipeline["num_ilps"] == 0
+    # searched plan did (which equals jax.jit, checked by _check). The plan keeps the search's
+    # record (its ILP count), not the replay's.
+    assert solves == []
+    assert replayed.pipeline["num_ilps"] == plan.pipeline["num_ilps"]
     assert replayed.pipeline["num_replayed"] == len(plan.stages)
     assert replayed.stage_solutions == plan.stage_solutions
     assert_equivalent(run_steps(par, state, batches), run_steps(replay, state, batches),
