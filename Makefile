@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py
 
+# Two pytest workers (pytest-xdist): about 1.35x faster on 2 cores; each worker's tests use 8
+# simulated devices, so more workers than cores only adds memory. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
@@ -75,7 +78,8 @@ python-latest:   # prints the Python test-latest would use (empty: none found)
 # Delete .venv-latest (or `make clean`) to take newer releases again.
 test-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -c 'import sys, jax, flax, optax; print("test-latest: Python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__)'
-	$(PY_LATEST) -m pytest -q $(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
+	$(PY_LATEST) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+		$(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST)

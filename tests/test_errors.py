@@ -284,7 +284,7 @@ CASES = [
     ("unknown annotations mode", lambda: ShardParallel(annotations="strict"),
      InvalidArgumentError, ["'strict'", "'pin'", "Fix:"], []),
     ("unknown remat mode", lambda: ShardParallel(remat="sometimes"),
-     InvalidArgumentError, ["'sometimes'", "selective"], []),
+     InvalidArgumentError, ["'sometimes'", "selective", "Fix:"], []),
     ("batch_axis not a name", lambda: ShardParallel(batch_axis=3),
      InvalidArgumentError, ["batch_axis=3", "batch_axis='data'"], []),
     ("sharding rule not a pair", lambda: ShardParallel(sharding_rules=("kernel",)),

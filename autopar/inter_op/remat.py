@@ -45,10 +45,10 @@ class Remat(str, enum.Enum):
             return cls(value)
         except ValueError:
             raise InvalidArgumentError(
-                f"{where}={value!r} is not a rematerialization choice: use one of "
-                f"{[r.value for r in cls]} ('auto': searched where memory needs it, 'none': "
-                "keep every activation, 'selective': recompute elementwise work, 'full': "
-                "recompute each layer from its input).") from None
+                f"{where}={value!r} is not a rematerialization choice ('auto': searched "
+                "where memory needs it, 'none': keep every activation, 'selective': recompute "
+                "elementwise work, 'full': recompute each layer from its input). Fix: pass one "
+                f"of {[r.value for r in cls]}, e.g. {where}='auto'.") from None
 
 
 CONCRETE = (Remat.NONE, Remat.SELECTIVE, Remat.FULL)   # cheapest recomputation first
