@@ -54,13 +54,15 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # backends on the newest PuLP (ilp: PuLP 4 bundles no CBC: `pulp[cbc]` brings it), sharding
 # rules of layers (layer_rules), NNX/Flax models (models), and the pipeline passes and runtime
 # (stages, inter_op_pipeline, pipeshard), NNX objects in place (nnx), planned loops (loops),
-# explicit meshes and sharding annotations (annotations, meshes). LATEST_K leaves out the slowest repeats: the 1x4 and
+# explicit meshes and sharding annotations (annotations, meshes), the bad-input table (errors:
+# shard_map and the other JAX constructs it must recognize) and progress. LATEST_K leaves out the slowest repeats: the 1x4 and
 # 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
 # pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
 LATEST_TESTS ?= tests/test_trace.py tests/test_equivalence.py tests/test_intra_op.py tests/test_ilp.py \
 	tests/test_constraints.py tests/test_hlo.py tests/test_layer_rules.py tests/test_models.py \
 	tests/test_stages.py tests/test_inter_op_pipeline.py tests/test_pipeshard.py \
-	tests/test_nnx.py tests/test_loops.py tests/test_annotations.py tests/test_meshes.py
+	tests/test_nnx.py tests/test_loops.py tests/test_annotations.py tests/test_meshes.py \
+	tests/test_errors.py tests/test_progress.py
 LATEST_K ?= not (1x4 or 8x1 or test_moe_and_wide_resnet_pipelines)
 
 $(STAMP_LATEST): pyproject.toml
