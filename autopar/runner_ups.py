@@ -12,7 +12,8 @@ a second on the demo GPT), and costs about what the chosen plan's build did. So 
 model's first call does not pay for them several times over, a rival is priced only while
 the time spent plus that build time stays within `TIME_SHARE` of the search's own time (or
 `MIN_TIME_S`, whichever is more); those left are recorded as not priced, with the reason.
-`AUTOPAR_RUNNER_UPS=off` skips them (the test suite does, but for its own tests).
+`AUTOPAR_RUNNER_UPS=all` prices every rival whatever it takes; `AUTOPAR_RUNNER_UPS=off`
+skips them (the test suite does, but for its own tests).
 
     >>> plan = step.get_plan(state, batch)
     >>> for alt in plan.alternatives:
@@ -82,6 +83,8 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
             plan_with: Callable[[ShardParallel], ParallelPlan]) -> ParallelPlan:
     t0 = time.perf_counter()
     cap = max(MIN_TIME_S, TIME_SHARE * sum(plan.timings_s.values()))
+    if os.environ.get("AUTOPAR_RUNNER_UPS", "").lower() == "all":
+        cap = float("inf")
     each = float(plan.ilp.get("build_time_s", 0.0))      # a rival's ILP build, about
     chosen = method.kind if not method.sharding_rules else None
     budget = float(plan.memory_budget_bytes)

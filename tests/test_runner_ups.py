@@ -99,6 +99,15 @@ def test_rivals_stop_at_their_time_share(mesh, monkeypatch):
                and a["note"].startswith("not priced") for a in plan.alternatives)
 
 
+def test_all_prices_every_rival_whatever_it_takes(mesh, monkeypatch):
+    monkeypatch.setattr(runner_ups, "MIN_TIME_S", 0.0)
+    monkeypatch.setattr(runner_ups, "TIME_SHARE", 0.0)
+    monkeypatch.setenv("AUTOPAR_RUNNER_UPS", "all")
+    plan = plan_of(mesh, autopar.ShardParallel())
+    assert len(plan.alternatives) == 3
+    assert all(a["predicted_step_s"] is not None for a in plan.alternatives)
+
+
 def test_pipeline_runner_ups_are_stage_layouts_not_taken():
     mesh = jax.make_mesh((1, 4), ("data", "model"), devices=jax.devices()[:4])
     plan = plan_of(mesh, autopar.PipeshardParallel(
