@@ -207,6 +207,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             peak_memory_bytes=st.peak_bytes,
             layers=st.layers, submesh=st.submesh, latency_s=sol.latency_s,
             activation_bytes=sol.activation_bytes,
+            activation_bytes_without_remat=st.activation_bytes_without_remat,
             scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value,
             zero=st.zero))
     schedule = make_schedule(method.schedule, len(stages), m)

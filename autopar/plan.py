@@ -120,6 +120,8 @@ class StagePlan:
     scopes: tuple[str, ...] = ()               # model code in the stage (name scopes)
     remat: str = "none"                        # what its layers keep for the backward (Remat)
     zero: bool = False                         # optimizer state split over its data axis
+    activation_bytes_without_remat: float | None = None   # the same, recomputing nothing
+                                               # (the stage search's estimate; None: unpriced)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

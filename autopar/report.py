@@ -73,6 +73,7 @@ svg text.axis { font-weight: 600; }
 svg text.devlabel, svg text.tasklabel { fill: #fff; font-weight: 600; }
 svg .budget { stroke: var(--bad); stroke-width: 2; stroke-dasharray: 5 3; }
 svg .compiled { stroke: #000; stroke-width: 2; }
+svg .saved { fill: none; stroke: #E15759; stroke-width: 1.5; stroke-dasharray: 4 3; }
 svg .axisline { stroke: var(--line); }
 @media print { body { padding: 0; max-width: none; }
                section { break-inside: avoid; } a { color: inherit; } }
@@ -294,11 +295,14 @@ def _memory(plan: ParallelPlan) -> str:
     used = list(dict.fromkeys(name for b in bars for name, _ in b.parts))
     legend = "".join(f'<span><span class="swatch" style="background:{PART_COLOURS.get(n, "#999")}">'
                      f"</span>{escape(n)}</span>" for n in used)
+    saved = any(b.saved for b in bars)
     rows = [(b.label,) + tuple(format_bytes(dict(b.parts).get(n, 0.0)) for n in used)
             + (format_bytes(b.peak), format_bytes(b.compiled) if b.compiled else "-")
+            + ((format_bytes(b.saved) if b.saved else "-",) if saved else ())
             for b in bars]
-    table = _table(("",) + tuple(used) + ("predicted peak", "compiled (XLA)"), rows,
-                   frozenset(range(1, len(used) + 3)), cls="memtable")
+    table = _table(("",) + tuple(used) + ("predicted peak", "compiled (XLA)")
+                   + (("recomputation saves",) if saved else ()), rows,
+                   frozenset(range(1, len(used) + 3 + saved)), cls="memtable")
     body = (memory_svg(bars, plan.memory_budget_bytes) + f'<div class="legend">{legend}</div>'
             + table + "".join(_note(n) for n in notes))
     return _section("memory", "Memory per device", body,

@@ -94,11 +94,17 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
     in_flight = plan.pipeline.get("in_flight") or [1] * len(plan.stages)
     compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
     notes = [f"Parts from each stage's recorded ILP solution; optimizer state is "
-             f"{ratio:.2f} bytes per parameter byte (from the inputs' roles). "
-             "Rematerialization savings are not recorded in the plan: a stage's remat mode is "
-             "named, its activations are those kept under it."]
+             f"{ratio:.2f} bytes per parameter byte (from the inputs' roles)."]
+    saves = [_remat_saves(st, q) for st, q in zip(plan.stages, in_flight)]
+    if any(v for v in saves):
+        notes.append("Outlined past a bar: the in-flight activations its recomputation saves "
+                     "(what its layers would keep without it, the stage search's sum of their "
+                     "fastest plans, minus what they keep).")
+    if any(v is None for v in saves):
+        notes.append("A stage with recomputation whose savings the search did not price "
+                     "(recomputation forced, or a manual layout) names its mode only.")
     bars = []
-    for st, rec, q, c in zip(plan.stages, plan.stage_solutions, in_flight, compiled):
+    for st, rec, q, c, sv in zip(plan.stages, plan.stage_solutions, in_flight, compiled, saves):
         sol = solution_from_record(rec)[1]
         label = f"stage {st.index}"
         parts = [("parameters", sol.param_bytes), ("gradient accumulator", sol.param_bytes),
@@ -108,8 +114,17 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
                  ("activations in flight", q * st.activation_bytes)]
         parts = _closing([p for p in parts if p[1] > 0], st.peak_memory_bytes, label, notes)
         bars.append(MemoryBar(f"{label} \u00b7 remat {st.remat}" + (" + zero" if st.zero else ""),
-                              tuple(parts), st.peak_memory_bytes, c))
+                              tuple(parts), st.peak_memory_bytes, c, saved=sv or 0.0))
     return bars, notes
+
+
+def _remat_saves(st, in_flight: int) -> float | None:
+    """Bytes per device a stage's recomputation saves (0 without any; None: not priced)."""
+    if st.remat == "none":
+        return 0.0
+    if st.activation_bytes_without_remat is None:
+        return None
+    return max(0.0, in_flight * (st.activation_bytes_without_remat - st.activation_bytes))
 
 
 # ---------------------------------------------------------------------- collectives

@@ -108,6 +108,7 @@ class MemoryBar:
     parts: tuple[tuple[str, float], ...]
     peak: float
     compiled: float | None = None
+    saved: float = 0.0        # what its recomputation saves: drawn outlined past the peak
 
 
 PART_COLOURS = {"parameters": "#4E79A7", "optimizer state": "#F28E2B",
@@ -123,7 +124,7 @@ def memory_svg(bars: list[MemoryBar], budget: float) -> str:
     above every peak the axis ends at the largest peak and the budget is named off-scale."""
     if not bars:
         return ""
-    top_peak = max(max(b.peak, b.compiled or 0.0) for b in bars)
+    top_peak = max(max(b.peak + b.saved, b.compiled or 0.0) for b in bars)
     on_scale = budget <= 4 * top_peak
     scale_max = max(top_peak, budget if on_scale else 0.0) * 1.05 or 1.0
     left = max(150, 7 * max(len(b.label) for b in bars) + 20)
@@ -140,7 +141,12 @@ def memory_svg(bars: list[MemoryBar], budget: float) -> str:
                               f"{b.label}: {name} {format_bytes(n)}",
                               f' class="part" data-part="{escape(name)}" data-bytes="{n:.0f}"'))
             x += w
-        body.append(_text(left + bar_w * b.peak / scale_max + 6, y + bar_h / 2 + 4,
+        if b.saved > 0:
+            body.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{bar_w * b.saved / scale_max:.1f}" '
+                        f'height="{bar_h - 6}" class="saved" data-bytes="{b.saved:.0f}">'
+                        f'<title>{escape(b.label)}: recomputation saves '
+                        f'{escape(format_bytes(b.saved))}</title></rect>')
+        body.append(_text(left + bar_w * (b.peak + b.saved) / scale_max + 6, y + bar_h / 2 + 4,
                           format_bytes(b.peak), cls="small"))
         if b.compiled:
             cx = left + bar_w * b.compiled / scale_max

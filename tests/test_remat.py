@@ -172,6 +172,10 @@ def test_auto_stage_search_chooses_remat_when_memory_binds(long_lm, least):
     plan = par.get_plan(state, batches[0])
     assert any(s.remat != "none" for s in plan.stages)
     assert plan.peak_memory_bytes <= budget
+    for st in plan.stages:       # what recomputing saves, as the search priced it
+        if st.remat != "none":
+            assert st.activation_bytes_without_remat > st.activation_bytes
+    assert 'class="saved"' in autopar.report(plan)
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
     # No stage recomputes more than it must: the same layout with one stage recomputing less
     # does not fit, or is not faster (the DP prices layers' fastest and leanest plans; the

@@ -301,3 +301,23 @@ def test_budget_line_on_the_memory_scale(single_plan, ratio):
     budget_x = float(line.get("x1"))
     assert (budget_x - bar_start) / (bar_end - bar_start) == pytest.approx(ratio, rel=1e-2)
     assert ("OVER BUDGET" in _parse(text).section("summary")) == (ratio < 1)
+
+
+def test_recomputation_savings_are_drawn_past_the_peak(pipe_plan):
+    """A stage with recomputation shows what it saves (in-flight microbatches x the
+    activations it would keep without it, less those it keeps), outlined past its bar; one
+    whose savings the search did not price is named in a note."""
+    import dataclasses
+    q = pipe_plan.pipeline["in_flight"]
+    stages = list(pipe_plan.stages)
+    stages[0] = dataclasses.replace(stages[0], remat="full", activation_bytes_without_remat=
+                                    stages[0].activation_bytes + 1000.0)
+    stages[1] = dataclasses.replace(stages[1], remat="selective",
+                                    activation_bytes_without_remat=None)
+    text = autopar.report(dataclasses.replace(pipe_plan, stages=tuple(stages)))
+    saved = [r for r in _svgs(text)["memory per device"].iter(f"{{{SVG_NS}}}rect")
+             if r.get("class") == "saved"]
+    assert [float(r.get("data-bytes")) for r in saved] == [q[0] * 1000.0]
+    memory = _html_section(text, "memory")
+    assert "recomputation saves" in memory and "did not price" in memory
+    assert 'class="saved"' not in autopar.report(pipe_plan)     # no recomputation: none

@@ -53,6 +53,9 @@ class ChosenStage:
                                          # the schedule's in-flight activations
     remat: Remat = Remat.NONE            # what its layers keep for the backward
     zero: bool = False                   # its optimizer state split over its data axis
+    # Per device, per in-flight microbatch: what its layers would keep without recomputation,
+    # the stage DP's sum of their fastest plans' activations (None: not priced by the search)
+    activation_bytes_without_remat: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -355,11 +358,14 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                 for p in choice.submeshes]
         shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
         stage_kinds = [kinds[p // n] for p in choice.submeshes]
-        return _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
-                                device_ids, solver, method, budget,
-                                [remats[:remats.index(r) + 1] for r, _, _ in stage_kinds],
-                                [(z,) for _, _, z in stage_kinds],
-                                [lean for _, lean, _ in stage_kinds])
+        stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
+                                  device_ids, solver, method, budget,
+                                  [remats[:remats.index(r) + 1] for r, _, _ in stage_kinds],
+                                  [(z,) for _, _, z in stage_kinds],
+                                  [lean for _, lean, _ in stage_kinds])
+        return [dataclasses.replace(st, activation_bytes_without_remat=_kept_without_remat(
+            kinds, options, span, p % n)) for st, span, p in zip(
+                stages, choice.layer_spans, choice.submeshes)]
     banned: list[tuple[int, int, int]] = []
     for redo in range(REDO_DP + 1):
         seen = []
@@ -392,6 +398,16 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                 raise
             choice = again
     return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen
+
+
+def _kept_without_remat(kinds, options, span, pair) -> float | None:
+    """The activations layers `span` keep per microbatch on option `pair` without
+    recomputation: the sum of their fastest plans' (the DP's first kind), or None where the
+    search priced no such plan (remat forced, or a layer without one)."""
+    if (Remat.NONE, False, False) not in kinds:
+        return None
+    act = options[kinds.index((Remat.NONE, False, False))][2][span[0]:span[1] + 1, pair]
+    return float(act.sum()) if np.isfinite(act).all() else None
 
 
 def _layout_text(stages) -> str:
