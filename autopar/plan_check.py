@@ -84,7 +84,7 @@ def check_specs(plan) -> None:
     for kind in ("inputs", "outputs"):
         for t in getattr(plan, kind):
             mesh_shape = plan.mesh_shape
-            if len(plan.stages) > 1 and 0 <= t.stage < len(plan.stages):
+            if plan.pipeline and 0 <= t.stage < len(plan.stages):   # its stage's mesh
                 mesh_shape = plan.stages[t.stage].logical_mesh_shape
             _check_spec(f"{kind}[{t.index}] ({t.path}, shape {tuple(t.shape)})", t.spec,
                         tuple(t.shape), tuple(mesh_shape), plan.axis_names)
