@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest python-latest bench bench-paper readme clean
+.PHONY: demo test test-slow test-latest python-latest bench bench-paper readme clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,23 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) tests
+
+# The numerically sensitive modules (equivalence against jax.jit of routing models: ReLU, max
+# pooling, top-k gates, BatchNorm; tests/equivalence.py has the comparison rule) a second time
+# under another XLA:CPU code generation, so that a comparison that depends on the CPU's vector
+# code fails here before a machine change shows it. XLA's CPU code limited to AVX changes the
+# rounding on the AMD EPYC (AVX-512) machines here and reproduced the Intel Xeon failure of
+# issue 28; AVX2 gave bit-identical results there. The smooth GPT cases are left out (-k).
+# About 3.5 minutes on 2 cores.
+SLOW_ISA ?= AVX
+SLOW_TESTS ?= tests/test_equivalence_helper.py tests/test_layer_rules.py tests/test_nnx.py \
+	tests/test_nnx_grad.py tests/test_metadata.py tests/test_executor.py tests/test_constraints.py \
+	tests/test_local_grads.py tests/test_moe.py tests/test_wide_resnet.py tests/test_equivalence.py
+SLOW_K ?= not gpt
+test-slow: $(STAMP)
+	XLA_FLAGS="--xla_cpu_max_isa=$(SLOW_ISA)" $(PY) -m pytest -q \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(SLOW_TESTS) \
+		$(if $(SLOW_K),-k "$(SLOW_K)")
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -10,6 +10,7 @@ from flax import nnx
 from flax.training import train_state
 
 import autopar
+from equivalence import assert_equivalent, params_of  # noqa: F401  (the tests' comparison rule)
 from models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
 from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 
@@ -96,30 +97,6 @@ def run_steps(step, state, batches):
         losses.append(np.asarray(loss))
         grads.append(jax.tree_util.tree_map(np.asarray, g))
     return state, losses, grads
-
-
-def params_of(state):
-    return state.params if hasattr(state, "params") else state[0]
-
-
-def assert_equivalent(ref, got, *, compare_params: bool, rtol=1e-5):
-    """Loss at every step to rtol relative; gradients to rtol of the largest gradient
-    magnitude; parameters to rtol of each leaf's scale."""
-    (ref_state, ref_losses, ref_grads), (got_state, got_losses, got_grads) = ref, got
-    for i, (a, b) in enumerate(zip(ref_losses, got_losses)):
-        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {i}: loss {b} != {a}"
-    for i, (ga, gb) in enumerate(zip(ref_grads, got_grads)):
-        la, lb = jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)
-        scale = max(float(np.max(np.abs(x))) for x in la)
-        for x, y in zip(la, lb):
-            assert np.max(np.abs(x - y)) <= rtol * scale, f"step {i}: gradients differ"
-    if compare_params:
-        pa = jax.tree_util.tree_leaves(params_of(ref_state))
-        pb = jax.tree_util.tree_leaves(params_of(got_state))
-        for x, y in zip(pa, pb):
-            x, y = np.asarray(x), np.asarray(y)
-            scale = max(float(np.max(np.abs(x))), 1e-12)
-            assert np.max(np.abs(x - y)) <= rtol * scale, "parameters differ"
 
 
 def mesh_of(shape):

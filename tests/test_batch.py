@@ -98,7 +98,7 @@ def test_gpt_pipeline_planned_with_two_workers_matches_one_and_jax_jit():
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2))
     ref = run_steps(jax.jit(step), state, batches)
     got = run_steps(par, state, batches)
-    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5, smooth=True)
     two = par.get_plan(state, batches[0])
     one = autopar.plan(step, state, batches[0], cluster=par.cluster, method=_method(1),
                        mesh_shape=(2, 4))

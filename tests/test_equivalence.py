@@ -32,7 +32,7 @@ def _check(model, api, method, mesh_shape, tx, compare_params):
     par = autopar.parallelize(step, mesh=mesh_of(mesh_shape), method=METHODS[method](),
                               batch_argnums=(1,))
     got = run_steps(par, state, batches)
-    assert_equivalent(ref, got, compare_params=compare_params)
+    assert_equivalent(ref, got, compare_params=compare_params, smooth=model == "gpt")
     return par, state, batches
 
 
@@ -111,7 +111,7 @@ def test_megatron_sharding_rules_pin_params_and_match_jit(model):
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,),
                               method=autopar.ShardParallel(sharding_rules=rules))
     assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
-                      compare_params=True)
+                      compare_params=True, smooth=model == "gpt")
     plan = par.get_plan(state, batches[0])
     if model == "gpt":
         block = "state.params['params']['block_0']"

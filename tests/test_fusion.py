@@ -201,4 +201,4 @@ def test_plan_with_fused_costs_matches_jit_on_8_devices():
     # Adam divides by sqrt(v) + eps, which amplifies fp32 rounding in near-zero gradients (the
     # unused embedding rows), so parameters are compared through the later steps' losses and
     # gradients, as test_equivalence does for the Adam family.
-    assert_equivalent(ref, got, compare_params=False, rtol=1e-5)
+    assert_equivalent(ref, got, compare_params=False, rtol=1e-5, smooth=True)

@@ -125,7 +125,7 @@ def test_shard_parallel_init_trains_like_jit_without_replanning(megatron):
                     megatron.batches)
     step = megatron.step
     got = run_steps(step, megatron.state, megatron.batches)
-    assert_equivalent(ref, got, compare_params=True)
+    assert_equivalent(ref, got, compare_params=True, smooth=True)
     assert megatron.planned == [1] and len(step._cache) == 1
     assert step.get_plan(got[0], megatron.batches[0]) is megatron.plan
 
@@ -150,7 +150,7 @@ def test_pipeline_init_creates_each_stage_leaf_on_its_submesh():
     _assert_bit_identical(state, create_state)
     ref = run_steps(jax.jit(train_step), jax.jit(create_state)(KEY), batches)
     got = run_steps(step, state, batches)
-    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5, smooth=True)
     assert len(step._cache) == 1
 
 
@@ -164,7 +164,8 @@ def test_gradient_accumulation_init():
     _assert_layout(state, step.input_shardings(state, batches[0])[0])
     _assert_bit_identical(state, create_state)
     ref = run_steps(jax.jit(train_step), jax.jit(create_state)(KEY), batches)
-    assert_equivalent(ref, run_steps(step, state, batches), compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, run_steps(step, state, batches), compare_params=True, rtol=2e-5,
+                      smooth=True)
     assert len(step._cache) == 1
 
 

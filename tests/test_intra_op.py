@@ -133,7 +133,7 @@ def test_solver_time_out_falls_back_to_a_valid_plan(caplog):
     assert "NOTE:" in autopar.dump(plan)
     assert any("time limit" in r.getMessage() for r in caplog.records)
     ref = run_steps(jax.jit(step), state, batches)
-    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, smooth=True)
 
 
 def test_repeated_layers_solved_once_keep_megatron():

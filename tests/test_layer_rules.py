@@ -24,6 +24,7 @@ from autopar.intra_op.rules import RuleContext, conv_rule, random_bits_rule
 from autopar.spec import enumerate_specs, num_shards
 from autopar.trace import trace
 from layer_models import cnn_case, depthwise_case, dropout_case
+from equivalence import assert_params_close
 from steps import assert_equivalent, mesh_of, run_steps
 from test_intra_op import hlo_collectives
 
@@ -248,10 +249,9 @@ def test_cnn_batchnorm_maxpool_stays_batch_split(mesh_shape):
     one_device = jax.jit(step).lower(state, batches[0]).compile().memory_analysis()
     assert compiled.memory_analysis().temp_size_in_bytes < one_device.temp_size_in_bytes / 4
     ref, got = run_steps(jax.jit(step), state, batches), run_steps(par, state, batches)
-    assert_equivalent(ref, got, compare_params=True)
-    for a, b in zip(jax.tree_util.tree_leaves(ref[0].batch_stats),
-                    jax.tree_util.tree_leaves(got[0].batch_stats)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    assert_equivalent(ref, got, compare_params=True)           # ReLU, max pooling: routing
+    assert_params_close(ref[0].batch_stats, got[0].batch_stats, steps=len(batches),
+                        what="BatchNorm statistics")
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
@@ -274,7 +274,7 @@ def test_depthwise_conv_model_parallel(mesh_shape):
     assert not [n for _, n in collectives if re.search(r"depthwise_\d/conv", n)
                 and "transpose" not in n]
     ref, got = run_steps(jax.jit(step), state, batches), run_steps(par, state, batches)
-    assert_equivalent(ref, got, compare_params=True)
+    assert_equivalent(ref, got, compare_params=True, smooth=True)     # tanh
 
 
 def test_dropout_masks_sharded_and_bits_identical():

@@ -111,4 +111,4 @@ def test_plan_under_a_binding_budget_compiles_within_it_and_trains_like_jit(monk
     assert plan.peak_memory_bytes <= budget and got <= 1.1 * budget
     assert plan.measured["compiled_bytes"] == got and len(compiles) >= 1
     assert compiles[-1] is par.get_compiled(state, batches[0])      # not compiled twice
-    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, smooth=True)

@@ -1,6 +1,7 @@
 """`autopar.value_and_grad` on NNX modules (autopar/frontend/nnx_grad.py): what
 `nnx.value_and_grad` computes, marked, so NNX steps run with gradient accumulation and
-PipeshardParallel and match `nnx.jit` on one device (3 steps, fp32, 1e-5)."""
+PipeshardParallel and match `nnx.jit` on one device (3 steps, fp32: to 1e-5 where the model
+is smooth, by the routing rule of tests/equivalence.py for the ReLU CNN)."""
 from __future__ import annotations
 
 import jax
@@ -11,8 +12,9 @@ import pytest
 from flax import nnx
 
 import autopar
-from test_nnx import (BnDropNet, assert_same_state, mnist_batches, mnist_loss, mnist_objects,
-                      mnist_train_step, mse, mse_step, regression_batches)
+from test_nnx import (BnDropNet, assert_same_metrics, assert_same_state, mnist_batches,
+                      mnist_loss, mnist_objects, mnist_train_step, mse, mse_step,
+                      regression_batches)
 
 
 class Mlp(nnx.Module):
@@ -50,7 +52,7 @@ def test_same_as_nnx_value_and_grad_outside_autopar():
     for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_got)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
     assert not np.allclose(got.bn.mean[...], 0.0)         # BatchNorm statistics written back
-    assert_same_state(ref, got)
+    assert_same_state(ref, got, steps=1)
 
 
 def microbatch_methods(m: int):
@@ -72,8 +74,8 @@ def test_microbatched_nnx_step_matches_nnx_jit(method):
         np.testing.assert_allclose(step(*par, batch), nnx.jit(mse_step)(*ref, batch),
                                    rtol=1e-5)
     assert int(par[1].step[...]) == 3
-    assert_same_state(ref[0], par[0])
-    assert_same_state(ref[1], par[1])
+    assert_same_state(ref[0], par[0], steps=3, smooth=True)       # tanh: smooth
+    assert_same_state(ref[1], par[1], steps=3, smooth=True)
 
 
 def test_nnx_value_and_grad_under_microbatches_names_the_fix():
@@ -117,7 +119,7 @@ def test_batch_shaped_aux_under_microbatches_comes_back_full_batch():
         np.testing.assert_allclose(np.asarray(got_pred), np.asarray(want_pred), rtol=1e-5,
                                    atol=1e-6)
         np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
-    assert_same_state(ref[0], par[0])
+    assert_same_state(ref[0], par[0], steps=2, smooth=True)       # tanh: smooth
 
 
 @microbatch_methods(2)
@@ -135,7 +137,7 @@ def test_mnist_tutorial_step_with_microbatches_matches_nnx_jit(method):
     for batch in mnist_batches():
         nnx.jit(mnist_train_step)(*ref, batch)
         step(*par, batch)
-    for name, value in ref[2].compute().items():
-        np.testing.assert_allclose(par[2].compute()[name], value, rtol=1e-5, atol=1e-6)
+    # A ReLU CNN after 3 steps: by the routing rule of tests/equivalence.py.
+    assert_same_metrics(ref[2], par[2])
     for r, p in zip(ref, par):
-        assert_same_state(r, p)
+        assert_same_state(r, p, steps=3, smooth=False)

@@ -89,7 +89,7 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     compiled_now = set(re.findall(r"Compiling jit\(([^)]*)\)", caplog.text))
     assert "<lambda>" in compiled_now          # the executor's helpers (batch split) compile
     assert not compiled_now & {"forward", "backward", "fused", "run"}   # the stages do not
-    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, smooth=True)
 
 
 def test_budget_below_the_compiled_peak_replans_naming_bytes(gpt, caplog):
@@ -113,7 +113,8 @@ def test_budget_below_the_compiled_peak_replans_naming_bytes(gpt, caplog):
         else:
             assert plan.measured["memory_check_rounds"] >= 1
             assert max(plan.measured["compiled_stage_bytes"]) <= budget
-            assert_equivalent(ref, run_steps(par, state, batches), compare_params=True)
+            assert_equivalent(ref, run_steps(par, state, batches), compare_params=True,
+                              smooth=True)
     replans = [r.getMessage() for r in caplog.records if "re-planning" in r.getMessage()]
     assert replans and "XLA compiled it to" in replans[0] and f"{budget:,}" in replans[0]
 
@@ -212,4 +213,4 @@ def test_donated_state_is_updated_in_place_by_the_apply_segments(gpt):
         warnings.filterwarnings("error", message=".*donated buffers were not usable")
         got = run_steps(par, mine, batches)
     assert jax.tree.leaves(mine.params)[0].is_deleted()
-    assert_equivalent(ref, got, compare_params=True)
+    assert_equivalent(ref, got, compare_params=True, smooth=True)

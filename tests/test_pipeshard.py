@@ -17,6 +17,7 @@ from autopar.spec import num_shards
 from models import make_mlp_batch
 from models.gpt import GPTConfig
 from models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
+from equivalence import assert_grads_close, assert_losses_close, assert_params_close
 from steps import (assert_equivalent, make_case, mesh_of, mlp_train_state, run_steps,
                    sgd_momentum_clip)
 
@@ -33,7 +34,7 @@ def _check(model, api, method, *, tx=None, gpt_config=None, num_layers=4, batch_
     ref = run_steps(jax.jit(step), state, batches)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
     got = run_steps(par, state, batches)
-    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5, smooth=model == "gpt")
     return par, state, batches
 
 
@@ -414,15 +415,15 @@ def test_lm1b_padded_loss_and_logits_aux_match_single_device(method):
     ref_state, ref = _run_with(jax.jit(step), state, batches, rng)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
     got_state, got = _run_with(par, state, batches, rng)
-    for (rm, rg), (gm, gg) in zip(ref, got):
+    # lm1b's MLP is ReLU (a routing model): values after step 0 are compared by the rule of
+    # tests/equivalence.py
+    for i, ((rm, rg), (gm, gg)) in enumerate(zip(ref, got)):
         assert gm["logits"].shape == rm["logits"].shape == (8, LM.seq_len, LM.vocab_size)
-        np.testing.assert_allclose(gm["logits"], rm["logits"], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(gm["loss"], rm["loss"], rtol=1e-5)
-        np.testing.assert_allclose(gm["accuracy"], rm["accuracy"], rtol=1e-5)
-        scale = max(float(np.abs(x).max()) for x in jax.tree_util.tree_leaves(rg))
-        for x, y in zip(jax.tree_util.tree_leaves(rg), jax.tree_util.tree_leaves(gg)):
-            assert np.abs(x - y).max() <= 2e-5 * scale
-    assert_equivalent((ref_state, [], []), (got_state, [], []), compare_params=True, rtol=2e-5)
+        assert_grads_close(rm["logits"], gm["logits"], step=i, what="logits")
+        assert_grads_close(rm["accuracy"], gm["accuracy"], step=i, what="accuracy")
+        assert_grads_close(rg, gg, step=i, rtol=2e-5)
+    assert_losses_close([m["loss"] for m, _ in ref], [m["loss"] for m, _ in got])
+    assert_params_close(ref_state.params, got_state.params, steps=len(batches), rtol=2e-5)
     # The test can fail: the mean of per-microbatch ratios (microbatch m holds examples m,
     # m + 4) is off the full batch's loss by 10x the tolerance above.
     targets = np.asarray(batches[0]["targets"])
@@ -547,10 +548,11 @@ def test_auxiliary_outputs_combine_like_the_full_batch(method):
     ref_state, ref = _run_with(jax.jit(step), state, batches)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
     got_state, got = _run_with(par, state, batches)
-    for ((rl, ra), rg), ((gl, ga), gg) in zip(ref, got):
-        assert ra["count"].dtype == ga["count"].dtype and ra["count"] == ga["count"]
-        for x, y in zip(jax.tree_util.tree_leaves((rl, ra)), jax.tree_util.tree_leaves((gl, ga))):
-            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+    for i, (((rl, ra), rg), ((gl, ga), gg)) in enumerate(zip(ref, got)):
+        assert ra["count"].dtype == ga["count"].dtype
+        if i == 0:                   # a threshold count is exact where the parameters are
+            assert ra["count"] == ga["count"]
+        assert_grads_close((rl, ra), (gl, ga), step=i, what="loss and aux")   # ReLU MLP
     assert_equivalent((ref_state, [v[0][0] for v in ref], [v[1] for v in ref]),
                       (got_state, [v[0][0] for v in got], [v[1] for v in got]),
                       compare_params=True, rtol=2e-5)

@@ -139,7 +139,8 @@ def test_two_stage_pipeline_recomputes_to_fit_70_percent_of_its_least_memory(lon
     assert plan.peak_memory_bytes <= budget
     assert any(s.remat != "none" for s in plan.stages)
     assert max(s.peak_memory_bytes for s in plan.stages) <= budget
-    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5,
+                      smooth=True)
     # The choice is recorded, replayable, and shown.
     assert plan.stage_option().remat == tuple(s.remat for s in plan.stages)
     again = autopar.ParallelPlan.from_json(plan.to_json())
@@ -176,7 +177,8 @@ def test_auto_stage_search_chooses_remat_when_memory_binds(long_lm, least):
         if st.remat != "none":
             assert st.activation_bytes_without_remat > st.activation_bytes
     assert 'class="saved"' in autopar.report(plan)
-    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5,
+                      smooth=True)
     # No stage recomputes more than it must: the same layout with one stage recomputing less
     # does not fit, or is not faster (the DP prices layers' fastest and leanest plans; the
     # whole-stage solve may take a plan of less recomputation that fits the schedule).

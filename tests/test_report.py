@@ -214,7 +214,7 @@ def test_runner_ups_table(single_plan):
             {"name": "2 stages x 4", "kind": "stage layout", "predicted_step_s": 1.5 * step,
              "peak_memory_bytes": 1e15, "fits": False, "note": "over budget"},
             {"name": "Zero3Parallel()", "kind": "method", "predicted_step_s": None,
-             "peak_memory_bytes": 0.0, "fits": None, "note": "not priced: out of time"})
+             "peak_memory_bytes": None, "fits": None, "note": "not priced: out of time"})
     plan = dataclasses.replace(single_plan, alternatives=alts)
     text = autopar.report(plan)
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", _html_section(text, "runner-ups"),

@@ -97,6 +97,11 @@ def test_rivals_stop_at_their_time_share(mesh, monkeypatch):
     assert len(plan.alternatives) == 3
     assert all(a["predicted_step_s"] is None and a["fits"] is None and a["peak_memory_bytes"] is None
                and a["note"].startswith("not priced") for a in plan.alternatives)
+    # A plan with unpriced rivals is a valid plan: it reloads, dumps and reports (the demo
+    # crashed in autopar.report when a loaded machine left a rival unpriced).
+    again = autopar.ParallelPlan.from_json(plan.to_json())
+    assert again.alternatives == plan.alternatives
+    assert "not priced" in autopar.dump(again) and "not priced" in autopar.report(again)
 
 
 def test_all_prices_every_rival_whatever_it_takes(mesh, monkeypatch):
