@@ -1,7 +1,7 @@
 """`python -m autopar ...`: the autopar command line (see `autopar.cli`)."""
 import sys
 
-from .cli import main
+from autopar.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

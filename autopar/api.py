@@ -24,30 +24,30 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .cluster import ClusterSpec
-from .distributed import check_agreement
-from . import _compat, progress
-from .errors import InvalidArgumentError, UnsupportedError
-from .frontend import checks
-from .frontend.jit_options import PinnedShardings, argnums_for_names
-from .frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
-from .frontend.nnx import PureStep, as_state
-from .frontend.step import StepFrontend
-from .graph import OpGraph
-from .lower import Lowered, lower, named, put
-from .lower_pipeline import lower_pipeline
-from .options import ShardParallel
-from .pipeshard import plan_pipeline, with_search_record
-from .runtime.executor import Executor
-from .plan import ParallelPlan, graph_fingerprint
-from .plan_cache import cache_key, find_plan
-from .memory_check import verified_plan
-from .pipeline_memory_check import verified_pipeline, with_budget
-from .remat_plan import plan_step, traced_for
-from .runner_ups import with_runner_ups
-from .passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
-                     plan_cache_of, plan_graph)
-from .trace import abstract_signature, check_argnums, check_donated_aliases, trace
+from autopar.cost.cluster import ClusterSpec, check_cluster
+from autopar.runtime.distributed import check_agreement
+from autopar.core import _compat, progress
+from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.frontend import checks
+from autopar.frontend.jit_options import PinnedShardings, argnums_for_names
+from autopar.frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
+from autopar.frontend.nnx import PureStep, as_state
+from autopar.frontend.step import StepFrontend
+from autopar.core.graph import OpGraph
+from autopar.lowering.single_mesh import Lowered, lower, named, put
+from autopar.lowering.pipeline import lower_pipeline
+from autopar.core.options import ShardParallel
+from autopar.inter_op.pipeshard import plan_pipeline, with_search_record
+from autopar.runtime.executor import Executor
+from autopar.core.plan import ParallelPlan, graph_fingerprint
+from autopar.tools.plan_cache import cache_key, find_plan
+from autopar.verify.memory_check import verified_plan
+from autopar.verify.pipeline_memory_check import verified_pipeline, with_budget
+from autopar.inter_op.remat_plan import plan_step, traced_for
+from autopar.tools.runner_ups import with_runner_ups
+from autopar.passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
+                            plan_cache_of, plan_graph)
+from autopar.frontend.tracer import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class _Entry:
 
 class ParallelizedFunction:
     """What `parallelize` returns: call it like the original function."""
+
+    _autopar_parallelized = True      # `frontend.checks.is_parallelized`
 
     def __init__(self, fun, *, mesh, method, static_argnums, donate_argnums, batch_argnums,
                  plan, cluster, plan_cache=True, pins: PinnedShardings | None = None,
@@ -328,7 +330,7 @@ class ParallelizedFunction:
     def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
         """The same step, mesh, method and argnums, planned against `cluster` (a fresh
         function: nothing planned yet; a saved plan is not carried over)."""
-        return self._fresh(mesh=self.mesh, cluster=checks.check_cluster(cluster))
+        return self._fresh(mesh=self.mesh, cluster=check_cluster(cluster))
 
     def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> "ParallelizedFunction":
         """The same step, method and argnums re-planned for another mesh (None: every device
@@ -403,7 +405,7 @@ class ParallelizedFunction:
             >>> state = train_step.init(create_state, batch, create_args=(jax.random.key(0),))
             >>> state, loss = train_step(state, batch)
         """
-        from .init import init_sharded
+        from autopar.runtime.init import init_sharded
         return init_sharded(create_state, self, *example_args, state_argnum=state_argnum,
                             create_args=create_args)
 
@@ -489,5 +491,5 @@ def parallelize(fun: Callable | None = None, *, mesh: jax.sharding.Mesh | None =
         + argnums_for_names(fun, static_argnames, "static_argnames"),
         donate_argnums=checks.as_argnums(donate_argnums, "donate_argnums", none_ok=True)
         + argnums_for_names(fun, donate_argnames, "donate_argnames"),
-        cluster=checks.check_cluster(cluster), plan_cache=plan_cache,
+        cluster=check_cluster(cluster), plan_cache=plan_cache,
         pins=PinnedShardings.of(in_shardings, out_shardings), verbose=verbose)

@@ -33,9 +33,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from .cli_plan import METHODS, SCHEDULES, UserCodeError, cmd_plan, ints, load_factory
-from ._format import mesh_text
-from .errors import AutoparError, InvalidArgumentError
+from autopar.cli_plan import METHODS, SCHEDULES, UserCodeError, cmd_plan, ints, load_factory
+from autopar.core._format import mesh_text
+from autopar.core.errors import AutoparError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def load_plan(path: str):
     """The plan in `path`; a file that cannot be read or is not a plan raises
     `InvalidArgumentError` naming the file and the reason (exit 1)."""
-    from .plan import ParallelPlan
+    from autopar.core.plan import ParallelPlan
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -79,7 +79,7 @@ def load_plan(path: str):
 
 
 def _render_text(plan, ns) -> str:
-    from .inspect import dump
+    from autopar.tools.dump import dump
     return dump(plan, style=ns.format, full=ns.full, stage=ns.stage)
 
 
@@ -96,7 +96,7 @@ def cmd_dump(ns, parser) -> int:
     if ns.format == "json":
         text = plan.to_json()
     elif ns.format == "html":
-        from .report import report
+        from autopar.tools.report import report
         text = report(plan)
     else:
         text = _render_text(plan, ns)
@@ -111,7 +111,7 @@ def cmd_dump(ns, parser) -> int:
 # -- cache, profile, launch -------------------------------------------------------------------
 
 def _cache(ns):
-    from .plan_cache import PlanCache, env_setting
+    from autopar.tools.plan_cache import PlanCache, env_setting
     if ns.dir:
         return PlanCache(ns.dir), ""
     env, off = env_setting()
@@ -121,8 +121,8 @@ def _cache(ns):
 
 
 def cmd_cache(ns, parser) -> int:
-    from ._format import format_bytes
-    from .plan_cache import library_versions
+    from autopar.core._format import format_bytes
+    from autopar.tools.plan_cache import library_versions
     cache, note = _cache(ns)
     if ns.action == "clear":
         print(f"removed {cache.clear()} file(s) from {cache.directory}{note}")
@@ -159,7 +159,7 @@ def cmd_profile(ns, parser) -> int:
     import jax
     import jax.numpy as jnp
     import autopar
-    from ._format import format_bytes, format_time
+    from autopar.core._format import format_bytes, format_time
     try:
         sizes = tuple(int(v) for v in ns.sizes.split(","))
     except ValueError:
@@ -211,14 +211,14 @@ def cmd_profile(ns, parser) -> int:
 
 
 def cmd_launch(ns, parser) -> int:
-    from . import launch
+    from autopar.runtime import launch
     return launch.run(ns, parser, verbose=ns.verbose)
 
 
 # -- the parser ----------------------------------------------------------------------------
 
 def _version() -> str:
-    from .plan_cache import library_versions
+    from autopar.tools.plan_cache import library_versions
     v = library_versions()
     return f"autopar {v['autopar']} (source {v['autopar_source']}), jax {v['jax']}, " \
            f"jaxlib {v['jaxlib']}"
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("plan", cmd_plan, "plan a step for a cluster preset; write the plan JSON",
                 "Import MODULE, call FACTORY() -> (step, args) or (step, args, plan_kwargs), "
                 "plan it with autopar.plan for --preset x --hosts (no devices needed), print "
-                "plan.summary() and write the plan JSON.\n\nExample:\n  autopar plan "
+                "autopar.summary(plan) and write the plan JSON.\n\nExample:\n  autopar plan "
                 "examples/cli_factory.py:make_step --preset dgx-a100 --hosts 2 --mesh 2x8")
     p.add_argument("target", metavar="MODULE:FACTORY",
                    help="a dotted module or a path to a .py file, and the factory in it")
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
 
-    from . import launch
+    from autopar.runtime import launch
     p = command("launch", cmd_launch, "run a script as N local processes of one JAX job",
                 launch.__doc__.split("\n\n")[1])
     launch.add_arguments(p)
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _preset_names() -> tuple[str, ...]:
-    from .cluster import ClusterSpec
+    from autopar.cost.cluster import ClusterSpec
     return ClusterSpec.preset_names()
 
 

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import InvalidArgumentError
+from autopar.core.errors import InvalidArgumentError
 
 METHODS = {"shard": "ShardParallel", "data": "DataParallel", "zero2": "Zero2Parallel",
             "zero3": "Zero3Parallel", "pipeshard": "PipeshardParallel"}
@@ -170,6 +170,6 @@ def cmd_plan(ns, parser) -> int:
                                      ("axis_names", names)) if v is not None})
     plan = autopar.plan(step, *args, cluster=cluster, verbose=ns.verbose or None, **kwargs)
     Path(ns.output).write_text(plan.to_json())
-    print(plan.summary())
+    print(autopar.summary(plan))
     print(f"wrote {ns.output}")
     return 0

@@ -14,22 +14,22 @@ import os
 import time
 from typing import Callable, Sequence
 
-from . import progress
-from .cluster import ClusterSpec
-from .cost import CostModel
-from .errors import InvalidArgumentError, PlanMismatchError
-from .frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums, check_cluster,
-                              method_instance, warn_one_microbatch, warn_unmatched_rules)
-from .graph import InputRole, OpGraph
-from .intra_op import solve_intra_op
-from .options import PipeshardParallel, ShardParallel
-from .pipeshard import accumulation_method, plan_pipeline
-from .plan import ParallelPlan, stamped
-from .plan_cache import PlanCache, env_setting
-from .planner import build_plan
-from .remat_plan import plan_step
-from .runner_ups import with_runner_ups
-from .trace import trace
+from autopar.core import progress
+from autopar.cost.cluster import ClusterSpec, check_cluster
+from autopar.cost.model import CostModel
+from autopar.core.errors import InvalidArgumentError, PlanMismatchError
+from autopar.frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums,
+                                     method_instance, warn_one_microbatch, warn_unmatched_rules)
+from autopar.core.graph import InputRole, OpGraph
+from autopar.intra_op import solve_intra_op
+from autopar.core.options import PipeshardParallel, ShardParallel
+from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
+from autopar.core.plan import ParallelPlan, stamped
+from autopar.tools.plan_cache import PlanCache, env_setting
+from autopar.intra_op.planner import build_plan
+from autopar.inter_op.remat_plan import plan_step
+from autopar.tools.runner_ups import with_runner_ups
+from autopar.frontend.tracer import trace
 
 log = logging.getLogger(__name__)
 

@@ -106,14 +106,14 @@ def _model(name: str):
     import autopar
     key = jax.random.key(0)
     if name == "gpt":
-        from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
+        from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
         cfg = GPTConfig(**GPT_CFG)
         net, batch = GPT(cfg), make_gpt_batch(key, GPT_BATCH, cfg)
         x, loss = batch["tokens"], lambda out, b: gpt_loss(out, b["tokens"])
         rules = megatron_rules()
         inputs = lambda b: b["tokens"]
     else:
-        from models.mlp import MLP, make_mlp_batch, megatron_rules, mse_loss
+        from autopar.models.mlp import MLP, make_mlp_batch, megatron_rules, mse_loss
         net = MLP(num_layers=MLP_LAYERS, hidden=MLP_HIDDEN)
         batch = make_mlp_batch(key, MLP_BATCH, MLP_HIDDEN, MLP_HIDDEN)
         x, loss = batch["x"], lambda out, b: mse_loss(out, b["y"])
@@ -150,13 +150,13 @@ def _model_worker(args) -> None:
     import jax
 
     import autopar
-    from autopar.profile import DeviceProfile
+    from autopar.cost.profiler import DeviceProfile
     out = Saver(args.result_)
     step, state, batch, rules = _model(args.model)
     profile = DeviceProfile.load(args.profile)
     variants = [("cases", autopar.ClusterSpec.from_profile(profile))]
     if args.ab:    # the model before fusion: unfused roofline, the preset's memory bandwidth
-        from autopar.cluster import FusionStyle
+        from autopar.cost.cluster import FusionStyle
         old = autopar.ClusterSpec.from_profile(dataclasses.replace(profile,
                                                                    memory_bytes_per_s=0.0))
         variants.append(("baseline_cases", old.with_(fusion_style=FusionStyle.UNFUSED)))

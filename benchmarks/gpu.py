@@ -110,7 +110,7 @@ def _run_case(name: str, method: str, cluster, preset, mesh, args) -> dict:
     import optax
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_flops_per_token, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_flops_per_token, gpt_loss, make_gpt_batch
 
     layers, hidden, heads = SIZES[name]
     dtype = jax.numpy.bfloat16 if args.dtype == "bfloat16" else jax.numpy.float32

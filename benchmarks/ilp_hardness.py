@@ -65,7 +65,7 @@ def _capture_demo(bench_layers: int | None) -> None:
     import optax
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
     if bench_layers is None:    # examples/train_gpt.py
         cfg, batch_size = GPTConfig(vocab_size=2048, seq_len=64, num_layers=2, hidden=256,
                                     num_heads=4), 16
@@ -166,7 +166,8 @@ def _label(path: str) -> str:
 
 def measure(args) -> list[dict]:
     from autopar.intra_op import mip
-    from autopar.intra_op.ilp import SolverBackend, solve_ilp
+    from autopar.core.enums import SolverBackend
+    from autopar.intra_op.ilp import solve_ilp
     if args.gap is not None:
         mip.MIP_REL_GAP = args.gap
     files = sorted(f for d in args.dir for f in glob.glob(d if d.endswith(".pkl") else

@@ -30,7 +30,7 @@ def _case(layers: int, scan: bool):
     import optax
     from flax.training import train_state
 
-    from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
     cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=layers, hidden=256, num_heads=8,
                     scan_layers=scan)
     net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 16, cfg)
@@ -51,7 +51,7 @@ def _worker(out_path: str, compiled_layers, plan_layers) -> None:
     import jax
 
     import autopar
-    from autopar.hlo import collectives, loop_body_collectives, summary
+    from autopar.cost.hlo import collectives, loop_body_collectives, summary
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
     rows = []
     for layers in (*compiled_layers, *plan_layers):

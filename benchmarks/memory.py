@@ -52,7 +52,7 @@ def cases():
     import numpy as np
     import optax
 
-    from models import bert, gemma, gpt, lm1b, mlp, moe, wide_resnet
+    from autopar.models import bert, gemma, gpt, lm1b, mlp, moe, wide_resnet
     key = jax.random.key(1)
 
     def mlp_case():

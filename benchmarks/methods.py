@@ -31,10 +31,10 @@ def _case(name: str):
     import optax
     from flax.training import train_state
 
-    from models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step,
-                             layer_batch, layer_step)
-    from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-    from models.mlp import MLP, make_mlp_batch, mse_loss
+    from autopar.models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step,
+                                     layer_batch, layer_step)
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
 
     def ts(net, params):
         return train_state.TrainState.create(apply_fn=net.apply, params=params,
@@ -67,8 +67,8 @@ def _case(name: str):
 def _update_flops(graph, plan) -> float:
     """FLOPs per device of the elementwise work no matmul follows (the optimizer update)."""
     from autopar.intra_op.phases import deferred_nodes
-    from autopar.primitives import ARITHMETIC
-    from autopar.spec import num_shards
+    from autopar.core.primitives import ARITHMETIC
+    from autopar.core.spec import num_shards
     specs = dict(plan.constraints)
     total = 0.0
     for n in deferred_nodes(graph):
@@ -85,7 +85,7 @@ def _worker(out_path: str) -> None:
     import jax
 
     import autopar
-    from autopar.hlo import collectives, summary
+    from autopar.cost.hlo import collectives, summary
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
     rows = []
     for model in MODELS:

@@ -44,7 +44,7 @@ def _gpt(cfg: dict, batch: int):
     import optax
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
     config = GPTConfig(**cfg)
     model = GPT(config)
     key = jax.random.key(0)
@@ -112,7 +112,7 @@ def _child(args: list[str], launch: bool, timeout_s: float) -> dict:
         out = os.path.join(d, "result.json")
         script = [os.path.abspath(__file__), *args, out]
         env = {**os.environ, "PYTHONPATH": REPO, "AUTOPAR_PLAN_CACHE": "off"}
-        cmd = ([sys.executable, "-m", "autopar.launch", "--num-processes", "2",
+        cmd = ([sys.executable, "-m", "autopar.runtime.launch", "--num-processes", "2",
                 "--devices-per-process", "4", "--timeout", str(timeout_s), *script] if launch
                else [sys.executable, *script])
         t0 = time.perf_counter()

@@ -68,7 +68,7 @@ def _plan_worker(args) -> None:
     import optax
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count
 
     layers, hosts = args.layers_, args.hosts_
     out = Saver(args.result_)
@@ -150,7 +150,7 @@ def _ideal(schedule, fwd_s, bwd_s, seg_s):
     serial work: every task and segment one after another (what a machine whose stages share
       the same cores cannot beat when each task alone keeps all cores busy).
     """
-    from autopar.runtime.schedule import Phase
+    from autopar.inter_op.schedule import Phase
     cp = 0.0
     for row in schedule.clocks:
         cp += max((fwd_s[s] if t.phase is Phase.FORWARD else bwd_s[s])
@@ -181,7 +181,7 @@ def _run_case(args, out: Saver) -> None:
 
     import autopar
     from autopar.runtime.executor import Executor
-    from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
 
     what = args.stages_          # 0: ShardParallel; else the number of stages
     acc = args.accumulate_       # ShardParallel(num_microbatches=acc) when given (what is 0)

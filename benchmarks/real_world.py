@@ -56,7 +56,8 @@ def _lm1b():
     import optax
     from flax.training import train_state
 
-    from models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
+    from autopar.models.lm1b import (Lm1bConfig, Lm1bTransformer, make_lm1b_batch,
+                                     weighted_cross_entropy)
     cfg = Lm1bConfig(vocab_size=1024, seq_len=64, hidden=256, num_layers=4, num_heads=8)
     lengths = [64 - (7 * i) % 40 for i in range(32)]
     batch = make_lm1b_batch(jax.random.key(1), 32, cfg, lengths)
@@ -130,7 +131,7 @@ def _gemma():
     import optax
     from flax import nnx
 
-    from models.gemma import Gemma, GemmaConfig, make_gemma_batch, nnx_train_step
+    from autopar.models.gemma import Gemma, GemmaConfig, make_gemma_batch, nnx_train_step
     cfg = GemmaConfig(vocab_size=1024, seq_len=64, num_layers=4, hidden=256, num_heads=8,
                       num_kv_heads=4, head_dim=32, mlp_hidden=1024)
     model = Gemma(cfg, rngs=nnx.Rngs(0))

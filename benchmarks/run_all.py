@@ -77,7 +77,7 @@ def _worker(args) -> None:
     import optax
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
 
     layers = args.worker
     saver = Saver(args.result)

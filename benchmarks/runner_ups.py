@@ -35,7 +35,7 @@ def _worker(out_path: str, layers_list) -> None:
     from flax.training import train_state
 
     import autopar
-    from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
 
     def step(state, batch):

@@ -28,7 +28,7 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch  # noqa: E402
+from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch  # noqa: E402
 
 NUM_STEPS = 4
 BATCH_SIZE = 16

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 import jax  # noqa: E402
 
 import autopar  # noqa: E402
-from models.gpt import gpt_loss, make_gpt_batch  # noqa: E402
+from autopar.models.gpt import gpt_loss, make_gpt_batch  # noqa: E402
 from train_gpt import BATCH_SIZE, CONFIG, create_state  # noqa: E402  (the demo's model)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,7 +74,7 @@ def main() -> int:
         stage_option=autopar.UniformStageOption(num_stages=2))
     step = autopar.parallelize(train_step, mesh=mesh, method=method, batch_argnums=(1,))
     plan = step.get_plan(state, batch)
-    print(plan.summary())
+    print(autopar.summary(plan))
     autopar.report(plan, args.html)
     print(f"wrote {os.path.relpath(args.html)}")
     if screenshot(args.html, args.png, args.window_size):

@@ -27,7 +27,7 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import autopar  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch  # noqa: E402
+from autopar.models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch  # noqa: E402
 
 NUM_STEPS = 10
 BATCH_SIZE = 16

@@ -11,8 +11,8 @@ from flax.training import train_state
 
 import autopar
 from equivalence import assert_equivalent, params_of  # noqa: F401  (the tests' comparison rule)
-from models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
-from models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
+from autopar.models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
+from autopar.models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 
 TINY_GPT = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, num_heads=4)
 

@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.errors import InvalidArgumentError
-from autopar.intra_op.annotations import Annotations, annotation_specs
-from autopar.trace import trace
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.enums import Annotations
+from autopar.intra_op.annotations import annotation_specs
+from autopar.frontend.tracer import trace
 
 DATA_MODEL = ((0,), (1,))
 

@@ -9,14 +9,14 @@ import optax
 import pytest
 
 import autopar
-from autopar.cluster import ClusterSpec
-from autopar.grad import VALUE_AND_GRAD
-from autopar.graph import InputRole, TensorKind
+from autopar.cost.cluster import ClusterSpec
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.core.graph import InputRole, TensorKind
 from autopar.inter_op.apply_grad import PIPELINE, place
 from autopar.inter_op.pipeline import layer_boundaries, split_step
 from autopar.inter_op.stages import choose_stages
-from autopar.spec import replicated
-from autopar.trace import trace
+from autopar.core.spec import replicated
+from autopar.frontend.tracer import trace
 
 from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 

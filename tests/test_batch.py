@@ -13,7 +13,7 @@ from autopar.intra_op.ilp import IlpEdge, IlpProblem, min_peak_memory, solve_ilp
 from autopar.intra_op.solve import ilp_call
 from autopar.inter_op.batch import ilp_scope, run_jobs
 from autopar.inter_op.parallel import PlanPool
-from models.gpt import GPTConfig
+from autopar.models.gpt import GPTConfig
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 GPT4 = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4)

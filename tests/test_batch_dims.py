@@ -6,7 +6,7 @@ import optax
 from flax import linen as nn
 
 from autopar.intra_op.batch_dims import batch_dims, batch_sources
-from autopar.trace import trace
+from autopar.frontend.tracer import trace
 
 
 def _dims_by_primitive(graph, dims, primitive):

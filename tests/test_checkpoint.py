@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
-from autopar.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
-from autopar.lower import plan_input_shardings
-from models.gpt import megatron_rules
+from autopar.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from autopar.lowering.single_mesh import plan_input_shardings
+from autopar.models.gpt import megatron_rules
 from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

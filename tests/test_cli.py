@@ -15,9 +15,9 @@ import pytest
 
 import autopar
 from autopar import cli
-from autopar.plan import ParallelPlan
-from autopar.plan_cache import PlanCache
-from autopar.profile import DeviceProfile
+from autopar.core.plan import ParallelPlan
+from autopar.tools.plan_cache import PlanCache
+from autopar.cost.profiler import DeviceProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FACTORY = os.path.join(ROOT, "examples", "cli_factory.py") + ":make_step"
@@ -205,7 +205,7 @@ def test_verbose_logs_info_and_shows_tracebacks(capsys, caplog, tmp_path):
     assert "AUTOPAR_VERBOSE" not in os.environ        # no process-wide side effect
     assert logging.getLogger("autopar").getEffectiveLevel() == logging.INFO
     assert any("autopar: traced" in r.getMessage() for r in caplog.records)
-    assert any(r.name == "autopar.progress" and getattr(r, "autopar_phase", "") == "trace"
+    assert any(r.name == "autopar.core.progress" and getattr(r, "autopar_phase", "") == "trace"
                for r in caplog.records)                 # progress, through autopar.plan
     code, _, err = run(capsys, "plan", FACTORY, "--preset", "cpu", "--microbatches", "3",
                        "--verbose")                      # after the subcommand too
@@ -380,7 +380,7 @@ def test_profile_bad_values(capsys, argv, message):
 # -- launch ----------------------------------------------------------------------------------
 
 def test_chatter_filter_on_sample_lines():
-    from autopar.launch import is_chatter
+    from autopar.runtime.launch import is_chatter
     assert is_chatter("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
                       "connected peer ranks is : 1\n")
     assert is_chatter("[Gloo] Rank 13 is connected to 15 peer ranks. Expected number of "
@@ -393,7 +393,7 @@ def test_chatter_filter_on_sample_lines():
 
 def test_pump_hides_and_counts_chatter():
     import io
-    from autopar.launch import _pump
+    from autopar.runtime.launch import _pump
     data = (b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
             b"ranks is : 1\nloss 1.0\n")
     out, hidden = io.StringIO(), []
@@ -431,12 +431,12 @@ def test_launch_runs_the_script_and_hides_chatter(capsys, tmp_path, monkeypatch)
     assert code == 0, out
     assert "[process 0] hello from 0 of 1 ['--flag', 'x']" in out
     assert "[Gloo]" not in out
-    assert ("autopar.launch: all 1 processes finished (1 Gloo connection lines hidden; "
+    assert ("autopar.runtime.launch: all 1 processes finished (1 Gloo connection lines hidden; "
             "--verbose shows them)") in out
 
 
 def test_python_m_autopar_launch_keeps_its_parser(capsys):
-    from autopar import launch
+    from autopar.runtime import launch
     with pytest.raises(SystemExit) as e:
         launch.main(["--help"])
     assert e.value.code == 0

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from autopar.cluster import ClusterSpec, LogicalMesh
-from autopar.errors import InvalidArgumentError
+from autopar.cost.cluster import ClusterSpec, LogicalMesh
+from autopar.core.errors import InvalidArgumentError
 
 PRESETS = ("v100-p3.16xlarge", "dgx-a100", "dgx-h100", "tpu-v4", "tpu-v5p", "cpu")
 
@@ -206,7 +206,7 @@ def test_from_devices_h200_and_tpu():
 
 
 def test_from_devices_unknown_kind_falls_back_with_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="autopar.cluster"):
+    with caplog.at_level(logging.WARNING, logger="autopar.cost.cluster"):
         spec = ClusterSpec.from_devices([_FakeDevice(0, device_kind="Mystery X1")] * 4)
     assert spec.peak_flops_bf16_per_s == ClusterSpec.preset("dgx-a100").peak_flops_bf16_per_s
     assert "Mystery X1" in caplog.text

@@ -3,19 +3,18 @@ devices): DataParallel is one gradient all-reduce; ZeRO-2 shards the optimizer s
 update and gathers each parameter once; ZeRO-3 gathers parameters, never activations; a batch
 pin holds along the whole batch path."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax.training import train_state
 
 import autopar
-from autopar.hlo import collectives, summary
+from autopar.cost.hlo import collectives, summary
 from autopar.intra_op.batch_dims import batch_dims
-from models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step, layer_batch,
-                         layer_step)
-from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-from models.mlp import MLP, make_mlp_batch, mse_loss
+from autopar.models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step,
+                                 layer_batch, layer_step)
+from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+from autopar.models.mlp import mse_loss
 from steps import mesh_of, mlp_adam_state
 
 

@@ -6,10 +6,11 @@ import pathlib
 
 import pytest
 
-from autopar.cluster import LogicalMesh
-from autopar.cost import (CollectiveAlgorithm, CostModel, all_gather_options_s,
-                          all_reduce_options_s, all_to_all_options_s, reduce_scatter_options_s)
-from autopar.errors import InvalidArgumentError
+from autopar.cost.cluster import LogicalMesh
+from autopar.cost.model import (CollectiveAlgorithm, CostModel, all_gather_options_s,
+                                all_reduce_options_s, all_to_all_options_s,
+                                reduce_scatter_options_s)
+from autopar.core.errors import InvalidArgumentError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 A_FAST, B_FAST = 1e-6, 1e-10  # axis 1 (and 2)
@@ -37,7 +38,7 @@ def test_cost_module_does_not_import_jax():
     unit-testable on numbers alone (the package __init__ imports the JAX passes, so this is
     checked on the modules' own import statements)."""
     import ast
-    for rel in ("autopar/cost.py", "autopar/cluster.py", "autopar/spec.py", "autopar/errors.py",
+    for rel in ("autopar/cost/model.py", "autopar/cost/cluster.py", "autopar/core/spec.py", "autopar/core/errors.py",
                 "autopar/intra_op/ilp.py"):
         tree = ast.parse((ROOT / rel).read_text())
         for node in tree.body:  # module level only: cluster imports jax lazily in a method
@@ -268,7 +269,7 @@ def test_reshard_scales_with_tensor_size():
 def test_backend_algorithms_restrict_the_choice():
     """A backend that implements only ring and tree (NCCL, the GPU presets) is priced with
     them alone: tree for small messages, ring for large; the others are never named."""
-    from autopar.cluster import ClusterSpec
+    from autopar.cost.cluster import ClusterSpec
     nccl = CostModel(mesh=ClusterSpec.preset("dgx-a100").logical_mesh((1, 8)))
     any_alg = CostModel(mesh=make_mesh(shape=(1, 8), alpha=(6e-6,) * 2,
                                        beta=(nccl.mesh.beta_s_per_byte[1],) * 2))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar import distributed as dist
+from autopar.runtime import distributed as dist
 
 
 def test_no_job_to_join_runs_as_one_process(monkeypatch):

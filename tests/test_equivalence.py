@@ -14,7 +14,7 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from models.lm1b import Lm1bConfig, Lm1bTransformer
+from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 METHODS = {
@@ -104,8 +104,8 @@ def _plan_spec(plan, path):
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_megatron_sharding_rules_pin_params_and_match_jit(model):
-    from models.gpt import megatron_rules as gpt_rules
-    from models.mlp import megatron_rules as mlp_rules
+    from autopar.models.gpt import megatron_rules as gpt_rules
+    from autopar.models.mlp import megatron_rules as mlp_rules
     step, state, batches = make_case(model, "linen", sgd_momentum_clip())
     rules = gpt_rules() if model == "gpt" else mlp_rules(num_layers=2)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,),

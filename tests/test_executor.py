@@ -13,9 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import autopar
 from autopar.inter_op.apply_grad import PIPELINE
 from autopar.inter_op.stages import AXIS_NAMES
-from autopar.lower_pipeline import PipelineProgram
+from autopar.lowering.pipeline import PipelineProgram
 from autopar.runtime.executor import Executor, _fused_tasks, _retarget
-from autopar.runtime.schedule import Schedule, make_schedule
+from autopar.core.enums import Schedule
+from autopar.inter_op.schedule import make_schedule
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 M = 4

@@ -13,13 +13,13 @@ import optax
 import pytest
 
 import autopar
-from autopar.cluster import ClusterSpec, FusionStyle
-from autopar.cost import CostModel
-from autopar.errors import AutoparError
+from autopar.cost.cluster import ClusterSpec, FusionStyle
+from autopar.cost.model import CostModel
+from autopar.core.errors import AutoparError
 from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind
 from autopar.intra_op.rules import RuleContext
-from autopar.trace import trace
-from models.gpt import GPTConfig
+from autopar.frontend.tracer import trace
+from autopar.models.gpt import GPTConfig
 from steps import assert_equivalent, make_case, mesh_of, run_steps
 
 F32 = 4

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.grad import VALUE_AND_GRAD
-from autopar.trace import trace
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.frontend.tracer import trace
 
 KEY = jax.random.key(0)
 W = jax.random.normal(jax.random.fold_in(KEY, 0), (3, 2))
@@ -194,7 +194,7 @@ def test_trace_default_expands_the_marker_into_forward_and_backward():
     assert prims.count("dot_general") >= 2
     assert any("transpose(" in n.name_stack for n in graph.nodes)
     # The expanded graph computes the same as plain JAX.
-    from autopar.lower import run_nodes
+    from autopar.frontend.interpret import run_nodes
     env = dict(graph.const_values)
     env.update(zip(graph.inputs, (W, X)))
     run_nodes(graph, graph.nodes, env)

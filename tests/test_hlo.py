@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from autopar.hlo import collectives, loop_body_collectives, summary
+from autopar.cost.hlo import collectives, loop_body_collectives, summary
 from steps import mesh_of
 
 TEXT = """

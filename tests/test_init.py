@@ -15,8 +15,8 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar.init import abstract_state, compile_init
-from models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
+from autopar.runtime.init import abstract_state, compile_init
+from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
 from steps import TINY_GPT, assert_equivalent, mesh_of, run_steps, sgd_momentum_clip
 
 KEY = jax.random.key(0)

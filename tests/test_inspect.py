@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import autopar
-from autopar.inspect import _bytes, _time
-from autopar.plan import FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan
-from autopar.spec import format_spec
+from autopar.tools.dump import _bytes, _time
+from autopar.core.plan import FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan
+from autopar.core.spec import format_spec
 from steps import mlp_train_state, mlp_train_step
 
 THIS_FILE = pathlib.Path(__file__).name
@@ -213,7 +213,7 @@ def test_dump_hand_built_plan():
 
 
 def test_dump_names_the_runner_ups():
-    from autopar.runner_ups import record
+    from autopar.core.plan import alternative_record as record
     step = _hand_plan().predicted_step_s
     plan = _hand_plan(alternatives=(
         record("DataParallel()", "method", 1.5 * step, 2**30, 16 * 2**30, "dp"),
@@ -263,7 +263,7 @@ def test_dump_max_rows_clips_state_and_result_tables():
 
 
 def test_collectives_name_the_priced_algorithm():
-    from autopar.cost import CollectiveAlgorithm
+    from autopar.cost.model import CollectiveAlgorithm
     state = jax.eval_shape(_create_state)
     batch = {"x": _sds(BATCH, IN_DIM), "y": _sds(BATCH, HIDDEN)}
     plan = autopar.plan(train_step, state, batch, cluster=CLUSTER, mesh_shape=(2, 4),
@@ -462,12 +462,12 @@ def test_cache_hit_keeps_the_search_record(pipe_plans, mlp_plan, tmp_path):
 
 def test_summary_has_five_lines(mlp_plan, pipe_plans):
     for plan in (mlp_plan, *pipe_plans):
-        lines = plan.summary().splitlines()
-        assert len(lines) == 5, plan.summary()
+        lines = autopar.summary(plan).splitlines()
+        assert len(lines) == 5, autopar.summary(plan)
         assert "data=2 x model=4" in lines[0] and "8 devices" in lines[0]
         assert lines[1].startswith(f"predicted step {_time(plan.predicted_step_s)}: compute")
         assert _bytes(plan.memory_budget_bytes) in lines[2]
         assert lines[4].startswith(f"plan from {plan.origin}")
-    assert "heaviest collectives" in mlp_plan.summary().splitlines()[3]
-    assert "2 stages" in pipe_plans[0].summary().splitlines()[3]
-    assert "schedule 1f1b" in pipe_plans[0].summary().splitlines()[3]
+    assert "heaviest collectives" in autopar.summary(mlp_plan).splitlines()[3]
+    assert "2 stages" in autopar.summary(pipe_plans[0]).splitlines()[3]
+    assert "schedule 1f1b" in autopar.summary(pipe_plans[0]).splitlines()[3]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 import autopar
-from autopar.inspect_fold import fold, fold_names, kept_results, layer_key, pair_optimizer_state
+from autopar.tools.fold import fold, fold_names, kept_results, layer_key, pair_optimizer_state
 
 
 def test_layer_indices_are_the_numbers_of_layer_names():
@@ -47,9 +47,9 @@ def test_optimizer_state_pairs_with_its_parameter_and_results_with_their_input()
 
 
 def _gpt_plan(config, plan_cache=False):
-    from models.gpt import GPT, make_gpt_batch
+    from autopar.models.gpt import GPT, make_gpt_batch
     from flax.training import train_state
-    from models.gpt import gpt_loss
+    from autopar.models.gpt import gpt_loss
 
     def create():
         model = GPT(config)
@@ -70,7 +70,7 @@ def _gpt_plan(config, plan_cache=False):
 
 
 def test_repeated_layers_fold_in_the_dump():
-    from models.gpt import GPTConfig
+    from autopar.models.gpt import GPTConfig
     small = dict(vocab_size=64, seq_len=8, hidden=32, num_heads=2)
     two, four = (_gpt_plan(GPTConfig(num_layers=n, **small)) for n in (2, 4))
     d2, d4 = autopar.dump(two), autopar.dump(four)

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from autopar.errors import InvalidArgumentError
+from autopar.core.errors import InvalidArgumentError
 from autopar.inter_op.layers import _solve, cluster_layers, cut_bytes_from_liveness
 
 

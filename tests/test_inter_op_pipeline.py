@@ -7,11 +7,11 @@ import optax
 import pytest
 
 import autopar
-from autopar.grad import VALUE_AND_GRAD
-from autopar.graph import TensorKind
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.core.graph import TensorKind
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, slice_stages, split_step
-from autopar.pipeshard import microbatch_args
-from autopar.trace import trace
+from autopar.inter_op.pipeshard import microbatch_args
+from autopar.frontend.tracer import trace
 
 from steps import B, BATCH, H, PARAMS  # four 16 x 16 layers, a batch of 8
 L0, L1, L2, L3, X, Y = range(6)         # loss input positions: params (sorted keys), x, y

@@ -10,7 +10,7 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from models.mlp import MLP, make_mlp_batch, mse_loss
+from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
 from steps import make_case, mesh_of, run_steps, sgd_momentum_clip, assert_equivalent
 
 COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar import distributed as dist
-from autopar.launch import _describe, main
+from autopar.runtime import distributed as dist
+from autopar.runtime.launch import _describe, main
 from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ HEARTBEAT_S = 5
 
 def _launch(out, mode, timeout_s=420):
     env = {**os.environ, "PYTHONPATH": ROOT, "AUTOPAR_PLAN_CACHE": "off"}
-    cmd = [sys.executable, "-m", "autopar.launch", "--num-processes", "2",
+    cmd = [sys.executable, "-m", "autopar.runtime.launch", "--num-processes", "2",
            "--devices-per-process", "4", "--heartbeat-timeout", str(HEARTBEAT_S),
            "--timeout", str(timeout_s - 20), WORKER, str(out), mode]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.hlo import collectives, summary
+from autopar.cost.hlo import collectives, summary
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.inter_op.local_grads import find_local_grads, partial_spec
-from autopar.trace import trace
-from models.mlp import mse_loss
+from autopar.frontend.tracer import trace
+from autopar.models.mlp import mse_loss
 from steps import mesh_of, mlp_adam_state
 
 

@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 import autopar
-from autopar import hlo
-from autopar.graph import LoopKind
+from autopar.cost import hlo
+from autopar.core.graph import LoopKind
 from autopar.intra_op.predict import compare
-from autopar.trace import trace
-from models.gpt import GPTConfig
+from autopar.frontend.tracer import trace
+from autopar.models.gpt import GPTConfig
 from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 L, D, B = 3, 32, 16
@@ -89,7 +89,7 @@ def test_liveness_holds_stacked_ys_through_the_loop():
     """A body value lives one iteration; the stacked ys buffer exists from the loop's start,
     so the peak inside the body counts it next to the body's temporaries."""
     from autopar.intra_op.solve import peak_memory
-    from autopar.spec import replicated
+    from autopar.core.spec import replicated
     xs, c0 = jnp.ones((4, 64, 64)), jnp.ones((64, 64))
 
     def f(xs, c0):
@@ -212,7 +212,7 @@ def test_while_loop_with_dynamic_bound_equivalence():
 
 
 def test_fingerprint_sees_a_while_loops_condition():
-    from autopar.plan import graph_fingerprint
+    from autopar.core.plan import graph_fingerprint
     x = BATCHES[0]["x"]
     fp = lambda n: graph_fingerprint(trace(lambda x: jax.lax.while_loop(   # noqa: E731
         lambda c: jnp.sum(c) < n, lambda c: c * 2.0, x), (x,)))
@@ -336,7 +336,7 @@ def test_scanned_gpt_gets_its_unrolled_twins_plan():
     scanned GPT takes the strategy the unrolled twin gives it in its first block, and the
     predicted step costs agree."""
     from flax.training import train_state
-    from models.gpt import GPT, gpt_loss, make_gpt_batch
+    from autopar.models.gpt import GPT, gpt_loss, make_gpt_batch
 
     def plan_of(scan):
         cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden=256, num_heads=8,

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import autopar
-from autopar.markers import STAGE_BOUNDARY
-from autopar.trace import trace
+from autopar.frontend.markers import STAGE_BOUNDARY
+from autopar.frontend.tracer import trace
 from steps import mesh_of
 
 

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 import autopar
-from autopar.profile import DeviceProfile, cache_path
+from autopar.cost.profiler import DeviceProfile, cache_path
 
 SMALL = dict(sizes=(1 << 12, 1 << 16), dtypes=("float32",), matmul_size=64, memory_size=1 << 16,
              repeats=1)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import autopar
-from autopar.cost import CostModel
+from autopar.cost.model import CostModel
 from autopar.intra_op import ilp
 from autopar.intra_op.memory import (dead_nodes, hosted_temporaries, memory_model,
                                      predicted_peak_bytes, run_order, schedule, tensor_bytes,

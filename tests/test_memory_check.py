@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import autopar
-from autopar import memory_check
-from autopar.memory_check import BINDING, ROUNDS, compiled_bytes, verified_plan
+from autopar.verify import memory_check
+from autopar.verify.memory_check import BINDING, ROUNDS, compiled_bytes, verified_plan
 from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autopar import _compat
-from autopar.errors import InvalidArgumentError
+from autopar.core import _compat
+from autopar.core.errors import InvalidArgumentError
 from autopar.frontend.meshes import on_user_mesh, relabel, under_mesh_if_needed
 
 

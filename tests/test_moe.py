@@ -9,18 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from autopar.markers import STAGE_BOUNDARY
+from autopar.frontend.markers import STAGE_BOUNDARY
 from steps import num_params
-from models import (
-    MoE,
-    MoEConfig,
-    expert_capacity,
-    make_moe_batch,
-    moe_flops_per_token,
-    moe_loss,
-    moe_param_count,
-    top2_gating,
-)
+from autopar.models import (MoE, MoEConfig, expert_capacity, make_moe_batch, moe_flops_per_token,
+                            moe_loss, moe_param_count, top2_gating)
 
 top2_gating = jax.jit(top2_gating, static_argnums=1)  # eager: hundreds of tiny dispatches
 
@@ -217,9 +209,9 @@ def test_moe_layer_is_expert_parallel_under_cheap_links():
     from flax import linen as nn
     from flax.training import train_state
 
-    from autopar.hlo import collectives, summary
+    from autopar.cost.hlo import collectives, summary
     from autopar.intra_op.predict import compare
-    from models.moe import MoeMlp
+    from autopar.models.moe import MoeMlp
     from steps import mesh_of
 
     cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=64, num_heads=4,

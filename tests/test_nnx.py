@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import autopar
-from autopar.graph import InputRole
+from autopar.core.graph import InputRole
 from equivalence import ROUTING_LOSS_RTOL, assert_losses_close, assert_params_close
-from models.gemma import Gemma, GemmaConfig, make_gemma_batch, nnx_train_step
+from autopar.models.gemma import Gemma, GemmaConfig, make_gemma_batch, nnx_train_step
 
 MESH_SHAPE = (2, 4)
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError,
-                            PlanMismatchError, UnsupportedError)
-from autopar.options import (DataParallel, MethodKind, ShardParallel, SolverBackend, Zero2Parallel,
-                             Zero3Parallel)
+from autopar.core.errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError,
+                                 PlanMismatchError, UnsupportedError)
+from autopar.core.options import (DataParallel, MethodKind, ShardParallel, Zero2Parallel,
+                                  Zero3Parallel)
+from autopar.core.enums import SolverBackend
 
 METHODS = [ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel]
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100")

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.intra_op.phases import deferred_nodes, sibling_reductions, tail_nodes
-from autopar.trace import trace
+from autopar.frontend.tracer import trace
 
 
 def test_sibling_reductions_pay_one_latency():

@@ -13,8 +13,8 @@ import jax
 import pytest
 
 import autopar
-from autopar import pipeline_memory_check as pmc
-from autopar.memory_check import ROUNDS
+from autopar.verify import pipeline_memory_check as pmc
+from autopar.verify.memory_check import ROUNDS
 from autopar.runtime.compile_only import Role, abstract_args, compile_program, shard_bytes
 from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
@@ -102,7 +102,7 @@ def test_budget_below_the_compiled_peak_replans_naming_bytes(gpt, caplog):
     budget = int(1.02 * max(s.peak_memory_bytes for s in free.stages))
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_pipe(budget),
                               plan_cache=False)
-    with caplog.at_level(logging.WARNING, logger="autopar.memory_check"):
+    with caplog.at_level(logging.WARNING, logger="autopar.verify.memory_check"):
         try:
             plan = par.get_plan(state, batches[0])
         except autopar.InfeasiblePlanError as e:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import autopar
-from autopar.options import LayerOptionKind, MethodKind
+from autopar.core.options import LayerOptionKind, MethodKind
 
 Auto, Uniform, Manual = autopar.AutoStageOption, autopar.UniformStageOption, \
     autopar.ManualStageOption

@@ -12,11 +12,11 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar.pipeshard import accumulation_method
-from autopar.spec import num_shards
-from models import make_mlp_batch
-from models.gpt import GPTConfig
-from models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
+from autopar.inter_op.pipeshard import accumulation_method
+from autopar.core.spec import num_shards
+from autopar.models import make_mlp_batch
+from autopar.models.gpt import GPTConfig
+from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
 from equivalence import assert_grads_close, assert_losses_close, assert_params_close
 from steps import (assert_equivalent, make_case, mesh_of, mlp_train_state, run_steps,
                    sgd_momentum_clip)
@@ -87,7 +87,7 @@ def test_gpt_manual_layers(stages):
 def test_sharding_rules_pin_every_stage():
     """Megatron's column/row split, pinned through `sharding_rules` in both stages of a 2-stage
     pipeline whose stages run on (2, 2) logical meshes, matches single-device training."""
-    from models.gpt import megatron_rules
+    from autopar.models.gpt import megatron_rules
     method = autopar.PipeshardParallel(
         num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=2),
         stage_option=autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
@@ -216,8 +216,8 @@ def _model_case(kind: str, *, stage_boundaries: bool):
     """(step, state, batches) for the MoE and Wide-ResNet families; step returns
     (state, loss, grads) and takes the gradient with autopar.value_and_grad."""
     from flax.training import train_state
-    from models import (MoE, MoEConfig, WideResNet, WideResNetConfig, classification_loss,
-                        make_image_batch, make_moe_batch, moe_loss)
+    from autopar.models import (MoE, MoEConfig, WideResNet, WideResNetConfig, classification_loss,
+                                make_image_batch, make_moe_batch, moe_loss)
     key = jax.random.key(0)
     if kind == "moe":
         cfg = MoEConfig(vocab_size=32, seq_len=8, num_layers=4, hidden=16, num_heads=2,

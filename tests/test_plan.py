@@ -13,13 +13,13 @@ import optax
 import pytest
 
 import autopar
-from autopar.graph import TensorKind
-from autopar.plan import (PLAN_FORMAT_VERSION, CollectivePlan, FallbackPlan, OperatorPlan,
-                          ParallelPlan, StagePlan, TensorPlan, graph_fingerprint)
-from autopar.plan_cache import PlanCache
-from autopar.primitives import HEAVY_OPERATORS
-from autopar.spec import is_valid
-from autopar.trace import trace
+from autopar.core.graph import TensorKind
+from autopar.core.plan import (PLAN_FORMAT_VERSION, CollectivePlan, FallbackPlan, OperatorPlan,
+                               ParallelPlan, StagePlan, TensorPlan, graph_fingerprint)
+from autopar.tools.plan_cache import PlanCache
+from autopar.core.primitives import HEAVY_OPERATORS
+from autopar.core.spec import is_valid
+from autopar.frontend.tracer import trace
 from steps import mlp_train_state, mlp_train_step
 
 IN_DIM, HIDDEN, BATCH = 8, 16, 32

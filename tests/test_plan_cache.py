@@ -13,11 +13,11 @@ import queue as queue_module
 import pytest
 
 import autopar
-from autopar import plan_cache
-from autopar.errors import InvalidArgumentError
-from autopar.plan import ParallelPlan
-from autopar.plan_cache import (PlanCache, cache_key, canonical_text, default_cache_dir,
-                                env_setting)
+from autopar.tools import plan_cache
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.plan import ParallelPlan
+from autopar.tools.plan_cache import (PlanCache, cache_key, canonical_text, default_cache_dir,
+                                      env_setting)
 
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
 METHOD = autopar.PipeshardParallel(
@@ -27,7 +27,7 @@ METHOD = autopar.PipeshardParallel(
 KEY_INPUTS = dict(graph_fingerprint="0123456789abcdef", args_signature="f32[8,8] f32[8,8]",
                   cluster=CLUSTER, method=METHOD, mesh_shape=(2, 8),
                   axis_names=("data", "model"), device_ids=tuple(range(16)))
-LOGGER = "autopar.plan_cache"
+LOGGER = "autopar.tools.plan_cache"
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,19 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
-from autopar import hlo
-from autopar.graph import TensorKind
-from autopar.hlo import Collective
-from autopar.intra_op.predict import (RESULT, compare, implied_reshards, live_nodes,
-                                      predict_collectives, reshard_path)
-from autopar.intra_op.solve import IlpStats, ShardingAssignment
-from autopar.plan import CollectivePlan
-from autopar.spec import enumerate_specs, is_valid, to_names
-from autopar.trace import trace
-from models import (GPTConfig, MoE, MoEConfig, WideResNet, WideResNetConfig,
-                    classification_loss, make_image_batch, make_moe_batch, moe_loss)
-from models.bert import BertMLM, bert_batch, bert_state, bert_step
+from autopar.cost import hlo
+from autopar.cost.hlo import Collective
+from autopar.frontend.interpret import RESULT
+from autopar.intra_op.predict import (compare, implied_reshards, live_nodes, predict_collectives,
+                                      reshard_path)
+from autopar.core.plan import IlpStats
+from autopar.intra_op.solve import ShardingAssignment
+from autopar.core.plan import CollectivePlan
+from autopar.core.spec import enumerate_specs, is_valid, to_names
+from autopar.frontend.tracer import trace
+from autopar.models import (GPTConfig, MoE, MoEConfig, WideResNet, WideResNetConfig,
+                            classification_loss, make_image_batch, make_moe_batch, moe_loss)
+from autopar.models.bert import BertMLM, bert_batch, bert_state, bert_step
 from steps import make_case, mesh_of
 
 REMAT = "Involuntary full rematerialization"

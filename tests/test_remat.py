@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.graph import RematRegion
-from autopar.inter_op.remat import (CONCRETE, LossRemat, Remat, candidates, choices_of,
-                                    policy_of, remat_expand, run_forward,
-                                    with_remat)
-from autopar.trace import trace
+from autopar.core.graph import RematRegion
+from autopar.inter_op.remat import (CONCRETE, LossRemat, candidates, choices_of, policy_of,
+                                    remat_expand, run_forward, with_remat)
+from autopar.core.enums import Remat
+from autopar.frontend.tracer import trace
 from steps import assert_equivalent, long_lm_case, mesh_of, run_steps
 
 

@@ -6,9 +6,9 @@ import textwrap
 import pytest
 
 import autopar
-from autopar.remat_plan import loss_layers
-from autopar.trace import trace
-from models.gpt import GPTConfig
+from autopar.inter_op.remat_plan import loss_layers
+from autopar.frontend.tracer import trace
+from autopar.models.gpt import GPTConfig
 from steps import (assert_equivalent, long_lm_case, make_case, mesh_of, run_steps,
                    run_under_memory_scheduler, sgd_momentum_clip)
 

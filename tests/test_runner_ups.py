@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
-from autopar import runner_ups
+from autopar.tools import runner_ups
 
 from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 

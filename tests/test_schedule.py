@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from autopar.errors import InvalidArgumentError
+from autopar.core.errors import InvalidArgumentError
 from autopar.runtime import (Phase, PipelineSchedule, Schedule, Task, check_schedule,
                              make_schedule)
 

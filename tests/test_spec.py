@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from autopar.spec import (bytes_per_device, dim_shards, enumerate_specs, format_spec, from_names,
-                          is_valid, num_shards, replicated, shard_shape, to_names, used_axes,
-                          without_axes)
+from autopar.core.spec import (bytes_per_device, dim_shards, enumerate_specs, format_spec,
+                               from_names, is_valid, num_shards, replicated, shard_shape, to_names,
+                               used_axes, without_axes)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("data", "model")
@@ -20,7 +20,7 @@ def test_spec_module_does_not_import_jax():
     # Load the file on its own: importing it through the package would run
     # autopar/__init__.py, which imports the JAX-using passes.
     code = ("import importlib.util, sys; "
-            "s = importlib.util.spec_from_file_location('spec_alone', 'autopar/spec.py'); "
+            "s = importlib.util.spec_from_file_location('spec_alone', 'autopar/core/spec.py'); "
             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
             "assert m.num_shards(((0,),), (2,)) == 2; "
             "assert 'jax' not in sys.modules and 'numpy' not in sys.modules")

@@ -3,7 +3,7 @@ of a stage, and the re-ranking of the DP's best layouts by whole-stage solves.""
 import autopar
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solve import solve_stage, trace_stage
-from autopar.cluster import ClusterSpec
+from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op.stages import AXIS_NAMES
 
 from test_stages import bounds, cluster, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
@@ -14,7 +14,7 @@ from test_stages import bounds, cluster, loss, method  # noqa: F401  (fixtures: 
 def test_boundary_costs_price_layers_that_disagree_on_the_handed_over_tensor(loss, bounds,
                                                                               cluster):
     import dataclasses
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
     from autopar.inter_op.stage_costs import boundary_costs
     shape = (1, 8)
     sols = [[solve_stage(trace_stage(loss, sl), sl, cluster, shape, AXIS_NAMES,

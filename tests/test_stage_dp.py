@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopar.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.inter_op import (StageCosts, SubmeshShape, brute_force_stages, candidate_submeshes,
                               solve_stage_dp)
 

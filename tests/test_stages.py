@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
-from autopar.cluster import ClusterSpec
-from autopar.graph import TensorKind
-from autopar.plan import graph_fingerprint
+from autopar.cost.cluster import ClusterSpec
+from autopar.core.graph import TensorKind
+from autopar.core.plan import graph_fingerprint
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, split_step
-from autopar.inter_op.stage_solve import (solution_from_record, solution_record, solve_stage,
-                                          stage_io, trace_stage)
+from autopar.core.plan import solution_from_record, solution_record
+from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
-from autopar.trace import trace
+from autopar.frontend.tracer import trace
 
 from steps import B, BATCH, H, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 DEVICES = tuple(range(8))
@@ -512,7 +512,7 @@ def test_zero_stage_splits_its_optimizer_state_and_trains_like_jit():
 def test_stage_search_takes_zero_exactly_where_memory_needs_it(monkeypatch):
     from steps import mesh_of
 
-    from autopar import pipeline_memory_check
+    from autopar.verify import pipeline_memory_check
     step, state, batches = _zero_case()
     # The search's choice under the memory model: the compiled check (which re-plans where
     # XLA needs more than predicted; tests/test_pipeline_memory_check.py) is off here and

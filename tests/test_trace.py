@@ -13,12 +13,12 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar import _compat
-from autopar.errors import AutoparError, InvalidArgumentError
-from autopar.graph import InputRole, OpGraph, Tensor, TensorKind
-from autopar.lower import interpret
-from autopar.trace import (carried_outputs, check_argnums, check_donated_aliases, classify_input,
-                           node_flops, trace)
+from autopar.core import _compat
+from autopar.core.errors import AutoparError, InvalidArgumentError
+from autopar.core.graph import InputRole, OpGraph, Tensor, TensorKind
+from autopar.frontend.interpret import interpret
+from autopar.frontend.tracer import (carried_outputs, check_argnums, check_donated_aliases,
+                                    classify_input, node_flops, trace)
 from steps import mlp_train_state, mlp_train_step
 
 THIS_FILE = pathlib.Path(__file__).name
@@ -639,7 +639,7 @@ def test_keyword_arguments_bind_to_positions_like_jax_jit():
     import pytest
 
     import autopar
-    from autopar.trace import bind_arguments
+    from autopar.frontend.tracer import bind_arguments
 
     def step(w, batch, scale):
         return w - scale * jnp.tanh(batch @ w).mean(0)

@@ -10,6 +10,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from typing import Any, Callable, Sequence
@@ -17,8 +18,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .. import _compat
-from ..errors import InvalidArgumentError, UnsupportedError
+from autopar.core import _compat
+from autopar.core._format import short_repr
+from autopar.core.errors import InvalidArgumentError, UnsupportedError
 
 
 class DefaultArgnums(tuple):
@@ -38,8 +40,7 @@ def argnums_text(name: str, argnums: Sequence[int]) -> str:
 
 def arg_label(fun: Callable | None, num_args: int, i: int, path: str = "") -> str:
     """`argument 1 (batch) leaf ['x']`: the parameter name from `fun`'s signature."""
-    from ..trace import _arg_names      # trace imports this module
-    name = _arg_names(fun, num_args)[i] if fun is not None else f"arg{i}"
+    name = arg_names(fun, num_args)[i] if fun is not None else f"arg{i}"
     return f"argument {i} ({name})" + (f" leaf {path}" if path else "")
 
 
@@ -81,7 +82,7 @@ def as_argnums(value, name: str, *, none_ok: bool = False) -> tuple[int, ...]:
 def method_instance(method):
     """`method` if it is an autopar method (None: the default); the class itself (a missing
     `()`) or anything else is refused with the fix."""
-    from ..options import ShardParallel     # options imports the solver, which imports here
+    from autopar.core.options import ShardParallel     # options imports the solver, which imports here
     if method is None or isinstance(method, ShardParallel):
         return method
     if isinstance(method, type) and issubclass(method, ShardParallel):
@@ -93,11 +94,6 @@ def method_instance(method):
         f"method={short_repr(method)} is not an autopar method. Fix: pass "
         f"autopar.ShardParallel(), DataParallel(), Zero2Parallel(), Zero3Parallel() or "
         f"PipeshardParallel().")
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    text = re.sub(r" at 0x[0-9a-f]+", "", repr(value))
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def static_part(fun: Callable, args: tuple, i: int) -> tuple:
@@ -202,21 +198,9 @@ def check_mesh(mesh, where: str = "mesh"):
     return mesh
 
 
-def check_cluster(cluster, *, required: bool = False):
-    """`cluster` if it is a `ClusterSpec` (or, unless `required`, None: read off the
-    devices)."""
-    from ..cluster import ClusterSpec
-    if (cluster is not None or required) and not isinstance(cluster, ClusterSpec):
-        raise InvalidArgumentError(
-            f"cluster={short_repr(cluster)} is not an autopar.ClusterSpec. Fix: pass "
-            f"autopar.ClusterSpec.preset(name) (presets: {list(ClusterSpec.preset_names())}) "
-            f"or autopar.ClusterSpec.from_devices(jax.devices()).")
-    return cluster
-
-
 def check_plan(plan):
     """`parallelize(plan=...)`: a `ParallelPlan` (or None: search)."""
-    from ..plan import ParallelPlan
+    from autopar.core.plan import ParallelPlan
     if plan is not None and not isinstance(plan, ParallelPlan):
         hint = ("autopar.ParallelPlan.from_json(text)" if isinstance(plan, (str, bytes, dict))
                 else "a plan from step.get_plan(...) or autopar.plan(...)")
@@ -279,3 +263,28 @@ def warn_one_microbatch(method) -> None:
             "devices idle while the others work). Fix: set num_microbatches to a divisor of the "
             "batch size, e.g. PipeshardParallel(num_microbatches=8), at least the number of "
             "stages; or use ShardParallel() on the whole mesh.", UserWarning, stacklevel=3)
+
+
+def dtype_name(aval) -> str:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return "token"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # extended dtypes such as PRNG keys
+        return "key"
+
+
+def arg_names(fun: Callable, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def is_parallelized(fn) -> bool:
+    """Whether `fn` is what `autopar.parallelize` returned (`api.ParallelizedFunction`): the
+    tools that take one (sharded init, calibration) check it without importing the driver."""
+    return getattr(fn, "_autopar_parallelized", False) is True

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import InvalidArgumentError
-from ..spec import Spec, from_names
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.spec import Spec, from_names
 
 
 def argnums_for_names(fun: Callable, names, option: str) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from ..graph import InputRole, Node, OpGraph, TensorKind
+from autopar.core.graph import InputRole, Node, OpGraph, TensorKind
 
 _PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "copy", "copy_p",
                            "squeeze", "expand_dims", "broadcast_in_dim"})

@@ -31,10 +31,11 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _compat
-from ..graph import LoopKind, LoopRegion, Node, OpGraph, TensorKind
-from ..primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_CARRY, LOOP_EXIT,
-                          LOOP_PSEUDO as PSEUDO_PRIMITIVES, LOOP_SLICE, LOOP_STACK)
+from autopar.core import _compat
+from autopar.core.graph import LoopKind, LoopRegion, Node, OpGraph, TensorKind
+from autopar.core.primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_CARRY,
+                                     LOOP_EXIT, LOOP_PSEUDO as PSEUDO_PRIMITIVES, LOOP_SLICE,
+                                     LOOP_STACK)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

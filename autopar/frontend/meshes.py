@@ -21,8 +21,8 @@ from typing import Callable, TypeVar
 import jax
 from jax.sharding import NamedSharding
 
-from .. import _compat
-from ..errors import AutoparError
+from autopar.core import _compat
+from autopar.core.errors import AutoparError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from ..errors import InvalidArgumentError
-from .jit_options import check_pin
-from .nnx import NnxState
+from autopar.core.errors import InvalidArgumentError
+from autopar.frontend.jit_options import check_pin
+from autopar.frontend.nnx import NnxState
 
 log = logging.getLogger(__name__)
 

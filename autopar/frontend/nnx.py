@@ -31,10 +31,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .. import _compat
-from ..errors import InvalidArgumentError, UnsupportedError
-from .checks import argnums_text
-from ..trace import _arg_names
+from autopar.core import _compat
+from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.frontend.checks import arg_names, argnums_text
 
 _TAG = "autopar.parallelize"      # the nnx update-context tag of a parallelized call
 
@@ -186,7 +185,7 @@ class PureStep:
                 "NNX graph object (Module, Variable, Rngs, ...). A parallelized step updates "
                 "its NNX arguments in place and returns arrays only (or pytrees of them, such "
                 "as `nnx.state(obj)`). Fix: return arrays, e.g. the loss.")
-        names = _arg_names(self.fun, len(args))
+        names = arg_names(self.fun, len(args))
         _check_static_arrays(objects, self.fun, [names[i] for i, _ in parts])
         gd_out, states = _split_parts(tuple(objects), graphdef)
         self.out_graphdefs[graphdef] = gd_out

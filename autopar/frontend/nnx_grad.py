@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..errors import UnsupportedError
-from .nnx import _nnx, holds_graph_nodes, path_text
+from autopar.core.errors import UnsupportedError
+from autopar.frontend.nnx import _nnx, holds_graph_nodes, path_text
 
 
 def _values(state) -> dict[tuple, list]:

@@ -18,14 +18,15 @@ import jax
 
 from typing import TYPE_CHECKING
 
-from ..graph import OpGraph
-from ..trace import _arg_names, bind_arguments, check_argnums
-from .jit_options import PinnedShardings
-from .metadata import metadata_rules
-from .nnx import BoundCall, NnxState, PureStep
+from autopar.core.graph import OpGraph
+from autopar.frontend.tracer import bind_arguments, check_argnums
+from autopar.frontend.checks import arg_names
+from autopar.frontend.jit_options import PinnedShardings
+from autopar.frontend.metadata import metadata_rules
+from autopar.frontend.nnx import BoundCall, NnxState, PureStep
 
 if TYPE_CHECKING:      # options imports the intra-op solver, which imports back here
-    from ..options import ShardParallel
+    from autopar.core.options import ShardParallel
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,7 +42,7 @@ class StepFrontend:
         are state pytrees (`call.args`) and `call.finish` writes their new state back."""
         args = bind_arguments(self.fun, args, kwargs or {})
         return BoundCall(args, static_argnums=self.static, batch_argnums=self.batch,
-                         names=_arg_names(self.fun, len(args)))
+                         names=arg_names(self.fun, len(args)))
 
     def donated(self, args: tuple) -> tuple[int, ...]:
         """donate_argnums and the NNX states (replaced in place, as nnx.jit replaces them)."""
@@ -52,7 +53,7 @@ class StepFrontend:
         """`method` with `in_shardings` pinned as exact-path `sharding_rules`, then (with
         `annotations="pin"`) the parameters' sharding metadata (`frontend.metadata`)."""
         static = check_argnums("static_argnums", self.static, len(args))
-        names = _arg_names(self.fun, len(args))
+        names = arg_names(self.fun, len(args))
         rules = self.pins.input_rules(args, static, names, mesh)
         if method.annotations.value == "pin":
             rules += metadata_rules(args, static, names, mesh)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend.core import primitives as prims
 
-from .. import _compat
+from autopar.core import _compat
 
 
 def split_scans(closed, pieces: int) -> Callable[..., list]:

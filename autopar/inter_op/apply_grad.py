@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..graph import InputRole, OpGraph, TensorKind
-from ..primitives import ELEMENTWISE
-from ..spec import Spec, replicated
-from .pipeline import LossGraph
-from .stage_solve import zero_spec
-from .stages import ChosenStage
+from autopar.core.graph import InputRole, OpGraph, TensorKind
+from autopar.core.primitives import ELEMENTWISE
+from autopar.core.spec import Spec, replicated
+from autopar.inter_op.pipeline import LossGraph
+from autopar.inter_op.stage_solve import zero_spec
+from autopar.inter_op.stages import ChosenStage
 
 PIPELINE = -1     # Segment.stage of the pipelined loss
 

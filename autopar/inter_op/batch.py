@@ -29,9 +29,9 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Callable, Hashable, Sequence
 
-from .. import progress
-from ..intra_op.solve import ILP_CALL
-from .parallel import PlanPool
+from autopar.core import progress
+from autopar.intra_op.solve import ILP_CALL
+from autopar.inter_op.parallel import PlanPool
 
 log = logging.getLogger(__name__)
 _state = threading.local()     # .calls: {(key, n): Future} of the running batch; .scope

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from autopar.core.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,21 +20,21 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .. import _compat
-from ..frontend.loops import region_at
-from ..graph import OpGraph, TensorKind
-from ..intra_op.batch_dims import batch_dims
-from ..lower import run_nodes
-from ..spec import Spec
-from .pipeline import LossGraph
-from .stage_solve import stage_batch_sources, stage_io
-from .stages import ChosenStage
+from autopar.core import _compat
+from autopar.frontend.loops import region_at
+from autopar.core.graph import OpGraph, TensorKind
+from autopar.intra_op.batch_dims import batch_dims
+from autopar.frontend.interpret import run_nodes
+from autopar.core.spec import Spec
+from autopar.inter_op.pipeline import LossGraph
+from autopar.inter_op.stage_solve import stage_batch_sources, stage_io
+from autopar.inter_op.stages import ChosenStage
 
 # Operators linear in their partial operand(s): they may run on partial sums.
 _UNARY_LINEAR = frozenset({"reshape", "transpose", "convert_element_type", "neg", "copy",

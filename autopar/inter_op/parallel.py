@@ -32,7 +32,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-from ..errors import AutoparError, InvalidArgumentError
+from autopar.core.errors import AutoparError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 

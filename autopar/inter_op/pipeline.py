@@ -22,16 +22,16 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from ..errors import InvalidArgumentError, UnsupportedError
-from ..frontend.loops import atomic_spans
-from ..frontend.subscans import has_scan, split_scans
-from ..grad import VALUE_AND_GRAD
-from ..graph import InputRole, OpGraph, TensorKind
-from ..intra_op.build import cheap_source_tensors
-from ..options import AutoLayerOption, ManualLayerOption
-from ..trace import trace
-from .layers import cluster_layers, cut_bytes_from_liveness
-from .reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact
+from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.frontend.loops import atomic_spans
+from autopar.frontend.subscans import has_scan, split_scans
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.core.graph import InputRole, OpGraph, TensorKind
+from autopar.core.graph import cheap_source_tensors
+from autopar.core.options import AutoLayerOption, ManualLayerOption
+from autopar.frontend.tracer import trace
+from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
+from autopar.inter_op.reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact
 
 log = logging.getLogger(__name__)
 

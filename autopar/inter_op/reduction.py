@@ -45,10 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import MicrobatchReductionWarning
-from ..graph import Node, OpGraph, TensorKind
-from ..intra_op.batch_dims import batch_dims
-from ..primitives import ELEMENTWISE, KEY_OPS, RANDOM_BITS
+from autopar.core.errors import MicrobatchReductionWarning
+from autopar.core.graph import Node, OpGraph, TensorKind
+from autopar.intra_op.batch_dims import batch_dims
+from autopar.core.primitives import ELEMENTWISE, KEY_OPS, RANDOM_BITS
 
 
 class Combine(enum.Enum):

@@ -16,39 +16,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from typing import Sequence
 
 import jax
 import jax.extend.core as jcore
 
-from ..errors import InvalidArgumentError
-from ..graph import OpGraph, RematRegion
-
-
-class Remat(str, enum.Enum):
-    """What a layer keeps for its backward pass.
-
-    `AUTO` (the default of every method) lets the search choose per layer (per stage in a
-    pipeline) where memory needs it; the others apply to every layer.
-    """
-    AUTO = "auto"
-    NONE = "none"            # keep every activation the backward reads
-    SELECTIVE = "selective"  # keep matmul / conv outputs, recompute the elementwise work
-    FULL = "full"            # keep only the layer's input; recompute its whole forward
-
-    @classmethod
-    def of(cls, value, where: str = "remat") -> "Remat":
-        """`value` as a Remat (plain strings accepted), or a clear error."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{where}={value!r} is not a rematerialization choice ('auto': searched "
-                "where memory needs it, 'none': keep every activation, 'selective': recompute "
-                "elementwise work, 'full': recompute each layer from its input). Fix: pass one "
-                f"of {[r.value for r in cls]}, e.g. {where}='auto'.") from None
+from autopar.core.enums import Remat
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.graph import OpGraph, RematRegion
 
 
 CONCRETE = (Remat.NONE, Remat.SELECTIVE, Remat.FULL)   # cheapest recomputation first
@@ -94,7 +70,7 @@ def with_remat(forward: OpGraph, boundaries: Sequence[int],
 def run_forward(forward: OpGraph, *args):
     """Evaluate `forward` on its inputs (re-emitting its equations, remat regions under
     `jax.checkpoint`); its outputs in order."""
-    from ..lower import run_nodes             # lowering imports this pass's values
+    from autopar.frontend.interpret import run_nodes
     env = dict(forward.const_values)
     env.update(zip(forward.inputs, args))
     run_nodes(forward, forward.nodes, env)
@@ -121,7 +97,7 @@ class LossRemat:
 
 def loss_forward(jaxpr: jcore.ClosedJaxpr) -> OpGraph:
     """The forward graph of a marker's loss jaxpr (as `split_step` traces it)."""
-    from ..trace import trace
+    from autopar.frontend.tracer import trace
     return trace(jcore.jaxpr_as_fun(jaxpr),
                  [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jaxpr.in_avals])
 
@@ -129,7 +105,7 @@ def loss_forward(jaxpr: jcore.ClosedJaxpr) -> OpGraph:
 def remat_expand(remat: LossRemat):
     """An `expand` for `trace(..., expand=...)`: the marker's value and gradient with the
     loss's layers rematerialized as `remat` says."""
-    from ..grad import value_and_grad_of
+    from autopar.frontend.grad import value_and_grad_of
 
     def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool):
         forward = loss_forward(jaxpr)

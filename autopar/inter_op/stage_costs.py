@@ -10,11 +10,12 @@ import logging
 
 import numpy as np
 
-from ..errors import InfeasiblePlanError, InvalidArgumentError
-from .batch import run_jobs
-from .pipeline import slice_range
-from .stage_dp import StageCosts, solve_stage_dp
-from .stage_solve import StageSolution, is_float, stage_io
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.inter_op.batch import run_jobs
+from autopar.inter_op.pipeline import slice_range
+from autopar.inter_op.stage_dp import StageCosts, solve_stage_dp
+from autopar.core.plan import StageSolution
+from autopar.inter_op.stage_solve import is_float, stage_io
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 
 __all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
            "solve_stage_dp", "brute_force_stages"]

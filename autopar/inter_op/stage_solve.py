@@ -10,7 +10,6 @@ the residuals are what the backward reads from the forward.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,24 +17,24 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..cluster import ClusterSpec, LogicalMesh
-from ..cost import CostModel
-from ..frontend.loops import atomic_spans
-from ..graph import OpGraph, TensorKind
-from ..intra_op.phases import tail_nodes
-from ..intra_op.memory import run_order, schedule
-from ..intra_op.solve import (IlpStats, IntraOpProblem, ShardingAssignment, build_intra_op,
-                              least_memory, solve_built)
-from ..lower import run_nodes
-from ..options import MethodKind, ShardParallel
-from ..intra_op.batch_dims import batch_dims
-from ..intra_op.predict import predict_collectives
-from ..plan import (CollectivePlan, OperatorPlan, _collective_plan, _operator_plan,
-                    constrained_tensors, spec_from_json)
-from ..planner import operator_plans
-from ..spec import Spec, dim_shards, num_shards
-from ..trace import trace
-from .pipeline import LossGraph, StageSlice
+from autopar.cost.cluster import ClusterSpec, LogicalMesh
+from autopar.cost.model import CostModel
+from autopar.frontend.loops import atomic_spans
+from autopar.core.graph import OpGraph, TensorKind
+from autopar.intra_op.phases import tail_nodes
+from autopar.intra_op.memory import run_order, schedule
+from autopar.intra_op.solve import (IntraOpProblem, ShardingAssignment, build_intra_op,
+                                    least_memory, solve_built)
+from autopar.frontend.interpret import run_nodes
+from autopar.core.options import MethodKind, ShardParallel
+from autopar.intra_op.batch_dims import batch_dims
+from autopar.intra_op.predict import predict_collectives
+from autopar.core.plan import (StageSolution,
+                               constrained_tensors)
+from autopar.intra_op.planner import operator_plans
+from autopar.core.spec import Spec, dim_shards, num_shards
+from autopar.frontend.tracer import trace
+from autopar.inter_op.pipeline import LossGraph, StageSlice
 
 
 def is_float(dtype: str) -> bool:
@@ -126,46 +125,6 @@ def stage_batch_sources(loss: LossGraph, sl: StageSlice, graph: OpGraph,
         if dims[f] is not None:
             out[tid] = dims[f]
     return out
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageSolution:
-    """The ILP's plan of one stage on one logical mesh (specs are per input group, in order)."""
-    logical_shape: tuple[int, ...]
-    latency_s: float             # forward + backward of one microbatch (with their call overhead)
-    overhead_s: float = 0.0      # the fixed cost of those two executable calls
-    compute_s: float
-    comm_s: float
-    reshard_s: float
-    peak_memory_bytes: float     # per device, one microbatch in flight
-    activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
-    param_bytes: float           # per device
-    grad_bytes: float = 0.0      # per device: its parameters' gradients (the graph's outputs)
-    deferred_bytes: float = 0.0  # per device: temporaries its weight-gradient tail reads,
-                                 # live from its backward to the end (`deferred_bytes`)
-    param_specs: tuple[Spec, ...]
-    data_specs: tuple[Spec, ...]
-    act_specs: tuple[Spec, ...]  # float acts then int acts (as StageIO orders them)
-    out_specs: tuple[Spec, ...]  # float outputs then int outputs
-    grad_specs: tuple[Spec, ...]
-    constraints: tuple[tuple[int, Spec], ...] = ()   # (stage-graph tensor, spec) pinned inside
-    ilp: IlpStats
-    # ZeRO on this stage (its optimizer state split over the data axis, axis 0): the
-    # parameter bytes per device whose state it splits, and the all-gather of the updated
-    # parameters it then costs once per step.
-    zero_split_bytes: float = 0.0
-    zero_gather_s: float = 0.0
-    # For the dump: the stage's heavy operators and predicted collectives (one microbatch's
-    # forward + backward), as a one-mesh plan lists them.
-    operators: tuple[OperatorPlan, ...] = ()
-    collectives: tuple[CollectivePlan, ...] = ()
-
-    def optimizer_bytes(self, opt_ratio: float, zero: bool = False) -> float:
-        """Per device: the optimizer state (`opt_ratio` bytes per parameter byte), with ZeRO
-        split over the data axis."""
-        d = self.logical_shape[0]
-        saved = self.zero_split_bytes * (1 - 1 / d) if zero else 0.0
-        return opt_ratio * (self.param_bytes - saved)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -276,27 +235,6 @@ def stage_input_paths(loss: LossGraph, sl: StageSlice) -> tuple[str, ...]:
         t = step.tensors[operands[pos]]
         return t.path if t.kind == TensorKind.INPUT else ""
     return tuple(path(p) for p in sl.param_inputs + sl.data_inputs)
-
-
-def solution_record(sol: StageSolution, graph_fp: str) -> dict:
-    """`sol` as JSON data for a `ParallelPlan`, with the fingerprint of the stage graph its
-    tensor ids refer to: a saved or cached pipeline plan replays its stages without an ILP."""
-    return json.loads(json.dumps({"graph_fingerprint": graph_fp, **dataclasses.asdict(sol)}))
-
-
-def solution_from_record(record: dict) -> tuple[str, StageSolution]:
-    """(stage graph fingerprint, solution) from `solution_record`'s data."""
-    d = dict(record)
-    fp = d.pop("graph_fingerprint")
-    specs = lambda v: tuple(spec_from_json(s) for s in v)
-    for k in ("param_specs", "data_specs", "act_specs", "out_specs", "grad_specs"):
-        d[k] = specs(d[k])
-    d["logical_shape"] = tuple(d["logical_shape"])
-    d["constraints"] = tuple((int(t), spec_from_json(s)) for t, s in d["constraints"])
-    d["ilp"] = IlpStats(**d["ilp"])
-    d["operators"] = tuple(_operator_plan(o) for o in d.get("operators", ()))
-    d["collectives"] = tuple(_collective_plan(c) for c in d.get("collectives", ()))
-    return fp, StageSolution(**d)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,22 +13,24 @@ import hashlib
 import logging
 import time
 
-from ..cluster import ClusterSpec
-from ..errors import InfeasiblePlanError
-from ..graph import InputRole, OpGraph, TensorKind
-from .. import _compat
-from ..intra_op.annotations import Annotations
-from ..options import MethodKind, ShardParallel
-from ..spec import enumerate_specs, num_shards
+from autopar.cost.cluster import ClusterSpec
+from autopar.core.errors import InfeasiblePlanError
+from autopar.core.graph import InputRole, OpGraph, TensorKind
+from autopar.core import _compat
+from autopar.core.enums import Annotations
+from autopar.core.options import MethodKind, ShardParallel
+from autopar.core.spec import enumerate_specs, num_shards
 # The fingerprint's own digests of equation parameters and literals (same in every run).
-from ..plan import _scalar, _Seen, _stable, graph_fingerprint
-from .batch import ilp_scope
-from .parallel import PlanPool
-from .pipeline import LossGraph, StageSlice
-from .remat import Remat, with_remat
-from .stage_costs import latency, static_bytes
-from .stage_solve import (StageSolution, forward_batch_dims, mirrored, stage_batch_sources,
-                          stage_input_paths, stage_problem, trace_stage)
+from autopar.core.plan import _scalar, _Seen, _stable, graph_fingerprint
+from autopar.inter_op.batch import ilp_scope
+from autopar.inter_op.parallel import PlanPool
+from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.core.enums import Remat
+from autopar.inter_op.remat import with_remat
+from autopar.inter_op.stage_costs import latency, static_bytes
+from autopar.core.plan import StageSolution
+from autopar.inter_op.stage_solve import (forward_batch_dims, mirrored, stage_batch_sources,
+                                          stage_input_paths, stage_problem, trace_stage)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")

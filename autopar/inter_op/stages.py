@@ -20,23 +20,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import progress
-from ..cluster import ClusterSpec
-from ..cost import CostModel
-from ..errors import InfeasiblePlanError, InvalidArgumentError
-from ..graph import OpGraph
-from ..options import (AutoStageOption, ManualStageOption, PipeshardParallel, ShardParallel,
-                       UniformStageOption)
-from ..runtime.schedule import make_schedule
-from .parallel import PlanPool, plan_workers
-from .pipeline import LossGraph, StageSlice, slice_range
-from .remat import Remat, choices_of
-from .stage_costs import (boundary_costs, layer_options, reranked, run_dp, static_bytes,
-                          try_dp, zero_variant)
-from .stage_dp import candidate_submeshes
-from .stage_solver import (AXIS_NAMES, LEAN_SLACK, LEANEST_SLACK, StageSolver,  # noqa: F401
-                           opt_ratio_of)
-from .stage_solve import StageSolution
+from autopar.core import progress
+from autopar.cost.cluster import ClusterSpec
+from autopar.cost.model import CostModel
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.core.graph import OpGraph
+from autopar.core.options import (AutoStageOption, ManualStageOption, PipeshardParallel,
+                                  ShardParallel, UniformStageOption)
+from autopar.core.plan import alternative_record as record
+from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.parallel import PlanPool, plan_workers
+from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
+from autopar.core.enums import Remat
+from autopar.inter_op.remat import choices_of
+from autopar.inter_op.stage_costs import (boundary_costs, layer_options, reranked, run_dp,
+                                          static_bytes, try_dp, zero_variant)
+from autopar.inter_op.stage_dp import candidate_submeshes
+from autopar.inter_op.stage_solver import (AXIS_NAMES, LEAN_SLACK, LEANEST_SLACK, StageSolver,
+                                           opt_ratio_of)
+from autopar.core.plan import StageSolution
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +420,6 @@ def _layout_text(stages) -> str:
 
 def _layout_records(seen, loss, method, budget) -> tuple[dict, ...]:
     """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`)."""
-    from ..runner_ups import record
     out = []
     for stages, t, error in seen:
         if error is not None:

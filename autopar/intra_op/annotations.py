@@ -15,23 +15,15 @@ Example:
 """
 from __future__ import annotations
 
-import enum
 import logging
 from typing import Callable, Sequence
 
-from .. import _compat
-from ..errors import InvalidArgumentError
-from ..graph import OpGraph
-from ..spec import Spec, is_valid
+from autopar.core import _compat
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.graph import OpGraph
+from autopar.core.spec import Spec, is_valid
 
 log = logging.getLogger(__name__)
-
-
-class Annotations(str, enum.Enum):
-    """What the plan does with the sharding annotations in the user's code."""
-    PIN = "pin"          # annotated values take exactly the annotated sharding
-    HINT = "hint"        # a preference: other shardings pay the move into the annotated one
-    IGNORE = "ignore"    # planned as if the code had no annotations
 
 
 def _entries(sharding) -> tuple | None:

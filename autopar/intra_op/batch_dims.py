@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..graph import InputRole, Node, OpGraph
-from ..primitives import AXIS_OPS, ELEMENTWISE, LOOP_SLICE, LOOP_STACK, REDUCTIONS
+from autopar.core.graph import InputRole, Node, OpGraph
+from autopar.core.primitives import AXIS_OPS, ELEMENTWISE, LOOP_SLICE, LOOP_STACK, REDUCTIONS
 
 BatchDims = tuple[int | None, ...]
 
@@ -139,7 +139,7 @@ def _squeeze(graph, node, dims):
 
 
 def _reshape(graph, node, dims):
-    from .follow import _reshape_groups   # the follow rule's grouping of reshaped dims
+    from autopar.intra_op.follow import _reshape_groups   # the follow rule's grouping of reshaped dims
     d = dims[node.inputs[0]]
     if d is None:
         return [None]

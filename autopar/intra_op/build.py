@@ -14,17 +14,18 @@ from typing import Callable
 
 import numpy as np
 
-from .._format import format_bytes
-from ..errors import FallbackWarning
-from ..graph import InputRole, OpGraph, OutputPos, TensorId, TensorKind
-from ..spec import Spec, enumerate_specs, num_shards, replicated
-from .follow import FOLLOW_RULES, main_operand
-from .ilp import IlpEdge, IlpProblem, MemoryPoint
-from ..frontend.loops import stacked_tensors
-from ..primitives import CONTROL_FLOW, LOOP_EXIT, NOT_FOLDABLE
-from .loops import LOOP_LEADER_RULES, exit_strategies, scaled
-from .memory import collective_buffers, schedule
-from .rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
+from autopar.core._format import format_bytes
+from autopar.core.errors import FallbackWarning
+from autopar.core.graph import (InputRole, OpGraph, OutputPos, TensorId, TensorKind,
+                                cheap_source_tensors)
+from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
+from autopar.intra_op.follow import FOLLOW_RULES, main_operand
+from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
+from autopar.frontend.loops import stacked_tensors
+from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
+from autopar.intra_op.loops import LOOP_LEADER_RULES, exit_strategies, scaled
+from autopar.intra_op.memory import collective_buffers, schedule
+from autopar.intra_op.rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fallback:
@@ -82,16 +83,6 @@ def option_bytes(graph: OpGraph, tensor_specs, tid: int, mesh_shape) -> np.ndarr
     """Tensor `tid`'s bytes per device under each option of its group (`tensor_specs[tid]`)."""
     t = graph.tensors[tid]
     return np.array([t.nbytes / num_shards(s, mesh_shape) for s in tensor_specs[tid]])
-
-
-def cheap_source_tensors(graph: OpGraph) -> list[bool]:
-    """Tensors computed from constants alone (iota, broadcast zeros, a scaled literal...)."""
-    cheap = [t.kind == TensorKind.CONST for t in graph.tensors]
-    for node in graph.nodes:
-        if node.primitive not in NOT_FOLDABLE and all(cheap[i] for i in node.inputs):
-            for o in node.outputs:
-                cheap[o] = True
-    return cheap
 
 
 def expanded_tensors(graph: OpGraph) -> list[bool]:

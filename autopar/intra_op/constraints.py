@@ -11,13 +11,13 @@ import math
 import re
 from typing import Callable, Sequence
 
-from ..errors import InvalidArgumentError
-from ..frontend.loops import stacked_tensors
-from ..graph import InputRole, OpGraph, TensorKind
-from ..options import MethodKind, ShardParallel
-from ..spec import Spec, enumerate_specs, is_valid, num_shards, replicated
-from .batch_dims import batch_dims
-from .build import default_input_options
+from autopar.core.errors import InvalidArgumentError
+from autopar.frontend.loops import stacked_tensors
+from autopar.core.graph import InputRole, OpGraph, TensorKind
+from autopar.core.options import MethodKind, ShardParallel
+from autopar.core.spec import Spec, enumerate_specs, is_valid, num_shards, replicated
+from autopar.intra_op.batch_dims import batch_dims
+from autopar.intra_op.build import default_input_options
 
 
 def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int], path: str, method: str,

@@ -12,12 +12,12 @@ import dataclasses
 import math
 from typing import Callable
 
-from ..graph import Node
-from ..spec import Spec, num_shards, replicated, without_axes
-from ..primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
-from .layer_rules import LAYER_FOLLOW_RULES
-from .loops import LOOP_FOLLOW_RULES
-from .rules import RuleContext, Strategy
+from autopar.core.graph import Node
+from autopar.core.spec import Spec, num_shards, replicated, without_axes
+from autopar.core.primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
+from autopar.intra_op.layer_rules import LAYER_FOLLOW_RULES
+from autopar.intra_op.loops import LOOP_FOLLOW_RULES
+from autopar.intra_op.rules import RuleContext, Strategy
 
 
 def _drop_dims(spec: Spec, dims) -> Spec:

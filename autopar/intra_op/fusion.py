@@ -38,7 +38,7 @@ Pure Python on an `OpGraph`: no JAX import.
 
 Example (`jnp.sum(jnp.exp(x) * y + x)` on 1024 floats: exp, mul, add and reduce_sum are one
 kernel that reads x and y once each and writes the sum):
-    >>> graph = autopar.trace.trace(f, (x, y))           # doctest: +SKIP
+    >>> graph = autopar.frontend.tracer.trace(f, (x, y))           # doctest: +SKIP
     >>> fusion_costs(graph).node_bytes                   # doctest: +SKIP
     (4096.0, 4096.0, 0.0, 4.0)
 """
@@ -47,10 +47,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..cluster import FusionStyle
-from ..errors import AutoparError
-from ..graph import OpGraph
-from ..primitives import ELEMENTWISE, REDUCTIONS
+from autopar.cost.cluster import FusionStyle
+from autopar.core.errors import AutoparError
+from autopar.core.graph import OpGraph
+from autopar.core.primitives import ELEMENTWISE, REDUCTIONS
 
 # Views of their operand: no bytes on a materialized operand.
 _ALIAS = frozenset({

@@ -11,12 +11,10 @@ case: all but the first are dominated. The MIP fixes dominated columns to 0.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .ilp import _Reduced
+from autopar.intra_op.reduced import _Reduced
 
 IMPROVE_PASSES = 10       # local-improvement sweeps after greedy (stops early when stable)
 

@@ -20,12 +20,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.errors import InvalidArgumentError
+from autopar.core.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
 from autopar.intra_op.memory_points import (MemoryPoint, PointRows, _fold_point,  # noqa: F401
                                             folded_point, point_rows)
-from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolverBackend, SolveStatus,
-                                  build_mip, columns_of, round_solution, run_mip)
+from autopar.intra_op.reduced import _Reduced
+from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolveStatus, build_mip,
+                                  columns_of, round_solution, run_mip)
+from autopar.core.enums import SolverBackend
 
 logger = logging.getLogger(__name__)
 
@@ -166,17 +168,6 @@ def _check_choice(problem: IlpProblem, choice) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------- presolve
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Reduced:
-    """The problem after presolve. Groups with `choice[g] >= 0` are fixed; `var_groups` keep
-    variables. Memory rows are (terms with bytes shifted to min 0, rhs = budget - constant)."""
-    choice: np.ndarray
-    var_groups: tuple[int, ...]
-    node_costs: tuple[np.ndarray, ...]
-    edges: tuple[tuple[int, int, np.ndarray], ...]
-    mem_rows: tuple[tuple[tuple[tuple[int, np.ndarray], ...], float], ...]
-    infeasible: bool
 
 
 def _presolve(problem: IlpProblem) -> _Reduced:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..graph import Node
-from ..primitives import KEY_OPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
-from ..spec import Spec, num_shards, without_axes
-from .rules import RuleContext, Strategy
+from autopar.core.graph import Node
+from autopar.core.primitives import KEY_OPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
+from autopar.core.spec import Spec, num_shards, without_axes
+from autopar.intra_op.rules import RuleContext, Strategy
 
 
 def window_dims(params: dict, rank: int) -> list[int]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph import OpGraph
-from .ilp import IlpEdge, IlpProblem
-from .memory_points import folded_point
+from autopar.core.graph import OpGraph
+from autopar.intra_op.ilp import IlpEdge, IlpProblem
+from autopar.intra_op.memory_points import folded_point
 
 _NUMBERED = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z][A-Za-z0-9]*)_(\d+)(?![A-Za-z0-9_])")
 MIN_REPEATS = 4

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..frontend.loops import BRANCH_EXIT, LOOP_CARRY, LOOP_EXIT, LOOP_SLICE, LOOP_STACK
-from ..spec import Spec, enumerate_specs, replicated
-from .rules import RuleContext, Strategy
+from autopar.frontend.loops import BRANCH_EXIT, LOOP_CARRY, LOOP_EXIT, LOOP_SLICE, LOOP_STACK
+from autopar.core.spec import Spec, enumerate_specs, replicated
+from autopar.intra_op.rules import RuleContext, Strategy
 
 
 def _strategy(name: str, in_specs, out_spec: Spec) -> Strategy:

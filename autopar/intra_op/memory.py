@@ -41,12 +41,12 @@ import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..cluster import FusionStyle
-from ..frontend.loops import stacks_born_early
-from ..graph import OpGraph, TensorKind
-from ..spec import num_shards
-from .fusion import OpKind, fusion_costs, op_kind, single_output_kernels
-from .phases import tail_nodes
+from autopar.cost.cluster import FusionStyle
+from autopar.frontend.loops import stacks_born_early
+from autopar.core.graph import OpGraph, TensorKind, cheap_source_tensors
+from autopar.core.spec import num_shards
+from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind, single_output_kernels
+from autopar.intra_op.phases import tail_nodes
 
 # Elementwise primitives XLA's fusion does not duplicate into several consumers (its
 # `IsExpensive`): a fused value of one of them read by two or more kernels is written once.
@@ -72,7 +72,6 @@ class MemoryModel:
 
 
 def _cheap(graph: OpGraph) -> list[bool]:
-    from .build import cheap_source_tensors      # build imports this module
     return cheap_source_tensors(graph)
 
 
@@ -307,7 +306,7 @@ def collective_buffers(graph: OpGraph, events: Schedule) -> dict[int, tuple[int,
     XLA:GPU combines them too (its all-reduce / reduce-scatter combiners, by size thresholds)
     and turns an all-reduce feeding a dynamic-slice into a reduce-scatter
     (`ReduceScatterCreator`), whose result is the shard: there only the partial sums count."""
-    from ..primitives import MATMUL_LIKE
+    from autopar.core.primitives import MATMUL_LIKE
     pos = events.model.pos
     tail = tail_nodes(graph)
     dots = [pos[n] for n in tail if graph.nodes[n].primitive in MATMUL_LIKE]

@@ -7,15 +7,15 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import UnsupportedError
+from autopar.core.enums import SolverBackend
+from autopar.core.errors import UnsupportedError
 
-if TYPE_CHECKING:
-    from .ilp import _Reduced
+from autopar.intra_op.reduced import _Reduced
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,6 @@ DIVE_MAX_STEPS = 32       # LP re-solves of the dive that finds the MIP's start
 DIVE_SHARE = 0.25         # of the time limit the dive may take
 _INTEGRAL_TOL = 1e-9
 _MIP_ABS_GAP = 1e-10
-
-
-class SolverBackend(enum.Enum):
-    """Which MIP solver runs the reduced model."""
-    HIGHS = "highs"   # highspy, model passed as numpy arrays (fast); the default
-    CBC = "cbc"       # pulp.PULP_CBC_CMD
 
 
 class SolveStatus(enum.Enum):
@@ -269,7 +263,6 @@ def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
 def solve_cbc(mip: Mip, time_limit_s: float) -> MipResult:
     import pulp
 
-    from .._compat import cbc_solve   # PuLP 3 or 4 (imported here: no JAX at module level)
     prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
     xs = [prob.add_variable(f"x{i}", None if lo == -np.inf else lo, None if hi == np.inf else hi,
                             cat=pulp.LpInteger if integer else pulp.LpContinuous)
@@ -335,3 +328,66 @@ def round_solution(mip: Mip, x: np.ndarray, choice: np.ndarray) -> np.ndarray:
     for g, start, k in mip.group_cols:
         choice[g] = int(np.argmax(x[start:start + k]))
     return choice
+
+
+def cbc_solve(problem, **options):
+    """Solve a `pulp.LpProblem` with CBC (`cbc_command(**options)`): (status, the solver's
+    words for it), status a `SolveStatus`: OPTIMAL, FEASIBLE (a solution, a limit hit first),
+    INFEASIBLE, or FALLBACK (no solution). PuLP < 4 leaves the outcome on the problem
+    (`status`, `sol_status`); PuLP 4 returns it (`LpSolveStats`)."""
+    import pulp
+
+    stats = problem.solve(cbc_command(**options))
+    if not hasattr(pulp, "LpSolveStats"):                 # PuLP < 4
+        words = pulp.LpStatus.get(problem.status, str(problem.status))
+        if (problem.status == pulp.LpStatusInfeasible
+                or problem.sol_status == pulp.LpSolutionInfeasible):
+            return SolveStatus.INFEASIBLE, words
+        return {pulp.LpSolutionOptimal: SolveStatus.OPTIMAL,
+                pulp.LpSolutionIntegerFeasible: SolveStatus.FEASIBLE}.get(
+                    problem.sol_status, SolveStatus.FALLBACK), words
+    words = stats.status.name
+    if stats.status == pulp.LpSolveStatus.Infeasible:
+        return SolveStatus.INFEASIBLE, words
+    if not stats.has_solution:
+        return SolveStatus.FALLBACK, words
+    # GapLimit: optimal up to the gap asked for (PuLP < 4 called that optimal too)
+    optimal = stats.status in (pulp.LpSolveStatus.Optimal, pulp.LpSolveStatus.GapLimit)
+    return (SolveStatus.OPTIMAL if optimal else SolveStatus.FEASIBLE), words
+
+
+# ------------------------------------------------------- PuLP's CBC (PuLP 3 and 4)
+def cbc_command(**options):
+    """PuLP's command that runs CBC, with `options` (msg, timeLimit, gapRel, ...).
+
+    PuLP < 4 bundles a CBC binary (`PULP_CBC_CMD`); PuLP 4 dropped it: `COIN_CMD` runs the
+    binary of the `cbcbox` package (`pip install 'pulp[cbc]'`) or a `cbc` on PATH.
+
+    Example:
+        >>> cmd = cbc_command(msg=False, timeLimit=10.0)   # then `problem.solve(cmd)`
+
+    Raises:
+      UnsupportedError: PuLP 4 finds no CBC binary.
+    """
+    import pulp
+    if hasattr(pulp, "PULP_CBC_CMD"):
+        with warnings.catch_warnings():   # PuLP 3.3 deprecates PULP_CBC_CMD for 4.0
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(**options)
+    cmd = pulp.COIN_CMD(**options)
+    if not cmd.available():
+        raise UnsupportedError(
+            f"solver=SolverBackend.CBC: PuLP {pulp.__version__} bundles no CBC binary (PuLP 4 "
+            f"dropped it) and none was found (neither the `cbcbox` package nor `cbc` on PATH). "
+            f"Fix: pip install 'pulp[cbc]' (or install a `cbc`, e.g. Debian's coinor-cbc), or "
+            f"use solver=SolverBackend.HIGHS.")
+    return cmd
+
+
+def cbc_available() -> bool:
+    """Whether `cbc_command` finds a CBC binary."""
+    try:
+        cbc_command(msg=False)
+    except UnsupportedError:
+        return False
+    return True

@@ -5,8 +5,8 @@ combines. The cost rules (`build`, `rules`) and the memory model (`memory`) both
 """
 from __future__ import annotations
 
-from ..graph import OpGraph
-from ..primitives import MATMUL_LIKE, REDUCTIONS
+from autopar.core.graph import OpGraph
+from autopar.core.primitives import MATMUL_LIKE, REDUCTIONS
 
 
 def tail_nodes(graph: OpGraph) -> frozenset[int]:

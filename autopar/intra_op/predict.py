@@ -32,15 +32,15 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .._format import format_bytes
-from ..graph import OpGraph, TensorKind
-from ..hlo import KINDS as COLLECTIVE_KINDS, Collective
-from ..plan import CollectivePlan
-from ..spec import Spec, num_shards
-from .solve import ShardingAssignment
+from autopar.core._format import format_bytes
+from autopar.core.graph import OpGraph, TensorKind
+from autopar.frontend.interpret import RESULT
+from autopar.cost.hlo import KINDS as COLLECTIVE_KINDS, Collective
+from autopar.core.plan import CollectivePlan
+from autopar.core.spec import Spec, num_shards
+from autopar.intra_op.solve import ShardingAssignment
 
 COMBINED_KINDS = ("all-reduce", "all-gather")   # XLA's combiners merge independent ones
-RESULT = -1                                      # `Reshard.node` of a step's result
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .._format import format_bytes
-from ..cost import CostModel
-from ..graph import Node, OpGraph, Tensor
-from ..spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
-from .fusion import FusionCosts, fusion_costs
+from autopar.core._format import format_bytes
+from autopar.cost.model import CostModel
+from autopar.core.graph import Node, OpGraph, Tensor
+from autopar.core.spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
+from autopar.intra_op.fusion import FusionCosts, fusion_costs
 
 
 @dataclass(frozen=True, slots=True)

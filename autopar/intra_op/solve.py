@@ -10,21 +10,23 @@ from typing import Callable
 
 import numpy as np
 
-from ..cluster import LogicalMesh
-from ..cost import CostModel
-from ..errors import InfeasiblePlanError, InvalidArgumentError
-from ..graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
-from ..options import LayerReuse, ShardParallel
-from ..spec import Spec
-from .annotations import Annotations, annotation_specs, both, pin_rule
-from .build import Built, Fallback, build_ilp, option_bytes
-from .phases import deferred_nodes
-from .constraints import method_input_options, method_tensor_rule
-from .ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
-                  with_extra_bytes)
-from .layers import find_family, group_keys, tie, tied_problem
-from .memory import peak_bytes
-from .rules import RuleContext
+from autopar.cost.cluster import LogicalMesh
+from autopar.cost.model import CostModel
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.core.graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
+from autopar.core.options import LayerReuse, ShardParallel
+from autopar.core.plan import IlpStats
+from autopar.core.spec import Spec
+from autopar.core.enums import Annotations
+from autopar.intra_op.annotations import annotation_specs, both, pin_rule
+from autopar.intra_op.build import Built, Fallback, build_ilp, option_bytes
+from autopar.intra_op.phases import deferred_nodes
+from autopar.intra_op.constraints import method_input_options, method_tensor_rule
+from autopar.intra_op.ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
+                                  with_extra_bytes)
+from autopar.intra_op.layers import find_family, group_keys, tie, tied_problem
+from autopar.intra_op.memory import peak_bytes
+from autopar.intra_op.rules import RuleContext
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +46,6 @@ def ilp_call(fn: Callable, problem, *args, **kwargs):
 # methods the user did not ask for, and logs theirs at DEBUG.
 UNMET_PINS_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar(
     "autopar_unmet_pins_level", default=logging.WARNING)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IlpStats:
-    num_groups: int              # strategy variables before presolve
-    num_edges: int
-    num_memory_points: int
-    num_variables: int           # of the model the solver saw
-    num_constraints: int
-    build_time_s: float
-    solve_time_s: float
-    status: str                  # SolveStatus value
-    backend: str
-    message: str
-    objective_s: float
-    layer_reuse: str = ""        # e.g. "12 x block_* solved once (period 2), 1788 ties"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

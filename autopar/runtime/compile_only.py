@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..lower_pipeline import PipelineProgram
-from .executor import Executor
-from .microbatch import add_all
+from autopar.lowering.pipeline import PipelineProgram
+from autopar.runtime.executor import Executor
+from autopar.runtime.microbatch import add_all
 
 
 class Role(enum.Enum):

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..inter_op.apply_grad import PIPELINE
-from ..lower import has_sharding, put
-from ..lower_pipeline import PipelineProgram
-from .microbatch import Merger, add_all
-from .schedule import Phase
+from autopar.inter_op.apply_grad import PIPELINE
+from autopar.lowering.single_mesh import has_sharding, put
+from autopar.lowering.pipeline import PipelineProgram
+from autopar.runtime.microbatch import Merger, add_all
+from autopar.inter_op.schedule import Phase
 
 
 @dataclass(slots=True)

@@ -18,9 +18,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ..inter_op.pipeline import LossGraph
-from ..inter_op.reduction import Combine, OutputCombine
-from ..lower import run_nodes
+from autopar.inter_op.pipeline import LossGraph
+from autopar.inter_op.reduction import Combine, OutputCombine
+from autopar.frontend.interpret import run_nodes
 
 
 def interleave(values, *, dim: int, rows: int):

@@ -1,0 +1,229 @@
+"""Lower pass for pipeline plans: per-stage jitted forward / backward executables on submesh
+`Mesh`es, and one jitted executable per apply-gradient segment.
+
+A stage's executables re-emit its training graph (the one its ILP solved) cut in two by
+`split_train_graph`, with every intermediate pinned to the ILP's sharding: the forward returns
+the stage outputs and the residuals it computes (a list of arrays that stays on the stage's
+devices); the backward reads them, the stage's parameters, data and the activation inputs it
+needs (the executor keeps those by reference: no copy per microbatch in flight) and the output
+cotangents, and adds the parameter gradients into the accumulator (donated). Where the last
+stage's backward of a microbatch directly follows its forward (1F1B, and so every microbatch
+of gradient accumulation) `fused` runs both in one executable and keeps no residuals. Values
+move between submeshes with `jax.device_put` (see `runtime.executor`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from autopar.core import progress
+from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
+from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
+from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
+from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
+from autopar.lowering.single_mesh import named
+from autopar.frontend.interpret import run_nodes
+from autopar.inter_op.schedule import PipelineSchedule, make_schedule
+from autopar.core.enums import Schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class StageExecutable:
+    index: int
+    slice: StageSlice
+    mesh: jax.sharding.Mesh
+    io: StageIO
+    param_shardings: tuple[NamedSharding, ...]   # per slice.param_inputs
+    data_shardings: tuple[NamedSharding, ...]    # per slice.data_inputs (microbatch shape)
+    act_shardings: dict[int, NamedSharding]      # per act input tensor id
+    out_shardings: dict[int, NamedSharding]      # per output tensor id
+    forward: Callable     # (params, data, float_acts, int_acts) -> (outs, int_outs, residuals)
+    backward: Callable    # ((residuals, params, data, saved acts), cts, acc) -> (acc,
+                          # act_grads); acc=None the first time
+    fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
+                          # acc, act_grads)
+    reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
+                                     # keeps partial sums (see inter_op.local_grads)
+    local_grads: int = 0             # how many parameter gradients are accumulated locally
+    saved_acts: tuple[int, ...] = ()  # positions of the activation inputs the backward reads
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PipelineProgram:
+    loss: LossGraph
+    placement: Placement
+    stages: tuple[StageExecutable, ...]
+    in_shardings: tuple[NamedSharding, ...]      # per step input
+    segment_fns: tuple[Callable | None, ...]     # per segment (None for the pipeline)
+    schedule: PipelineSchedule
+    num_microbatches: int
+    max_in_flight_calls: int | None              # None: never wait (accelerators)
+
+
+def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.sharding.Mesh:
+    devs = np.array([devices_by_id[d] for d in stage.device_ids], dtype=object)
+    return jax.sharding.Mesh(devs.reshape(stage.solution.logical_shape), AXIS_NAMES)
+
+
+def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
+                      local: LocalGrads | None) -> StageExecutable:
+    sl, sol, graph = stage.slice, stage.solution, stage.graph
+    io = stage_io(loss, sl)
+    sh = lambda specs: tuple(named(mesh, s) for s in specs)
+    acts = dict(zip((*io.float_acts, *io.int_acts), sh(sol.act_specs)))
+    outs = dict(zip((*io.float_outputs, *io.int_outputs), sh(sol.out_specs)))
+    grads = sh(sol.grad_specs)
+    constrain = {t: named(mesh, spec) for t, spec in sol.constraints}
+    split = split_train_graph(graph, sl)
+    nodes = lambda ids: [graph.nodes[n] for n in ids]
+    fwd_nodes, bwd_nodes = nodes(split.forward_nodes), nodes(split.backward_nodes)
+    n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
+    n_out = len(io.float_outputs) + len(io.int_outputs)
+    n_grads = len(sl.param_inputs)
+    # With several microbatches, gradients accumulate as per-device partial sums, reduced
+    # once per step by `reduce`.
+    reduce = None
+    if local:
+        specs = dict(sol.constraints)
+        run_bwd = lambda env, ns: run_nodes_local(graph, ns, env, specs, local, mesh, named)
+        acc_sh = [named(mesh, partial_spec(s, local.partial[t])) if kept else g
+                  for s, g, t, kept in zip(sol.grad_specs, grads, graph.outputs[n_out:],
+                                           local.grad_outputs)]
+        reduce = jax.jit(lambda acc: [a.sum(0) if kept else a
+                                      for a, kept in zip(acc, local.grad_outputs)],
+                         out_shardings=list(grads))
+        grads = tuple(acc_sh)
+    else:
+        run_bwd = lambda env, ns: run_nodes(graph, ns, env, constrain)
+
+    def env_of(inputs, values):
+        env = dict(graph.const_values)
+        env.update(zip(inputs, values))
+        return env
+
+    def finish(env, acc):
+        """(acc + param grads, act grads) on the ILP's shardings of params and acts."""
+        constrain_to = jax.lax.with_sharding_constraint
+        param_grads = [env[t] for t in graph.outputs[n_out:n_out + n_grads]]
+        if acc is not None:
+            param_grads = [a + g for a, g in zip(acc, param_grads)]
+        act_grads = [env[t] for t in graph.outputs[n_out + n_grads:]]
+        return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
+                [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
+
+    # The forward returns the residuals it computes; those that are the stage's inputs (its
+    # parameters, data and activations) the executor keeps and hands the backward as they are
+    # (returned by the forward, each would be a copy per microbatch in flight).
+    n_pd = len(sl.param_inputs) + len(sl.data_inputs)
+    param_data, act_ids = graph.inputs[:n_pd], graph.inputs[n_pd:n_in]
+    computed = tuple(t for t in split.residuals if t not in set(graph.inputs[:n_in]))
+    wanted = set(split.residuals)
+    saved_acts = tuple(i for i, t in enumerate(act_ids) if t in wanted)
+
+    def forward(params, data, float_acts, int_acts):
+        env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
+        run_nodes(graph, fwd_nodes, env, constrain)
+        out = [env[t] for t in graph.outputs[:n_out]]
+        return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
+            [env[t] for t in computed]
+
+    def backward(saved, cts, acc):
+        residuals, params, data, acts = saved
+        env = env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts),
+                      *graph.inputs[n_in:]), [*residuals, *params, *data, *acts, *cts])
+        run_bwd(env, bwd_nodes)
+        return finish(env, acc)
+
+    def fused(params, data, float_acts, int_acts, cts, acc):
+        env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
+        run_bwd(env, graph.nodes)
+        out = [env[t] for t in graph.outputs[:n_out]]
+        return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
+
+    out_sh = ([outs[t] for t in io.float_outputs], [outs[t] for t in io.int_outputs])
+    return StageExecutable(
+        index=sl.index, slice=sl, mesh=mesh, io=io, param_shardings=sh(sol.param_specs),
+        data_shardings=sh(sol.data_specs), act_shardings=acts, out_shardings=outs,
+        forward=jax.jit(forward, out_shardings=(*out_sh, None)),
+        backward=jax.jit(backward, donate_argnums=(2,)),
+        fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
+        reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
+        saved_acts=saved_acts)
+
+
+def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],
+                donate: tuple[int, ...] = ()) -> Callable:
+    """One apply-gradient segment as a jit; `pinned` outputs (the next step's state) come out
+    exactly on the sharding the step's inputs expect, the others where XLA puts them; the
+    inputs at positions `donate` are donated (see `donated_inputs`)."""
+    step = loss.step
+    nodes = [step.nodes[n] for n in seg.nodes]
+
+    def run(*values):
+        env = dict(step.const_values)
+        env.update(zip(seg.inputs, values))
+        run_nodes(step, nodes, env)
+        return [env[t] for t in seg.outputs]
+
+    return jax.jit(run, out_shardings=[pinned.get(t) for t in seg.outputs],
+                   donate_argnums=donate)
+
+
+def donated_inputs(loss: LossGraph, placement: Placement, index: int) -> tuple[int, ...]:
+    """Positions of segment `index`'s inputs it donates: state the user donated
+    (`donate_argnums`) whose new value (its carried output) the segment makes on the same
+    stage and sharding, read by no later segment and not itself a result. Without it the
+    update would hold the old state and the new one at once.
+
+    Example:
+        >>> donated_inputs(loss, placement, 2)      # the update of stage 0's parameters
+        (0, 1, 3, 4)
+    """
+    step, seg = loss.step, placement.segments[index]
+    later = {t for s in placement.segments[index + 1:] for t in s.inputs} | set(step.outputs)
+    replaced = {step.inputs[i] for o, i in step.carried_outputs.items()
+                if i in step.donated_inputs and step.outputs[o] in seg.outputs
+                and placement.input_stage[i] == seg.stage == placement.output_stage[o]
+                and placement.output_spec[o] == placement.input_spec[i]}
+    return tuple(k for k, t in enumerate(seg.inputs) if t in replaced and t not in later)
+
+
+@progress.timed("lowering", lambda p: f"{len(p.stages)} stage(s)", long=False)
+def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenStage, ...],
+                   devices: list, schedule: Schedule, num_microbatches: int,
+                   max_in_flight_calls: int,
+                   local_grads: tuple[LocalGrads | None, ...]) -> PipelineProgram:
+    """The stages' and segments' executables; `local_grads` (per stage, as `plan_pipeline`
+    found them) says which gradients accumulate as partial sums."""
+    by_id = {int(d.id): d for d in devices}
+    meshes = [stage_mesh(st, by_id) for st in stages]
+    execs = tuple(_stage_executable(loss, st, m, lg)
+                  for st, m, lg in zip(stages, meshes, local_grads))
+    step = loss.step
+    in_sh = tuple(named(meshes[s], spec)
+                  for s, spec in zip(placement.input_stage, placement.input_spec))
+    segment_fns = []
+    for index, seg in enumerate(placement.segments):
+        if seg.stage == PIPELINE:
+            segment_fns.append(None)
+            continue
+        pinned = {}
+        for pos, tid in enumerate(step.outputs):
+            spec = placement.output_spec[pos]
+            if spec is not None and placement.output_stage[pos] == seg.stage \
+                    and tid in seg.outputs:
+                pinned[tid] = named(meshes[seg.stage], spec)
+        segment_fns.append(_segment_fn(loss, seg, pinned,
+                                       donated_inputs(loss, placement, index)))
+    cpu = all(d.platform == "cpu" for d in devices)
+    return PipelineProgram(
+        loss=loss, placement=placement, stages=execs, in_shardings=in_sh,
+        segment_fns=tuple(segment_fns),
+        schedule=make_schedule(schedule, len(stages), num_microbatches),
+        num_microbatches=num_microbatches,
+        max_in_flight_calls=max_in_flight_calls if cpu else None)

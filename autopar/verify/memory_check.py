@@ -1,0 +1,146 @@
+"""Verified memory: a single-mesh plan made under a binding memory budget is compiled and its
+`memory_analysis()` checked against the budget, so "fits the budget" holds whatever the
+memory model's error and whatever the backend's scheduler does.
+
+The planner predicts the peak per device (`intra_op.memory`); XLA's scheduler and buffer
+assignment decide the real one. When the prediction is within `BINDING` of the budget,
+`verified_plan` compiles the lowered step (the executable is kept: the first call reuses it)
+and reads arguments + outputs + temp - aliased. If that exceeds the budget, it re-plans with
+the ILP's budget scaled down by budget / compiled (at most `ROUNDS` times, each logged) and
+raises `InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
+records what XLA compiled to (`ParallelPlan.measured["compiled_bytes"]`; `autopar.dump` shows
+it next to the prediction).
+
+Example (what `parallelize` does for a single-mesh plan):
+    >>> made = verified_plan(method, plan_at, compile_plan)     # doctest: +SKIP
+    >>> made.plan.measured["compiled_bytes"] <= made.plan.memory_budget_bytes  # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autopar.core import progress
+from autopar.core.errors import InfeasiblePlanError
+from autopar.core.graph import OpGraph
+from autopar.core.options import ShardParallel
+from autopar.core.plan import ParallelPlan
+
+log = logging.getLogger(__name__)
+
+BINDING = 0.5     # a budget binds when the predicted peak is at least this share of it
+ROUNDS = 3        # re-plans at a scaled budget before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A plan, the graph it was made for, and (when it was checked) what compiling it made:
+    `built` is whatever `compile_plan` returned (the lowered step and its executable)."""
+    plan: ParallelPlan
+    graph: OpGraph
+    built: Any = None
+
+
+def compiled_bytes(compiled) -> int | None:
+    """arguments + outputs + temp - aliased of a compiled executable, per device; None when
+    the backend reports no memory analysis."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:                   # noqa: BLE001 - some backends do not implement it
+        return None
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def binding(plan: ParallelPlan) -> bool:
+    """Whether `plan`'s predicted peak is close enough to its budget to be checked."""
+    return plan.peak_memory_bytes >= BINDING * plan.memory_budget_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Over:
+    """A compiled plan over its budget: where (`the plan`, `stage 1 of the pipeline`), what the
+    model predicted there, what XLA compiled it to, and the search budget to re-plan at."""
+    where: str
+    predicted: float
+    compiled: int
+    next_budget: float
+
+
+def replan_until_it_fits(planned, budget: float, measure: Callable, replan: Callable,
+                         fix: str):
+    """The compiled check's rounds, for one mesh and for pipelines alike:
+    `measure(planned, round_)` compiles `planned` and returns (`planned` with what XLA compiled
+    recorded, what was built, an `Over` or None where it fits); `replan(next_budget)` plans
+    again. Returns (planned, built) of the first that fits, each re-plan logged.
+
+    Raises:
+      InfeasiblePlanError: still over the budget after `ROUNDS` re-plans, or a re-plan finds
+        no plan; it names where, the predicted and the compiled bytes, and `fix`.
+    """
+    for round_ in range(ROUNDS + 1):
+        with progress.phase("memory check", "compiles the plan to read its memory use") as ph:
+            planned, built, over = measure(planned, round_)
+            ph.done("fits the budget" if over is None else "over the budget")
+        if over is None:
+            return planned, built
+        if round_ == ROUNDS:
+            break
+        log.warning("autopar: %s predicted %s bytes per device but XLA compiled it to %s, "
+                    "over the budget %s; re-planning at a budget of %s (round %d of %d)",
+                    over.where, f"{over.predicted:,.0f}", f"{over.compiled:,}",
+                    f"{budget:,.0f}", f"{over.next_budget:,.0f}", round_ + 1, ROUNDS)
+        try:
+            planned = replan(over.next_budget)
+        except InfeasiblePlanError as e:
+            raise InfeasiblePlanError(
+                f"memory: {over.where} predicted {over.predicted:,.0f} bytes per device, but "
+                f"XLA compiled it to {over.compiled:,} bytes, over the budget of {budget:,.0f}; "
+                f"re-planning at {over.next_budget:,.0f} bytes found no plan ({e}). {fix}",
+                needed_bytes=over.compiled, budget_bytes=int(budget)) from None
+    raise InfeasiblePlanError(
+        f"memory: after {ROUNDS} re-plans at scaled budgets, {over.where} predicted "
+        f"{over.predicted:,.0f} bytes per device, but XLA compiled it to {over.compiled:,} "
+        f"bytes, over the budget of {budget:,.0f}. {fix}", needed_bytes=over.compiled,
+        budget_bytes=int(budget))
+
+
+def verified_plan(method: ShardParallel,
+                  plan_at: Callable[[ShardParallel], tuple[ParallelPlan, OpGraph]],
+                  compile_plan: Callable[[ParallelPlan, OpGraph], tuple[Any, Any]],
+                  ) -> Verified:
+    """`plan_at(method)`, checked against XLA when its budget binds (see the module
+    docstring). `compile_plan(plan, graph) -> (built, executable)` lowers and compiles.
+
+    Raises:
+      InfeasiblePlanError: no plan compiles within the budget after `ROUNDS` re-plans (or the
+        scaled budget leaves no plan at all); it names the predicted and compiled bytes.
+    """
+    plan, graph = plan_at(method)
+    if not binding(plan):
+        return Verified(plan, graph)
+    budget = float(plan.memory_budget_bytes)
+    ilp_budget = budget
+
+    def measure(planned, round_):
+        nonlocal ilp_budget
+        plan, graph = planned
+        built, executable = compile_plan(plan, graph)
+        got = compiled_bytes(executable)
+        plan = dataclasses.replace(plan, memory_budget_bytes=budget, measured={
+            **plan.measured, "compiled_bytes": got, "memory_check_rounds": round_})
+        if got is None or got <= budget:
+            return (plan, graph), built, None
+        ilp_budget *= budget / got
+        return (plan, graph), built, Over("the plan", plan.peak_memory_bytes, got, ilp_budget)
+
+    (plan, graph), built = replan_until_it_fits(
+        (plan, graph), budget, measure,
+        lambda b: plan_at(dataclasses.replace(method, memory_budget_bytes=int(b))),
+        "Fix: raise memory_budget_bytes, use more devices, a smaller batch, or remat='full'.")
+    return Verified(plan, graph, built)
