@@ -7,7 +7,7 @@ BENCHMARKS.md (run by `run_all.py`, i.e. `make bench`; alone: `python benchmarks
    replays the stages, re-solving only their ILPs). Both include tracing the step. Medians of 3
    alternating rounds in one process.
 2. Step time of one process with 8 simulated CPU devices against 2 processes x 4 devices
-   (`python -m autopar.launch`), same GPT, same plans (ShardParallel on the 2 x 4 mesh, and a
+   (`python -m autopar launch`), same GPT, same plans (ShardParallel on the 2 x 4 mesh, and a
    2-stage 1F1B pipeline whose stages sit on different processes in the 2-process run). A step
    ends with `autopar.to_host(loss)`; median of the timed steps after 2 warm-up steps.
 """

@@ -2,7 +2,7 @@
 
 Try it on one machine (2 processes x 4 simulated CPU devices, one JAX job over 127.0.0.1):
 
-    python -m autopar.launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
+    python -m autopar launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
 
 On a real cluster, run this same script on every host (e.g. `srun python
 examples/multihost_gpt.py`): `autopar.init_distributed()` reads SLURM's (or another

@@ -1,5 +1,5 @@
 """Run by tests/test_launch.py in every process of
-`python -m autopar.launch --num-processes 2 --devices-per-process 4 tests/mp_worker.py OUT MODE`.
+`python -m autopar launch --num-processes 2 --devices-per-process 4 tests/mp_worker.py OUT MODE`.
 
 MODE "train": the tiny GPT for 3 steps under ShardParallel, Zero3Parallel and 2-stage 1F1B and
 GPipe pipelines on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final parameters and

@@ -204,7 +204,7 @@ _CHILD = textwrap.dedent("""
     import asyncio, sys
     import jax, jax.numpy as jnp, numpy as np
     import orbax.checkpoint as ocp
-    from autopar.checkpoint import save_checkpoint
+    from autopar.runtime.checkpoint import save_checkpoint
     path, n = sys.argv[1], int(sys.argv[2])
     s = jax.sharding.NamedSharding(jax.make_mesh((8,), ("d",)), jax.sharding.PartitionSpec("d"))
     save_checkpoint(path, {"x": jax.device_put(np.arange(64, dtype=np.float32), s)}, 1)

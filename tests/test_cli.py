@@ -431,7 +431,7 @@ def test_launch_runs_the_script_and_hides_chatter(capsys, tmp_path, monkeypatch)
     assert code == 0, out
     assert "[process 0] hello from 0 of 1 ['--flag', 'x']" in out
     assert "[Gloo]" not in out
-    assert ("autopar.runtime.launch: all 1 processes finished (1 Gloo connection lines hidden; "
+    assert ("autopar launch: all 1 processes finished (1 Gloo connection lines hidden; "
             "--verbose shows them)") in out
 
 
@@ -441,7 +441,7 @@ def test_python_m_autopar_launch_keeps_its_parser(capsys):
         launch.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m autopar.launch") and "--verbose" in out
+    assert out.startswith("usage: python -m autopar launch") and "--verbose" in out
     with pytest.raises(SystemExit) as e:
         launch.main(["--num-processes", "0", "x.py"])
     assert e.value.code == 2

@@ -1,4 +1,4 @@
-"""`python -m autopar.launch` end to end: 2 processes x 4 simulated CPU devices on 127.0.0.1
+"""`python -m autopar launch` end to end: 2 processes x 4 simulated CPU devices on 127.0.0.1
 form one job. GPT under ShardParallel and Zero3Parallel (sharded across both processes) and
 under 2-stage 1F1B and GPipe pipelines whose stages sit on different processes equals plain
 `jax.jit` on one device

@@ -60,8 +60,8 @@ def test_model_rules_on_a_small_step():
 _BAND = textwrap.dedent("""
     import json, sys
     import autopar, optax
-    from autopar.memory_check import compiled_bytes
-    from models.gpt import GPTConfig
+    from autopar.verify.memory_check import compiled_bytes
+    from autopar.models.gpt import GPTConfig
     from steps import LONG_LM, make_case, mesh_of
     wide = GPTConfig(vocab_size=256, seq_len=128, num_layers=2, hidden=64, num_heads=4)
     out = []
@@ -127,11 +127,11 @@ _ZERO3 = textwrap.dedent("""
     import jax, optax
     import autopar
     from flax.training import train_state
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
     from autopar.intra_op.memory import predicted_peak_bytes
     from autopar.intra_op.solve import build_intra_op, solve_built
-    from autopar.memory_check import compiled_bytes
-    from models.mlp import MLP, make_mlp_batch, mse_loss
+    from autopar.verify.memory_check import compiled_bytes
+    from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
     from steps import mesh_of
     batch = make_mlp_batch(jax.random.key(1), 32, 256, 256)
     net = MLP(num_layers=4, hidden=256)

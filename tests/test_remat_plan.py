@@ -29,8 +29,8 @@ _ACCEPTANCE = textwrap.dedent("""
     import json
     import jax
     import autopar
-    from autopar.memory_check import compiled_bytes
-    from models.gpt import GPTConfig
+    from autopar.verify.memory_check import compiled_bytes
+    from autopar.models.gpt import GPTConfig
     from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
     config = GPTConfig(vocab_size=64, seq_len=256, num_layers=8, hidden=32, num_heads=2)

@@ -151,7 +151,7 @@ class CostModel:
     alpha and beta among them (the slowest link bounds the group).
 
     Example:
-        >>> from autopar.cluster import ClusterSpec
+        >>> from autopar.cost.cluster import ClusterSpec
         >>> cm = CostModel(mesh=ClusterSpec.preset("cpu").logical_mesh((2, 4)))
         >>> cm.all_reduce_s(0, axes=[0]) > 0, cm.all_reduce_s(1e6, axes=[]) == 0.0
         (True, True)
@@ -176,7 +176,7 @@ class CostModel:
         allowed, small messages favour butterfly and large ones recursive halving.
 
         Example:
-            >>> from autopar.cluster import ClusterSpec
+            >>> from autopar.cost.cluster import ClusterSpec
             >>> cm = CostModel(mesh=ClusterSpec.preset("dgx-a100").logical_mesh((1, 8)))
             >>> cm.all_reduce_algorithm(1e3, [1]).value, cm.all_reduce_algorithm(1e9, [1]).value
             ('tree', 'ring')

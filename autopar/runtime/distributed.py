@@ -6,7 +6,7 @@ autopar runs one controller process per host on JAX's own multi-process runtime
 where the plan puts them.
 
 `init_distributed()` is a thin wrapper over `jax.distributed.initialize` that
-- reads the environment `python -m autopar.launch` sets (`AUTOPAR_COORDINATOR_ADDRESS`,
+- reads the environment `python -m autopar launch` sets (`AUTOPAR_COORDINATOR_ADDRESS`,
   `AUTOPAR_NUM_PROCESSES`, `AUTOPAR_PROCESS_ID`, `AUTOPAR_TRANSFER_ADDRESS`), else JAX's own
   (`JAX_COORDINATOR_ADDRESS`, and SLURM / Open MPI / Kubernetes / Cloud TPU auto-detection),
   else runs as a single process;
@@ -16,7 +16,7 @@ where the plan puts them.
   with an error that names it (exit status `EXIT_JOIN_TIMEOUT` / `EXIT_PEER_LOST`) instead of
   hanging.
 
-Example (run the same script on every host, or with `python -m autopar.launch`):
+Example (run the same script on every host, or with `python -m autopar launch`):
     >>> import autopar
     >>> info = autopar.init_distributed()          # before any other JAX call
     >>> info.process_id, info.num_processes

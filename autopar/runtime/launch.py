@@ -1,4 +1,4 @@
-"""`python -m autopar.launch`: try a multi-host run on one machine.
+"""`python -m autopar launch`: try a multi-host run on one machine.
 
 Starts N processes on 127.0.0.1, each with K simulated CPU devices (CPU collectives through
 gloo), joins them into one JAX job (`autopar.init_distributed`, called for the script) and
@@ -7,7 +7,7 @@ with a `[process i]` prefix. If one process fails, the others stop within the he
 time-out with an error that names it (they never hang), and the launcher exits with the first
 failure's status.
 
-    python -m autopar.launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
+    python -m autopar launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
     autopar launch --num-processes 2 --devices-per-process 4 examples/multihost_gpt.py
 
 Gloo's connection reports (`[Gloo] Rank 0 is connected to 1 peer ranks. ...`, several per
@@ -112,7 +112,7 @@ def launch(script: str, args: list[str] = (), *, num_processes: int = 2,
     out = out or sys.stdout
     if num_processes < 1 or devices_per_process < 1:
         raise InvalidArgumentError(
-            f"autopar.runtime.launch: --num-processes={num_processes} and --devices-per-process="
+            f"autopar launch: --num-processes={num_processes} and --devices-per-process="
             f"{devices_per_process} must both be >= 1.")
     coordinator = f"127.0.0.1:{dist.free_port()}"
     procs, pumps, hidden = [], [], ([] if hide_chatter else None)
@@ -134,7 +134,7 @@ def launch(script: str, args: list[str] = (), *, num_processes: int = 2,
             for i, p in enumerate(procs):
                 if first is None and p.returncode not in (None, 0):
                     first, failed_at = i, now
-                    out.write(f"autopar.runtime.launch: process {i} {_describe(p.returncode)}; the "
+                    out.write(f"autopar launch: process {i} {_describe(p.returncode)}; the "
                               f"others stop within about {heartbeat_timeout_s:.0f} s\n")
             if failed_at is not None and now - failed_at > 2 * heartbeat_timeout_s + 10:
                 _kill(procs)
@@ -154,11 +154,11 @@ def launch(script: str, args: list[str] = (), *, num_processes: int = 2,
         first = next(i for i, c in enumerate(codes) if c)
     if first is not None:
         parts = [f"process {i} {_describe(c)}" for i, c in enumerate(codes) if c]
-        message = (f"autopar.runtime.launch: process {first} failed first; " + "; ".join(parts)
+        message = (f"autopar launch: process {first} failed first; " + "; ".join(parts)
                    + (f" ({message})" if message else "")
                    + ". Read the [process i] lines above for the error.")
     else:
-        message = f"autopar.runtime.launch: all {num_processes} processes finished"
+        message = f"autopar launch: all {num_processes} processes finished"
     if hidden:
         message += f" ({len(hidden)} Gloo connection lines hidden; --verbose shows them)"
     out.write(message + "\n")
@@ -181,7 +181,7 @@ def _run_child(argv: list[str]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The launcher's options, shared by `python -m autopar.launch` and `autopar launch`."""
+    """The launcher's options, shared by `python -m autopar launch` and `autopar launch`."""
     parser.add_argument("--num-processes", type=int, required=True,
                         help="how many processes (simulated hosts) to start")
     parser.add_argument("--devices-per-process", type=int, default=4,
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         _run_child(argv[1:])
         return 0
     parser = argparse.ArgumentParser(
-        prog="python -m autopar.launch",
+        prog="python -m autopar launch",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run a script as N local processes of one JAX job (simulated CPU hosts).")
     parser.add_argument("--verbose", action="store_true",
