@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-latest python-latest bench bench-paper readme clean
+.PHONY: demo lint test test-slow test-latest python-latest bench bench-paper readme clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py
+
+# ruff (pyproject.toml [tool.ruff]) and the layer contracts (lint-imports, [tool.importlinter]).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # Two pytest workers (pytest-xdist): about 1.35x faster on 2 cores; each worker's tests use 8
 # simulated devices, so more workers than cores only adds memory. TEST_WORKERS=0: one process.

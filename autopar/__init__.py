@@ -25,31 +25,49 @@ The package is a stack of layers, each importing only the ones below it (checked
     cli, cli_plan, models   the `autopar` command; reference Flax models (`autopar.models`)
 """
 from autopar.api import ParallelizedFunction, parallelize
-from autopar.passes import plan
+from autopar.core.enums import Annotations, Remat, Schedule, SolverBackend
+from autopar.core.errors import (
+                                 AutoparError,
+                                 FallbackWarning,
+                                 InfeasiblePlanError,
+                                 InvalidArgumentError,
+                                 MicrobatchReductionWarning,
+                                 PlanMismatchError,
+                                 ProfileError,
+                                 UnsupportedError,
+)
+from autopar.core.options import (
+                                 AutoLayerOption,
+                                 AutoStageOption,
+                                 DataParallel,
+                                 LayerReuse,
+                                 ManualLayerOption,
+                                 ManualStageOption,
+                                 MethodKind,
+                                 PipeshardParallel,
+                                 ShardParallel,
+                                 UniformStageOption,
+                                 Zero2Parallel,
+                                 Zero3Parallel,
+)
+from autopar.core.plan import ParallelPlan
 from autopar.cost.calibrate import Calibration, calibrate
-from autopar.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from autopar.cost.cluster import ClusterSpec, LogicalMesh
+from autopar.cost.measure import profile
 from autopar.cost.model import CostModel
-from autopar.runtime.distributed import DistributedInfo, init_distributed, to_host
-from autopar.core.errors import (AutoparError, FallbackWarning, InfeasiblePlanError,
-                                 InvalidArgumentError, MicrobatchReductionWarning,
-                                 PlanMismatchError, ProfileError, UnsupportedError)
-from autopar.runtime.init import init_sharded
-from autopar.tools.dump import dump, summary
+from autopar.cost.profiler import DeviceProfile
 from autopar.frontend.grad import grad, value_and_grad
 from autopar.frontend.markers import mark_stage_boundary
-from autopar.cost.measure import profile
-from autopar.core.enums import Annotations, Remat, Schedule, SolverBackend
-from autopar.core.options import (AutoLayerOption, AutoStageOption, DataParallel, LayerReuse,
-                                  ManualLayerOption, ManualStageOption, MethodKind,
-                                  PipeshardParallel, ShardParallel, UniformStageOption,
-                                  Zero2Parallel, Zero3Parallel)
-from autopar.core.plan import ParallelPlan
-from autopar.cost.profiler import DeviceProfile
+from autopar.passes import plan
+from autopar.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from autopar.runtime.distributed import DistributedInfo, init_distributed, to_host
+from autopar.runtime.init import init_sharded
+from autopar.tools.dump import dump, summary
 from autopar.tools.report import report
 
 __all__ = [
-    "parallelize", "plan", "dump", "summary", "mark_stage_boundary", "ParallelizedFunction", "ParallelPlan",
+    "parallelize", "plan", "dump", "summary", "mark_stage_boundary", "ParallelizedFunction",
+    "ParallelPlan",
     "ShardParallel", "DataParallel", "LayerReuse", "Zero2Parallel", "Zero3Parallel", "MethodKind",
     "SolverBackend", "PipeshardParallel", "Schedule", "AutoLayerOption", "ManualLayerOption",
     "AutoStageOption", "UniformStageOption", "ManualStageOption", "grad", "value_and_grad",

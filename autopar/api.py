@@ -18,36 +18,44 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from autopar.cost.cluster import ClusterSpec, check_cluster
-from autopar.runtime.distributed import check_agreement
 from autopar.core import _compat, progress
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.core.graph import OpGraph
+from autopar.core.options import ShardParallel
+from autopar.core.plan import ParallelPlan, graph_fingerprint
+from autopar.cost.cluster import ClusterSpec, check_cluster
 from autopar.frontend import checks
 from autopar.frontend.jit_options import PinnedShardings, argnums_for_names
 from autopar.frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
 from autopar.frontend.nnx import PureStep, as_state
 from autopar.frontend.step import StepFrontend
-from autopar.core.graph import OpGraph
-from autopar.lowering.single_mesh import Lowered, lower, named, put
-from autopar.lowering.pipeline import lower_pipeline
-from autopar.core.options import ShardParallel
+from autopar.frontend.tracer import abstract_signature, check_argnums, check_donated_aliases, trace
 from autopar.inter_op.pipeshard import plan_pipeline, with_search_record
+from autopar.inter_op.remat_plan import plan_step, traced_for
+from autopar.lowering.pipeline import lower_pipeline
+from autopar.lowering.single_mesh import Lowered, lower, named, put
+from autopar.passes import (
+    check_batch,
+    layout_text,
+    matching,
+    pipeline_methods,
+    pipelined,
+    plan_cache_of,
+    plan_graph,
+)
+from autopar.runtime.distributed import check_agreement
 from autopar.runtime.executor import Executor
-from autopar.core.plan import ParallelPlan, graph_fingerprint
 from autopar.tools.plan_cache import cache_key, find_plan
+from autopar.tools.runner_ups import with_runner_ups
 from autopar.verify.memory_check import verified_plan
 from autopar.verify.pipeline_memory_check import verified_pipeline, with_budget
-from autopar.inter_op.remat_plan import plan_step, traced_for
-from autopar.tools.runner_ups import with_runner_ups
-from autopar.passes import (check_batch, layout_text, matching, pipeline_methods, pipelined,
-                            plan_cache_of, plan_graph)
-from autopar.frontend.tracer import abstract_signature, check_argnums, check_donated_aliases, trace
 
 log = logging.getLogger(__name__)
 
@@ -327,12 +335,12 @@ class ParallelizedFunction:
             return entry.executor.p
         return self._compiled(args, entry)
 
-    def with_cluster(self, cluster: ClusterSpec) -> "ParallelizedFunction":
+    def with_cluster(self, cluster: ClusterSpec) -> ParallelizedFunction:
         """The same step, mesh, method and argnums, planned against `cluster` (a fresh
         function: nothing planned yet; a saved plan is not carried over)."""
         return self._fresh(mesh=self.mesh, cluster=check_cluster(cluster))
 
-    def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> "ParallelizedFunction":
+    def with_mesh(self, mesh: jax.sharding.Mesh | None = None) -> ParallelizedFunction:
         """The same step, method and argnums re-planned for another mesh (None: every device
         now present): elastic re-planning when the device count or mesh changes. Restore the
         state onto the new plan with `autopar.restore_checkpoint(path,
@@ -343,7 +351,7 @@ class ParallelizedFunction:
         """
         return self._fresh(mesh=checks.check_mesh(mesh, "with_mesh: mesh"), cluster=None)
 
-    def _fresh(self, *, mesh, cluster) -> "ParallelizedFunction":
+    def _fresh(self, *, mesh, cluster) -> ParallelizedFunction:
         return ParallelizedFunction(self._user_fun, mesh=mesh, method=self._method,
                                     static_argnums=self._static, donate_argnums=self._donate,
                                     batch_argnums=self._batch, plan=None, cluster=cluster,

@@ -158,6 +158,7 @@ def cmd_cache(ns, parser) -> int:
 def cmd_profile(ns, parser) -> int:
     import jax
     import jax.numpy as jnp
+
     import autopar
     from autopar.core._format import format_bytes, format_time
     try:

@@ -12,24 +12,30 @@ import functools
 import logging
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.core import progress
+from autopar.core.errors import InvalidArgumentError, PlanMismatchError
+from autopar.core.graph import InputRole, OpGraph
+from autopar.core.options import PipeshardParallel, ShardParallel
+from autopar.core.plan import ParallelPlan, stamped
 from autopar.cost.cluster import ClusterSpec, check_cluster
 from autopar.cost.model import CostModel
-from autopar.core.errors import InvalidArgumentError, PlanMismatchError
-from autopar.frontend.checks import (DEFAULT_BATCH_ARGNUMS, argnums_text, as_argnums,
-                                     method_instance, warn_one_microbatch, warn_unmatched_rules)
-from autopar.core.graph import InputRole, OpGraph
-from autopar.intra_op import solve_intra_op
-from autopar.core.options import PipeshardParallel, ShardParallel
-from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
-from autopar.core.plan import ParallelPlan, stamped
-from autopar.tools.plan_cache import PlanCache, env_setting
-from autopar.intra_op.planner import build_plan
-from autopar.inter_op.remat_plan import plan_step
-from autopar.tools.runner_ups import with_runner_ups
+from autopar.frontend.checks import (
+    DEFAULT_BATCH_ARGNUMS,
+    argnums_text,
+    as_argnums,
+    method_instance,
+    warn_one_microbatch,
+    warn_unmatched_rules,
+)
 from autopar.frontend.tracer import trace
+from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
+from autopar.inter_op.remat_plan import plan_step
+from autopar.intra_op import solve_intra_op
+from autopar.intra_op.planner import build_plan
+from autopar.tools.plan_cache import PlanCache, env_setting
+from autopar.tools.runner_ups import with_runner_ups
 
 log = logging.getLogger(__name__)
 

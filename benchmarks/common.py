@@ -29,7 +29,7 @@ def progress(tag: str, msg: str) -> None:
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ machine hit every candidate alike.
 
 Reported per model: the Spearman rank correlation between predicted and measured step times
 (goal >= 0.9) and the regret of autopar's choice, its measured time over the best measured
-candidate's (goal <= 1.10). Every model runs in its own child process; progress goes to stderr. Nothing is invented: a candidate that failed or timed out says so and is left out of
-the statistics.
+candidate's (goal <= 1.10). Every model runs in its own child process; progress goes to stderr.
+Nothing is invented: a candidate that failed or timed out says so and is left out of the
+statistics.
 """
 from __future__ import annotations
 
@@ -40,8 +41,20 @@ import sys
 import tempfile
 import time
 
-from common import (DEFAULT_OUT, NUM_DEVICES, Saver, cpu_model, load_avg, md_row, progress,
-                    run_child, setup_worker, source_revision, utc_now, write_section)
+from common import (
+    DEFAULT_OUT,
+    NUM_DEVICES,
+    Saver,
+    cpu_model,
+    load_avg,
+    md_row,
+    progress,
+    run_child,
+    setup_worker,
+    source_revision,
+    utc_now,
+    write_section,
+)
 
 KEY = "fidelity"
 GPT_CFG = dict(vocab_size=2048, seq_len=64, num_layers=4, hidden=256, num_heads=4)

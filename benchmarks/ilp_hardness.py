@@ -89,9 +89,10 @@ def _capture_demo(bench_layers: int | None) -> None:
 def _capture_paper(key: str, microbatches: int, auto_layers: int | None,
                    shapes: str) -> None:
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import autopar
     from paper import build, make_cluster
     from paper_configs import ALL
+
+    import autopar
     cfg = ALL[key]
     step, state, spec, flops, params, rules, layers, dtype = build(cfg)
     cluster = make_cluster(cfg.gpus)
@@ -165,8 +166,8 @@ def _label(path: str) -> str:
 
 
 def measure(args) -> list[dict]:
-    from autopar.intra_op import mip
     from autopar.core.enums import SolverBackend
+    from autopar.intra_op import mip
     from autopar.intra_op.ilp import solve_ilp
     if args.gap is not None:
         mip.MIP_REL_GAP = args.gap

@@ -19,8 +19,15 @@ import os
 import sys
 import time
 
-from common import (DEFAULT_OUT, collective_kinds, md_row, run_worker, section_head,
-                    section_tail, write_section)
+from common import (
+    DEFAULT_OUT,
+    collective_kinds,
+    md_row,
+    run_worker,
+    section_head,
+    section_tail,
+    write_section,
+)
 
 COMPILED_LAYERS, PLAN_LAYERS = (4, 12), (48,)
 

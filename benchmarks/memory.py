@@ -118,8 +118,8 @@ def cases():
         return gpt_case(cfg=gpt.GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128,
                                           num_heads=4), batch_size=8)
 
-    return {"MLP": mlp_case, "GPT": gpt_case, "GPT-ZeRO-3": zero3_case, "MoE": moe_case, "Wide-ResNet": wrn_case,
-            "BERT": bert_case, "lm1b": lm1b_case, "Gemma": gemma_case}
+    return {"MLP": mlp_case, "GPT": gpt_case, "GPT-ZeRO-3": zero3_case, "MoE": moe_case,
+            "Wide-ResNet": wrn_case, "BERT": bert_case, "lm1b": lm1b_case, "Gemma": gemma_case}
 
 
 def compiled_bytes(compiled) -> int:

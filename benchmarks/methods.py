@@ -1,6 +1,6 @@
 """Method promises: what each method compiles to, next to what its plan predicts.
 
-    .venv/bin/python benchmarks/methods.py                 # -> the "methods" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/methods.py  # -> the "methods" section of BENCHMARKS.md
     .venv/bin/python benchmarks/methods.py --out /tmp/m.md
 
 Per method (DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel) x model (MLP, one BERT
@@ -31,8 +31,15 @@ def _case(name: str):
     import optax
     from flax.training import train_state
 
-    from autopar.models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step,
-                                     layer_batch, layer_step)
+    from autopar.models.bert import (
+        BertMLM,
+        LayerOnly,
+        bert_batch,
+        bert_state,
+        bert_step,
+        layer_batch,
+        layer_step,
+    )
     from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
     from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
 
@@ -66,9 +73,9 @@ def _case(name: str):
 
 def _update_flops(graph, plan) -> float:
     """FLOPs per device of the elementwise work no matmul follows (the optimizer update)."""
-    from autopar.intra_op.phases import deferred_nodes
     from autopar.core.primitives import ARITHMETIC
     from autopar.core.spec import num_shards
+    from autopar.intra_op.phases import deferred_nodes
     specs = dict(plan.constraints)
     total = 0.0
     for n in deferred_nodes(graph):
@@ -125,8 +132,9 @@ def section(res: dict, cmdline: str) -> str:
     out = section_head("methods", "Method promises", res, cmdline) + [
            "2 x 4 mesh of simulated CPU devices, Adam. *gathered* = bytes all-gathered per step "
            "/ parameter bytes; *update FLOPs* = the optimizer's elementwise FLOPs per device; "
-           "XLA:CPU shows a reduce-scatter as an all-reduce. Predicted counts are before XLA combines "
-           "independent all-reduces (and all-gathers) into one instruction; the bytes agree.", "",
+           "XLA:CPU shows a reduce-scatter as an all-reduce. Predicted counts are before XLA "
+           "combines independent all-reduces (and all-gathers) into one instruction; the bytes "
+           "agree.", "",
            md_row(["model", "method", "compiled collectives", "predicted by the plan",
                    "gathered", "update FLOPs / device", "step FLOPs / device"]),
            md_row(["---"] * 2 + ["---"] * 2 + ["---:"] * 3)]

@@ -22,8 +22,19 @@ import sys
 import tempfile
 import time
 
-from common import (DEFAULT_OUT, REPO, cpu_model, fmt, gpt_state_fn, gpt_train_step,
-                    load_avg, setup_worker, source_revision, utc_now, write_section)
+from common import (
+    DEFAULT_OUT,
+    REPO,
+    cpu_model,
+    fmt,
+    gpt_state_fn,
+    gpt_train_step,
+    load_avg,
+    setup_worker,
+    source_revision,
+    utc_now,
+    write_section,
+)
 
 CACHE_CFG = dict(vocab_size=8192, seq_len=128, num_layers=12, hidden=768, num_heads=12)
 STEP_CFG = dict(vocab_size=2048, seq_len=128, num_layers=8, hidden=256, num_heads=4)

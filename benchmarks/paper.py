@@ -33,11 +33,32 @@ import os
 import sys
 import time
 
-from common import (Saver, load_avg, progress, results, run_case, setup_worker, source_revision,
-                    utc_now)
-from paper_configs import (ALL, DEFAULT, FAMILIES, PRESET, SCALE_AUTO_LAYERS, SCALE_BATCH, SCALE_CFG,
-                           SCALE_HOSTS, SCALE_LAYERS, SCALE_MICROBATCHES, auto_microbatches,
-                           cluster_shape, manual_stage_layout, megatron_grid)
+from common import (
+    Saver,
+    load_avg,
+    progress,
+    results,
+    run_case,
+    setup_worker,
+    source_revision,
+    utc_now,
+)
+from paper_configs import (
+    ALL,
+    DEFAULT,
+    FAMILIES,
+    PRESET,
+    SCALE_AUTO_LAYERS,
+    SCALE_BATCH,
+    SCALE_CFG,
+    SCALE_HOSTS,
+    SCALE_LAYERS,
+    SCALE_MICROBATCHES,
+    auto_microbatches,
+    cluster_shape,
+    manual_stage_layout,
+    megatron_grid,
+)
 from paper_report import DEFAULT_OUT, write_outputs
 
 
@@ -60,9 +81,13 @@ def build(cfg):
     import autopar
     dims, b = cfg.dims, cfg.batch
     if cfg.family == "wrn":
-        from autopar.models.wide_resnet import (WideResNet, WideResNetConfig, classification_loss,
-                                                wide_resnet_flops_per_example,
-                                                wide_resnet_param_count)
+        from autopar.models.wide_resnet import (
+            WideResNet,
+            WideResNetConfig,
+            classification_loss,
+            wide_resnet_flops_per_example,
+            wide_resnet_param_count,
+        )
         mc = WideResNetConfig(image_size=dims["image_size"], num_classes=dims["num_classes"],
                               depth=4 + 8 * dims["blocks_per_stage"], width=dims["width"],
                               base_channels=dims["base_channels"], num_stages=4)
@@ -85,8 +110,14 @@ def build(cfg):
         x0 = jnp.zeros((1, dims["seq_len"]), jnp.int32)
         spec = {"tokens": jax.ShapeDtypeStruct((b, dims["seq_len"]), jnp.int32)}
         if cfg.family == "gpt":
-            from autopar.models.gpt import (GPT, GPTConfig, gpt_flops_per_token, gpt_loss,
-                                            gpt_param_count, megatron_rules)
+            from autopar.models.gpt import (
+                GPT,
+                GPTConfig,
+                gpt_flops_per_token,
+                gpt_loss,
+                gpt_param_count,
+                megatron_rules,
+            )
             mc = GPTConfig(**common)
             model, rules = GPT(mc), megatron_rules()
             flops, params = gpt_flops_per_token(mc), gpt_param_count(mc)
@@ -94,8 +125,14 @@ def build(cfg):
             def loss_of(apply_fn, p, batch):
                 return gpt_loss(apply_fn(p, batch["tokens"]), batch["tokens"])
         else:
-            from autopar.models.moe import (MoE, MoEConfig, megatron_moe_rules,
-                                            moe_flops_per_token, moe_loss, moe_param_count)
+            from autopar.models.moe import (
+                MoE,
+                MoEConfig,
+                megatron_moe_rules,
+                moe_flops_per_token,
+                moe_loss,
+                moe_param_count,
+            )
             # Alpa's MoE: every other layer, top-2, capacity 2 S / E (capacity factor 1), MLP
             # (and expert) hidden size 8 x hidden.
             mc = MoEConfig(**common, num_experts=dims["num_experts"], expert_every=2,
@@ -236,9 +273,9 @@ def _scale_worker(args) -> None:
     import jax
     import jax.numpy as jnp
     import optax
+    from common import gpt_state_fn, gpt_train_step
 
     import autopar
-    from common import gpt_state_fn, gpt_train_step
     from autopar.models.gpt import GPT, GPTConfig, gpt_flops_per_token, gpt_loss
     layers = args.scale_layers_
     out = Saver(args.result_)

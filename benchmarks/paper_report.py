@@ -7,8 +7,16 @@ import platform
 
 import common
 from common import cpu_model, fmt, md_row, mem_total_bytes, revision_text
-from paper_configs import (ALL, PUBLISHED, PUBLISHED_SOURCE, SCALE_AUTO_LAYERS, SCALE_BATCH,
-                           SCALE_CFG, SCALE_MICROBATCHES, WRN_NOTE)
+from paper_configs import (
+    ALL,
+    PUBLISHED,
+    PUBLISHED_SOURCE,
+    SCALE_AUTO_LAYERS,
+    SCALE_BATCH,
+    SCALE_CFG,
+    SCALE_MICROBATCHES,
+    WRN_NOTE,
+)
 
 KEY = "paper"
 DEFAULT_OUT = common.DEFAULT_OUT
@@ -114,7 +122,8 @@ def _header(res) -> list[str]:
         f"Python {platform.python_version()}" + (f", jax {jx['version']}" if jx else "") +
         f". Load average (1, 5, 15 min) at the start {res['load_start']}, at the end "
         f"{res['load_end']} (other processes share the cores: planning times are wall times "
-        f"under that load). Source: `{revision_text(res.get('revision_start'), res.get('revision_end'))}`.",
+        f"under that load). Source: "
+        f"`{revision_text(res.get('revision_start'), res.get('revision_end'))}`.",
         "",
         "**Every TFLOPS figure and step time below is predicted by autopar's cost model for "
         "`ClusterSpec.preset(\"v100-p3.16xlarge\")` (V100 16 GB, 8 per host, NVLink inside a "
@@ -144,10 +153,10 @@ def _setup(res) -> list[str]:
         f"per microbatch; at most {a['auto_tries']} tries) until a configuration's planning "
         f"time reaches {a['auto_budget_s']:.0f} s (`--auto-budget-s`) or a try does not fit "
         "(a larger microbatch needs more memory, so the rest are not tried); the best "
-        "predicted plan is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches with "
-        "rematerialization; autopar searches it too (`remat=\"auto\"`: per stage none, selective "
-        "or full recomputation, and ZeRO on a stage's data axis, where memory needs it; the plan "
-        "column names a stage's choice when it is not \"none\").", "",
+        "predicted plan is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches "
+        "with rematerialization; autopar searches it too (`remat=\"auto\"`: per stage none, "
+        "selective or full recomputation, and ZeRO on a stage's data axis, where memory needs "
+        "it; the plan column names a stage's choice when it is not \"none\").", "",
         "**Best manual plan** (Megatron-LM style) under the same cost model: every (d, t, p) "
         "with d x t x p = GPUs, tensor degree t <= 8 (inside a host), p dividing the number of "
         "transformer layers (Wide-ResNet: residual blocks), and M = batch / (d x b) for "
@@ -187,7 +196,8 @@ def _results_table(res) -> list[str]:
         else:
             auto_cell, plan_cell = "–", r.get("incomplete") or ("not run" if not a else "–")
         if mb:
-            man_cell, man_pt = f"{mb['tflops']:.1f}", f"({mb['d']}, {mb['t']}, {mb['p']}, {mb['m']})"
+            man_cell = f"{mb['tflops']:.1f}"
+            man_pt = f"({mb['d']}, {mb['t']}, {mb['p']}, {mb['m']})"
             man_pt += _memory(mb.get("stages", ()))
         elif planned:
             man_cell, man_pt = "–", f"none of {len(planned)} planned fits"
@@ -243,7 +253,8 @@ def _planning_table(res) -> list[str]:
     return out + [""]
 
 
-G39B_GOAL = "GPT-39B on 64 GPUs: a feasible plan in <= 60 s with 8 and 16 auto layers, 64 and 1024 microbatches"
+G39B_GOAL = ("GPT-39B on 64 GPUs: a feasible plan in <= 60 s with 8 and 16 auto layers, 64 and "
+             "1024 microbatches")
 DENSE_GOAL = "autopar >= 1.00x the best manual plan on every dense configuration (GPT, Wide-ResNet)"
 MEMORY_GOAL = "autopar >= 1.2x the best manual plan on the memory-bound ones (MoE, GPT >= 6.7B)"
 REMAT_GOAL = "the chosen rematerialization of every stage reported"
@@ -345,8 +356,8 @@ def observations(res) -> list[str]:
         what = (f"**{r['key']}** (M={t['m']}): " + (
             "the stage DP accepted assignments from its per-layer costs, but a stage of each, "
             f"solved whole, needs more than the device (the last: {_gib(need)} GiB per device; "
-            "the DP is asked again without such a stage up to 3 times)" if t.get("message", "").startswith(
-                "memory: stage") else
+            "the DP is asked again without such a stage up to 3 times)"
+            if t.get("message", "").startswith("memory: stage") else
             f"the stage DP found no assignment that fits (least it needs: {_gib(need)} GiB)"))
         if mb:
             what += (f"; a manual plan fits: ({mb['d']}, {mb['t']}, {mb['p']}, {mb['m']}) at "

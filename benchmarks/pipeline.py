@@ -40,11 +40,34 @@ import statistics
 import sys
 import time
 
-from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, Saver, gpt_state_fn,
-                    gpt_train_step, load_avg, progress, results, run_case, setup_worker,
-                    source_revision, utc_now)
-from pipeline_report import (PLAN_CFG, PLAN_FALLBACK_BATCH, PLAN_MICROBATCHES, PRESET, RUN_BATCH,
-                             RUN_CFG, RUN_MICROBATCHES, _short, section, write_section)
+from common import (
+    AXIS_NAMES,
+    DEFAULT_OUT,
+    MESH_SHAPE,
+    NUM_DEVICES,
+    Saver,
+    gpt_state_fn,
+    gpt_train_step,
+    load_avg,
+    progress,
+    results,
+    run_case,
+    setup_worker,
+    source_revision,
+    utc_now,
+)
+from pipeline_report import (
+    PLAN_CFG,
+    PLAN_FALLBACK_BATCH,
+    PLAN_MICROBATCHES,
+    PRESET,
+    RUN_BATCH,
+    RUN_CFG,
+    RUN_MICROBATCHES,
+    _short,
+    section,
+    write_section,
+)
 
 # Defaults of the options (the workload itself is described in pipeline_report.py).
 PLAN_LAYERS = (12, 24, 48)
@@ -180,8 +203,8 @@ def _run_case(args, out: Saver) -> None:
     import optax
 
     import autopar
-    from autopar.runtime.executor import Executor
     from autopar.models.gpt import GPT, GPTConfig, gpt_loss, gpt_param_count, make_gpt_batch
+    from autopar.runtime.executor import Executor
 
     what = args.stages_          # 0: ShardParallel; else the number of stages
     acc = args.accumulate_       # ShardParallel(num_microbatches=acc) when given (what is 0)

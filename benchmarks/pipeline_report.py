@@ -10,8 +10,18 @@ import re
 import statistics
 
 import common
-from common import (AXIS_NAMES, MESH_SHAPE, NUM_DEVICES, cpu_model, fmt, jax_info, md_row,
-                    mem_total_bytes, ms, revision_text)
+from common import (
+    AXIS_NAMES,
+    MESH_SHAPE,
+    NUM_DEVICES,
+    cpu_model,
+    fmt,
+    jax_info,
+    md_row,
+    mem_total_bytes,
+    ms,
+    revision_text,
+)
 
 KEY = "pipeline"
 BEGIN, END = common.markers(KEY)

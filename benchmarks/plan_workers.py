@@ -24,8 +24,18 @@ import resource
 import sys
 import time
 
-from common import (DEFAULT_OUT, Saver, load_avg, progress, results, run_case, setup_worker,
-                    source_revision, utc_now, write_section)
+from common import (
+    DEFAULT_OUT,
+    Saver,
+    load_avg,
+    progress,
+    results,
+    run_case,
+    setup_worker,
+    source_revision,
+    utc_now,
+    write_section,
+)
 from paper_configs import ALL, GPT
 
 KEY = "plan_workers"
@@ -52,8 +62,9 @@ class _Last(logging.Handler):
 
 def _worker(args) -> None:
     setup_worker()
-    import autopar
     from paper import build, make_cluster, plan_once
+
+    import autopar
     cfg = ALL[args.case_]
     out = Saver(args.result_)
     out.data.update(key=cfg.key, gpus=cfg.gpus, layers=args.layers_, m=args.m_,

@@ -56,8 +56,12 @@ def _lm1b():
     import optax
     from flax.training import train_state
 
-    from autopar.models.lm1b import (Lm1bConfig, Lm1bTransformer, make_lm1b_batch,
-                                     weighted_cross_entropy)
+    from autopar.models.lm1b import (
+        Lm1bConfig,
+        Lm1bTransformer,
+        make_lm1b_batch,
+        weighted_cross_entropy,
+    )
     cfg = Lm1bConfig(vocab_size=1024, seq_len=64, hidden=256, num_layers=4, num_heads=8)
     lengths = [64 - (7 * i) % 40 for i in range(32)]
     batch = make_lm1b_batch(jax.random.key(1), 32, cfg, lengths)

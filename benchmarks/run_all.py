@@ -44,18 +44,38 @@ import statistics
 import sys
 import time
 
-import loops as loops_bench               # benchmarks/loops.py (this script's folder)
-import memory as memory_bench             # benchmarks/memory.py (this script's folder)
-import methods as methods_bench           # benchmarks/methods.py (this script's folder)
-import real_world as real_world_bench     # benchmarks/real_world.py (this script's folder)
-import runner_ups as runner_ups_bench     # benchmarks/runner_ups.py (this script's folder)
-import multihost as multihost_bench       # benchmarks/multihost.py (this script's folder)
-import pipeline as pipeline_bench         # benchmarks/pipeline.py (this script's folder)
+import loops as loops_bench  # benchmarks/loops.py (this script's folder)
+import memory as memory_bench  # benchmarks/memory.py (this script's folder)
+import methods as methods_bench  # benchmarks/methods.py (this script's folder)
+import multihost as multihost_bench  # benchmarks/multihost.py (this script's folder)
+import pipeline as pipeline_bench  # benchmarks/pipeline.py (this script's folder)
 import pipeline_report
-from common import (AXIS_NAMES, DEFAULT_OUT, MESH_SHAPE, NUM_DEVICES, SECTION_KEYS, Saver, fmt,
-                    gpt_state_fn, gpt_train_step, jax_info, md_row, mem_available_bytes,
-                    mem_total_bytes, ms, progress, revision_text, run_child, setup_worker,
-                    read_section, source_revision, utc_now, write_section)
+import real_world as real_world_bench  # benchmarks/real_world.py (this script's folder)
+import runner_ups as runner_ups_bench  # benchmarks/runner_ups.py (this script's folder)
+from common import (
+    AXIS_NAMES,
+    DEFAULT_OUT,
+    MESH_SHAPE,
+    NUM_DEVICES,
+    SECTION_KEYS,
+    Saver,
+    fmt,
+    gpt_state_fn,
+    gpt_train_step,
+    jax_info,
+    md_row,
+    mem_available_bytes,
+    mem_total_bytes,
+    ms,
+    progress,
+    read_section,
+    revision_text,
+    run_child,
+    setup_worker,
+    source_revision,
+    utc_now,
+    write_section,
+)
 
 DEFAULT_LAYERS = (2, 6, 12, 24)
 HIDDEN, HEADS, VOCAB, SEQ_LEN, BATCH = 768, 12, 8192, 128, 8

@@ -1,6 +1,6 @@
 """Why this plan: what pricing the runner-ups costs, and what they say.
 
-    .venv/bin/python benchmarks/runner_ups.py            # -> the "runner_ups" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/runner_ups.py  # -> the "runner_ups" section of BENCHMARKS.md
     .venv/bin/python benchmarks/runner_ups.py --out /tmp/r.md --layers 2 6
 
 The GPT of `make bench` (hidden 768, 12 heads, vocab 8192, seq_len 128, batch 8, adamw) on 8

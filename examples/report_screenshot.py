@@ -9,8 +9,8 @@ Run from the repository root:
 It plans the GPT of examples/train_gpt.py on 8 simulated CPU devices as a 2-stage pipeline
 (1F1B, 4 microbatches) over a 2 x 4 mesh (or, with --single-mesh, as the demo does), writes
 the report (`autopar.report`) to examples/report.html and, when `chromium` (or
-`chromium-browser`) is on PATH, a screenshot to examples/report.png. Open the HTML file in any browser: it needs no
-network.
+`chromium-browser`) is on PATH, a screenshot to examples/report.png. Open the HTML file in any
+browser: it needs no network.
 """
 import argparse
 import os
@@ -26,10 +26,10 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 
 import jax  # noqa: E402
+from train_gpt import BATCH_SIZE, CONFIG, create_state  # noqa: E402  (the demo's model)
 
 import autopar  # noqa: E402
 from autopar.models.gpt import gpt_loss, make_gpt_batch  # noqa: E402
-from train_gpt import BATCH_SIZE, CONFIG, create_state  # noqa: E402  (the demo's model)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

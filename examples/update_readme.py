@@ -32,8 +32,8 @@ BLOCKS = ("machine", "demo-progress", "demo-dump", "demo-tail", "cli-plan")
 def replace_block(text: str, name: str, body: str) -> str:
     """`text` with the lines between `<!-- name:start -->` and `<!-- name:end -->` replaced
     by a fenced block holding `body` (`machine`: a plain line)."""
-    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)",
-                         re.S)
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?"
+                         rf"(<!-- {re.escape(name)}:end -->)", re.S)
     if not pattern.search(text):
         raise SystemExit(f"update_readme: README.md has no `<!-- {name}:start -->` ... "
                          f"`<!-- {name}:end -->` block. Fix: add the two marker lines where "

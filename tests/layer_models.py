@@ -20,8 +20,8 @@ from flax.training import train_state
 
 
 class CNN(nn.Module):
-    """3 x (Conv 3x3 without bias -> BatchNorm -> relu -> max_pool 2x2), then avg_pool 2x2, a spatial mean
-    and a Dense head."""
+    """3 x (Conv 3x3 without bias -> BatchNorm -> relu -> max_pool 2x2), then avg_pool 2x2, a
+    spatial mean and a Dense head."""
     channels: tuple[int, ...] = (16, 32, 64)
     num_classes: int = 10
 

@@ -2,10 +2,11 @@
 `python -m autopar launch --num-processes 2 --devices-per-process 4 tests/mp_worker.py OUT MODE`.
 
 MODE "train": the tiny GPT for 3 steps under ShardParallel, Zero3Parallel and 2-stage 1F1B and
-GPipe pipelines on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final parameters and
-plan facts to OUT/<method>.npz / .json, and every process writes its shards of a checkpoint of
-the final state to OUT/ckpt_<method> and reads it back. MODE "die": process 1 kills itself after one step while
-process 0 keeps stepping (and fetching the loss, which needs process 1).
+GPipe pipelines on the 2 x 4 (hosts x devices) mesh; process 0 writes losses, gradients, final
+parameters and plan facts to OUT/<method>.npz / .json, and every process writes its shards of a
+checkpoint of the final state to OUT/ckpt_<method> and reads it back. MODE "die": process 1
+kills itself after one step while process 0 keeps stepping (and fetching the loss, which needs
+process 1).
 """
 import json
 import os
@@ -15,9 +16,10 @@ import time
 
 import jax
 import numpy as np
+from steps import make_case, sgd_momentum_clip
 
 import autopar
-from steps import make_case, sgd_momentum_clip
+
 
 def _pipeline(schedule):
     return autopar.PipeshardParallel(

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from equivalence import assert_equivalent, params_of  # noqa: F401  (the tests' comparison rule)
 from flax import nnx
 from flax.training import train_state
 
 import autopar
-from equivalence import assert_equivalent, params_of  # noqa: F401  (the tests' comparison rule)
 from autopar.models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
 from autopar.models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 

@@ -10,10 +10,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.core.errors import InvalidArgumentError
 from autopar.core.enums import Annotations
-from autopar.intra_op.annotations import annotation_specs
+from autopar.core.errors import InvalidArgumentError
 from autopar.frontend.tracer import trace
+from autopar.intra_op.annotations import annotation_specs
 
 DATA_MODEL = ((0,), (1,))
 

@@ -7,18 +7,17 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 
 import autopar
+from autopar.core.graph import InputRole, TensorKind
+from autopar.core.spec import replicated
 from autopar.cost.cluster import ClusterSpec
 from autopar.frontend.grad import VALUE_AND_GRAD
-from autopar.core.graph import InputRole, TensorKind
+from autopar.frontend.tracer import trace
 from autopar.inter_op.apply_grad import PIPELINE, place
 from autopar.inter_op.pipeline import layer_boundaries, split_step
 from autopar.inter_op.stages import choose_stages
-from autopar.core.spec import replicated
-from autopar.frontend.tracer import trace
-
-from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 
 
 def loss_fn(p, x, y):
@@ -178,7 +177,6 @@ def test_sharding_rules_pin_optimizer_state_in_a_pipeline():
     updated and returned on that sharding (the update of a stage's state runs outside the
     stage ILP, in the apply-gradient segments)."""
     import numpy as np
-
     from steps import mesh_of
     tx = optax.adam(1e-2)
 

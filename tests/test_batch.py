@@ -7,14 +7,14 @@ import functools
 import jax
 import numpy as np
 import pytest
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
-from autopar.intra_op.ilp import IlpEdge, IlpProblem, min_peak_memory, solve_ilp
-from autopar.intra_op.solve import ilp_call
 from autopar.inter_op.batch import ilp_scope, run_jobs
 from autopar.inter_op.parallel import PlanPool
+from autopar.intra_op.ilp import IlpEdge, IlpProblem, min_peak_memory, solve_ilp
+from autopar.intra_op.solve import ilp_call
 from autopar.models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 GPT4 = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4)
 
@@ -64,6 +64,7 @@ def test_a_workers_exception_reaches_the_job():
 
 def test_a_dead_worker_stops_the_batch_with_a_clear_error():
     import os
+
     from autopar.inter_op.batch import _deferred
     from autopar.inter_op.parallel import PlanWorkerError
     die = functools.partial(_deferred, os._exit)  # as a deferred ILP call would go out

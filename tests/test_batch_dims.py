@@ -5,8 +5,8 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from autopar.intra_op.batch_dims import batch_dims, batch_sources
 from autopar.frontend.tracer import trace
+from autopar.intra_op.batch_dims import batch_dims, batch_sources
 
 
 def _dims_by_primitive(graph, dims, primitive):

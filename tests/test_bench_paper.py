@@ -7,10 +7,18 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
-from paper_configs import (ALL, DEFAULT, FAMILIES, GridPoint, auto_microbatches,  # noqa: E402
-                           cluster_shape, manual_stage_layout, megatron_grid, submesh)
-from paper_report import (DENSE_GOAL, G39B_GOAL, MEMORY_GOAL, REMAT_GOAL, goals,  # noqa: E402
-                          memory_bound, slope)
+from paper_configs import (  # noqa: E402
+    ALL,
+    DEFAULT,
+    FAMILIES,
+    GridPoint,
+    auto_microbatches,
+    cluster_shape,
+    manual_stage_layout,
+    megatron_grid,
+    submesh,
+)
+from paper_report import DENSE_GOAL, G39B_GOAL, MEMORY_GOAL, REMAT_GOAL, goals, memory_bound, slope  # noqa: E402
 
 
 def test_grid_covers_every_factorization():

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+from steps import make_case, mesh_of
 
 import autopar
-from steps import make_case, mesh_of
 
 SMALL_PROFILE = dict(sizes=(1 << 12, 1 << 16), dtypes=("float32",), matmul_size=64, repeats=1)
 

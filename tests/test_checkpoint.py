@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
-from autopar.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from autopar.lowering.single_mesh import plan_input_shardings
 from autopar.models.gpt import megatron_rules
-from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
+from autopar.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TMP = ".orbax-checkpoint-tmp"
@@ -193,7 +194,8 @@ def test_plan_target_errors(saved, on_1x8):
     with pytest.raises(autopar.InvalidArgumentError, match=r"argnum=1.*input_shardings"):
         restore_checkpoint(saved.path, on_1x8.plan, like=saved.state, argnum=1)
     with pytest.raises(autopar.InvalidArgumentError, match=r"like= leaf w has shape \(4, 8\) but "
-                       r"the plan's argument leaf 1 \(`state.params\['params'\]\['block_0'\]\['attn'\]\['out'\]\['bias'\]`\) has shape \(32,\)"):
+                       r"the plan's argument leaf 1 \(`state.params\['params'\]\['block_0'\]"
+                       r"\['attn'\]\['out'\]\['bias'\]`\) has shape \(32,\)"):
         restore_checkpoint(saved.path, on_1x8.plan, like=_small(0))
     too_many = [saved.state, saved.state, saved.state]
     with pytest.raises(autopar.InvalidArgumentError, match=r"like= has \d+ leaves but"):

@@ -16,8 +16,8 @@ import pytest
 import autopar
 from autopar import cli
 from autopar.core.plan import ParallelPlan
-from autopar.tools.plan_cache import PlanCache
 from autopar.cost.profiler import DeviceProfile
+from autopar.tools.plan_cache import PlanCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FACTORY = os.path.join(ROOT, "examples", "cli_factory.py") + ":make_step"
@@ -393,6 +393,7 @@ def test_chatter_filter_on_sample_lines():
 
 def test_pump_hides_and_counts_chatter():
     import io
+
     from autopar.runtime.launch import _pump
     data = (b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
             b"ranks is : 1\nloss 1.0\n")

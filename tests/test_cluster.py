@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from autopar.cost.cluster import ClusterSpec, LogicalMesh
 from autopar.core.errors import InvalidArgumentError
+from autopar.cost.cluster import ClusterSpec, LogicalMesh
 
 PRESETS = ("v100-p3.16xlarge", "dgx-a100", "dgx-h100", "tpu-v4", "tpu-v5p", "cpu")
 

@@ -7,15 +7,22 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from steps import mesh_of, mlp_adam_state
 
 import autopar
 from autopar.cost.hlo import collectives, summary
 from autopar.intra_op.batch_dims import batch_dims
-from autopar.models.bert import (BertMLM, LayerOnly, bert_batch, bert_state, bert_step,
-                                 layer_batch, layer_step)
+from autopar.models.bert import (
+    BertMLM,
+    LayerOnly,
+    bert_batch,
+    bert_state,
+    bert_step,
+    layer_batch,
+    layer_step,
+)
 from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
 from autopar.models.mlp import mse_loss
-from steps import mesh_of, mlp_adam_state
 
 
 def _mlp(batch_size=32, hidden=256, num_layers=6):

@@ -6,11 +6,16 @@ import pathlib
 
 import pytest
 
-from autopar.cost.cluster import LogicalMesh
-from autopar.cost.model import (CollectiveAlgorithm, CostModel, all_gather_options_s,
-                                all_reduce_options_s, all_to_all_options_s,
-                                reduce_scatter_options_s)
 from autopar.core.errors import InvalidArgumentError
+from autopar.cost.cluster import LogicalMesh
+from autopar.cost.model import (
+    CollectiveAlgorithm,
+    CostModel,
+    all_gather_options_s,
+    all_reduce_options_s,
+    all_to_all_options_s,
+    reduce_scatter_options_s,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 A_FAST, B_FAST = 1e-6, 1e-10  # axis 1 (and 2)
@@ -38,8 +43,8 @@ def test_cost_module_does_not_import_jax():
     unit-testable on numbers alone (the package __init__ imports the JAX passes, so this is
     checked on the modules' own import statements)."""
     import ast
-    for rel in ("autopar/cost/model.py", "autopar/cost/cluster.py", "autopar/core/spec.py", "autopar/core/errors.py",
-                "autopar/intra_op/ilp.py"):
+    for rel in ("autopar/cost/model.py", "autopar/cost/cluster.py", "autopar/core/spec.py",
+                "autopar/core/errors.py", "autopar/intra_op/ilp.py"):
         tree = ast.parse((ROOT / rel).read_text())
         for node in tree.body:  # module level only: cluster imports jax lazily in a method
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

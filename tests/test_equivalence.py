@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from flax.training import train_state
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
 from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 METHODS = {
     "shard": autopar.ShardParallel,

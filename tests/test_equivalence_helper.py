@@ -5,11 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import (
+    ROUTING_GRAD_RTOL,
+    ROUTING_PARAM_RTOL,
+    assert_equivalent,
+    relative_norm_error,
+)
+from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
-from equivalence import (ROUTING_GRAD_RTOL, ROUTING_PARAM_RTOL, assert_equivalent,
-                         relative_norm_error)
-from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 
 def _synthetic(seed=0, steps=3):

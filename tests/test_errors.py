@@ -20,9 +20,19 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar import (AutoLayerOption, AutoStageOption, ClusterSpec, DataParallel,
-                     InvalidArgumentError, ManualStageOption, PipeshardParallel,
-                     PlanMismatchError, ShardParallel, UniformStageOption, UnsupportedError)
+from autopar import (
+    AutoLayerOption,
+    AutoStageOption,
+    ClusterSpec,
+    DataParallel,
+    InvalidArgumentError,
+    ManualStageOption,
+    PipeshardParallel,
+    PlanMismatchError,
+    ShardParallel,
+    UniformStageOption,
+    UnsupportedError,
+)
 
 CASE_TIMEOUT_S = 120
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -157,8 +167,8 @@ def _shard_map_step(state, batch):
 
 
 def _nnx_step_with_default_batch_argnums():
-    from flax import nnx
     import optax
+    from flax import nnx
     model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 

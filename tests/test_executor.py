@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
+from autopar.core.enums import Schedule
 from autopar.inter_op.apply_grad import PIPELINE
+from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.stages import AXIS_NAMES
 from autopar.lowering.pipeline import PipelineProgram
 from autopar.runtime.executor import Executor, _fused_tasks, _retarget
-from autopar.core.enums import Schedule
-from autopar.inter_op.schedule import make_schedule
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 M = 4
 

@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.core._format import (format_bytes, format_time, id_range, mesh_text, ratio_text,
-                                  runner_up_text)
+from autopar.core._format import (
+    format_bytes,
+    format_time,
+    id_range,
+    mesh_text,
+    ratio_text,
+    runner_up_text,
+)
 
 
 @pytest.mark.parametrize("n, text", [

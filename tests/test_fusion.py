@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from steps import assert_equivalent, make_case, mesh_of, run_steps
 
 import autopar
+from autopar.core.errors import AutoparError
 from autopar.cost.cluster import ClusterSpec, FusionStyle
 from autopar.cost.model import CostModel
-from autopar.core.errors import AutoparError
+from autopar.frontend.tracer import trace
 from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind
 from autopar.intra_op.rules import RuleContext
-from autopar.frontend.tracer import trace
 from autopar.models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps
 
 F32 = 4
 

@@ -13,9 +13,9 @@ import math
 import jax
 import numpy as np
 import pytest
+from steps import assert_equivalent, make_case, run_steps, sgd_momentum_clip
 
 import autopar
-from steps import assert_equivalent, make_case, run_steps, sgd_momentum_clip
 
 pytestmark = pytest.mark.gpu
 

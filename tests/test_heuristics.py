@@ -7,8 +7,16 @@ import pytest
 
 from autopar.intra_op import ilp, mip
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
-from autopar.intra_op.ilp import (IlpEdge, IlpProblem, MemoryPoint, SolveStatus, brute_force,
-                                  evaluate, peak_memory_bytes, solve_ilp)
+from autopar.intra_op.ilp import (
+    IlpEdge,
+    IlpProblem,
+    MemoryPoint,
+    SolveStatus,
+    brute_force,
+    evaluate,
+    peak_memory_bytes,
+    solve_ilp,
+)
 
 
 def _problem(rng, *, memory: bool, dup: bool = False) -> IlpProblem:
@@ -73,7 +81,7 @@ def test_replacing_a_dominated_strategy_never_costs_more(memory):
             budget = problem.memory_budget_bytes
             if memory and peak_memory_bytes(problem, choice) <= budget:
                 assert peak_memory_bytes(problem, better) <= budget
-        for g, rep in reps.items():      # representatives are undominated: a fixed point
+        for rep in reps.values():      # representatives are undominated: a fixed point
             assert (rep[rep] == rep).all()
     assert replaced > 0
 

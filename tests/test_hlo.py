@@ -2,13 +2,16 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from autopar.cost.hlo import collectives, loop_body_collectives, summary
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from steps import mesh_of
 
+from autopar.cost.hlo import collectives, loop_body_collectives, summary
+
 TEXT = """
-  %all-reduce.13 = (f32[256]{0}, f32[256,256]{1,0}, /*index=2*/f32[]) all-reduce(%a, %b, %c), channel_id=1, to_apply=%add, metadata={op_name="jit(run)/transpose(jvp(MLP))/Dense_0/dot_general"}
+  %all-reduce.13 = (f32[256]{0}, f32[256,256]{1,0}, /*index=2*/f32[]) all-reduce(%a, %b, %c), \
+channel_id=1, to_apply=%add, \
+metadata={op_name="jit(run)/transpose(jvp(MLP))/Dense_0/dot_general"}
   %all-gather.1 = f32[256,256]{0,1} all-gather(%x), channel_id=15, dimensions={1}
   %ag-start = (bf16[8,4]{1,0}, bf16[32,4]{1,0}) all-gather-start(%y), dimensions={0}
   %ag-done = bf16[32,4]{1,0} all-gather-done(%ag-start)

@@ -6,12 +6,21 @@ import itertools
 import numpy as np
 import pytest
 
+from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
 from autopar.intra_op import ilp, mip
+from autopar.intra_op.ilp import (
+    IlpEdge,
+    IlpProblem,
+    MemoryPoint,
+    SolveStatus,
+    brute_force,
+    evaluate,
+    min_peak_memory,
+    peak_memory_bytes,
+    solve_ilp,
+)
 from autopar.intra_op.mip import MipResult
-from autopar.intra_op.ilp import (IlpEdge, IlpProblem, MemoryPoint, SolveStatus, brute_force,
-                                  evaluate, min_peak_memory, peak_memory_bytes, solve_ilp)
-from autopar.core.enums import SolverBackend
 
 BACKENDS = [SolverBackend.HIGHS, SolverBackend.CBC]
 

@@ -13,11 +13,11 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from steps import TINY_GPT, assert_equivalent, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
-from autopar.runtime.init import abstract_state, compile_init
 from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
-from steps import TINY_GPT, assert_equivalent, mesh_of, run_steps, sgd_momentum_clip
+from autopar.runtime.init import abstract_state, compile_init
 
 KEY = jax.random.key(0)
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from steps import mlp_train_state, mlp_train_step
 
 import autopar
-from autopar.tools.dump import _bytes, _time
 from autopar.core.plan import FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan
 from autopar.core.spec import format_spec
-from steps import mlp_train_state, mlp_train_step
+from autopar.tools.dump import _bytes, _time
 
 THIS_FILE = pathlib.Path(__file__).name
 IN_DIM, HIDDEN, BATCH = 8, 16, 32

@@ -47,9 +47,9 @@ def test_optimizer_state_pairs_with_its_parameter_and_results_with_their_input()
 
 
 def _gpt_plan(config, plan_cache=False):
-    from autopar.models.gpt import GPT, make_gpt_batch
     from flax.training import train_state
-    from autopar.models.gpt import gpt_loss
+
+    from autopar.models.gpt import GPT, gpt_loss, make_gpt_batch
 
     def create():
         model = GPT(config)

@@ -5,15 +5,15 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from steps import BATCH, PARAMS, B, H  # four 16 x 16 layers, a batch of 8
 
 import autopar
-from autopar.frontend.grad import VALUE_AND_GRAD
 from autopar.core.graph import TensorKind
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, slice_stages, split_step
 from autopar.inter_op.pipeshard import microbatch_args
-from autopar.frontend.tracer import trace
 
-from steps import B, BATCH, H, PARAMS  # four 16 x 16 layers, a batch of 8
 L0, L1, L2, L3, X, Y = range(6)         # loss input positions: params (sorted keys), x, y
 
 
@@ -212,11 +212,12 @@ def test_a_loss_input_made_with_broadcast_constants_is_split_into_microbatches()
     """`jnp.where(batch > 0, 1.0, 0.0)` computed in the step and passed to the loss: the
     broadcast 1 and 0 come from constants alone, so the mask still counts as batch data and
     gradient accumulation splits it (it was refused as 'not computed from batch_argnums')."""
-    import numpy as np
     import jax
     import jax.numpy as jnp
-    import autopar
+    import numpy as np
     from steps import mesh_of
+
+    import autopar
 
     def step(w, batch, vg=autopar.value_and_grad):
         mask = jnp.where(batch["x"][:, 0] > 0, 1.0, 0.0)

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
 from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
-from steps import make_case, mesh_of, run_steps, sgd_momentum_clip, assert_equivalent
 
 COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
                         r"(?:-start)?\(")
@@ -159,7 +159,8 @@ def test_sharding_rule_errors_name_the_rule_the_leaf_and_the_fix():
     assert rule_spec((("bias", ("model",)),), path, (8, 12), mesh, axes) is None
     with pytest.raises(autopar.InvalidArgumentError, match=r"Dense_0.*no axis 'tensor'"):
         rule_spec((("kernel", ("tensor",)),), path, (8, 12), mesh, axes)
-    with pytest.raises(autopar.InvalidArgumentError, match=r"not divisible.*\(8, 6\)|\(8, 6\).*not divisible"):
+    with pytest.raises(autopar.InvalidArgumentError,
+                       match=r"not divisible.*\(8, 6\)|\(8, 6\).*not divisible"):
         rule_spec((("kernel", (None, "model")),), path, (8, 6), mesh, axes)
     with pytest.raises(autopar.InvalidArgumentError, match="3 entries for 2 dimensions"):
         rule_spec((("kernel", (None, None, "model")),), path, (8, 12), mesh, axes)

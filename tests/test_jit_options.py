@@ -10,11 +10,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-import autopar
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_nnx import mse_step
 from test_nnx_grad import microbatch_methods
+
+import autopar
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
 from autopar.runtime import distributed as dist
 from autopar.runtime.launch import _describe, main
-from steps import make_case, mesh_of, run_steps, sgd_momentum_clip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")

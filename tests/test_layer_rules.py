@@ -13,19 +13,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from equivalence import assert_params_close
+from layer_models import cnn_case, depthwise_case, dropout_case
+from steps import assert_equivalent, mesh_of, run_steps
+from test_intra_op import hlo_collectives
 
 import autopar
+from autopar.core.spec import enumerate_specs, num_shards
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
+from autopar.frontend.tracer import trace
 from autopar.intra_op.follow import FOLLOW_RULES
 from autopar.intra_op.layer_rules import key_op, pool, window_dims, window_select
 from autopar.intra_op.rules import RuleContext, conv_rule, random_bits_rule
-from autopar.core.spec import enumerate_specs, num_shards
-from autopar.frontend.tracer import trace
-from layer_models import cnn_case, depthwise_case, dropout_case
-from equivalence import assert_params_close
-from steps import assert_equivalent, mesh_of, run_steps
-from test_intra_op import hlo_collectives
 
 THIS_FILE = pathlib.Path(__file__).name
 

@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from steps import mesh_of, mlp_adam_state
 
 import autopar
 from autopar.cost.hlo import collectives, summary
-from autopar.intra_op.batch_dims import batch_dims
-from autopar.inter_op.local_grads import find_local_grads, partial_spec
 from autopar.frontend.tracer import trace
+from autopar.inter_op.local_grads import find_local_grads, partial_spec
+from autopar.intra_op.batch_dims import batch_dims
 from autopar.models.mlp import mse_loss
-from steps import mesh_of, mlp_adam_state
 
 
 def _local(fun, *args):

@@ -13,14 +13,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
-from autopar.cost import hlo
 from autopar.core.graph import LoopKind
-from autopar.intra_op.predict import compare
+from autopar.cost import hlo
 from autopar.frontend.tracer import trace
+from autopar.intra_op.predict import compare
 from autopar.models.gpt import GPTConfig
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 L, D, B = 3, 32, 16
 KEY = jax.random.key(0)
@@ -88,8 +88,8 @@ def test_trace_makes_a_region_per_scan_with_boundary_pseudo_nodes():
 def test_liveness_holds_stacked_ys_through_the_loop():
     """A body value lives one iteration; the stacked ys buffer exists from the loop's start,
     so the peak inside the body counts it next to the body's temporaries."""
-    from autopar.intra_op.solve import peak_memory
     from autopar.core.spec import replicated
+    from autopar.intra_op.solve import peak_memory
     xs, c0 = jnp.ones((4, 64, 64)), jnp.ones((64, 64))
 
     def f(xs, c0):
@@ -336,6 +336,7 @@ def test_scanned_gpt_gets_its_unrolled_twins_plan():
     scanned GPT takes the strategy the unrolled twin gives it in its first block, and the
     predicted step costs agree."""
     from flax.training import train_state
+
     from autopar.models.gpt import GPT, gpt_loss, make_gpt_batch
 
     def plan_of(scan):

@@ -2,11 +2,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from steps import mesh_of
 
 import autopar
 from autopar.frontend.markers import STAGE_BOUNDARY
 from autopar.frontend.tracer import trace
-from steps import mesh_of
 
 
 def two_layer(w, x, marked=True):

@@ -5,16 +5,22 @@ import textwrap
 import numpy as np
 import optax
 import pytest
+from steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
 
 import autopar
 from autopar.cost.model import CostModel
 from autopar.intra_op import ilp
-from autopar.intra_op.memory import (dead_nodes, hosted_temporaries, memory_model,
-                                     predicted_peak_bytes, run_order, schedule, tensor_bytes,
-                                     written_results)
+from autopar.intra_op.memory import (
+    dead_nodes,
+    hosted_temporaries,
+    memory_model,
+    predicted_peak_bytes,
+    run_order,
+    schedule,
+    tensor_bytes,
+    written_results,
+)
 from autopar.intra_op.solve import build_intra_op, choice_peak, peak_memory, solve_built
-from steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
-
 
 
 @pytest.mark.parametrize("value_and_grad", ["jax", "autopar-full"])
@@ -106,7 +112,7 @@ def test_temporaries_hosted_in_result_buffers():
     born = {t: p for p, ts in events.born.items() for t in ts}
     results = written_results(graph, events.model)
     ranges = [(born[t], events.model.end[t], per[t]) for t in hosted]
-    for a, b, size in ranges:
+    for _a, b, size in ranges:
         assert any(per[r] >= size and events.model.pos[graph.tensors[r].producer] > b
                    for r in results)
     bound = peak_memory(graph, specs, (2, 4), collective)

@@ -6,11 +6,11 @@ import types
 
 import jax
 import pytest
+from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
 from autopar.verify import memory_check
 from autopar.verify.memory_check import BINDING, ROUNDS, compiled_bytes, verified_plan
-from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 
 def _executable(nbytes: int):

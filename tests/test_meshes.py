@@ -47,7 +47,7 @@ def test_under_mesh_if_needed_retries_under_an_explicit_mesh_only_on_failure():
 
     assert under_mesh_if_needed(explicit, plain) == 1 and calls == [True]
     assert under_mesh_if_needed(explicit, needs_mesh) is not None
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):     # a PartitionSpec outside a mesh context
         under_mesh_if_needed(auto, needs_mesh)          # an Auto mesh is never set
 
     def autopar_error():

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from equivalence import assert_losses_close, assert_params_close
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
 
 import autopar
-from equivalence import assert_losses_close, assert_params_close
 
 KERNEL = ((), (1,))          # (None, 'model') on a (data, model) mesh
 

@@ -11,11 +11,22 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from steps import num_params
 
 from autopar.frontend.markers import STAGE_BOUNDARY
-from steps import num_params
-from autopar.models import (GPT, MLP, GPTConfig, NnxGPT, NnxMLP, gpt_flops_per_token, gpt_loss,
-                            gpt_param_count, make_gpt_batch, make_mlp_batch, mse_loss)
+from autopar.models import (
+    GPT,
+    MLP,
+    GPTConfig,
+    NnxGPT,
+    NnxMLP,
+    gpt_flops_per_token,
+    gpt_loss,
+    gpt_param_count,
+    make_gpt_batch,
+    make_mlp_batch,
+    mse_loss,
+)
 
 # Tiny shapes, shared by all tests so that JAX's per-shape compilations are
 # reused (compile time dominates on CPU).

@@ -8,11 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from steps import num_params
 
 from autopar.frontend.markers import STAGE_BOUNDARY
-from steps import num_params
-from autopar.models import (MoE, MoEConfig, expert_capacity, make_moe_batch, moe_flops_per_token,
-                            moe_loss, moe_param_count, top2_gating)
+from autopar.models import (
+    MoE,
+    MoEConfig,
+    expert_capacity,
+    make_moe_batch,
+    moe_flops_per_token,
+    moe_loss,
+    moe_param_count,
+    top2_gating,
+)
 
 top2_gating = jax.jit(top2_gating, static_argnums=1)  # eager: hundreds of tiny dispatches
 
@@ -205,14 +213,14 @@ def test_moe_layer_is_expert_parallel_under_cheap_links():
     all-to-all; the only all-reduce carries the router's gradient (and the loss); the compiled
     collectives are the ones the plan predicts. (Alpa's MoE layer compiles to 4 all-to-alls;
     this top-2 layer's plan has 3, and gathers the combine weights' input in the backward.)"""
-    import autopar
     from flax import linen as nn
     from flax.training import train_state
+    from steps import mesh_of
 
+    import autopar
     from autopar.cost.hlo import collectives, summary
     from autopar.intra_op.predict import compare
     from autopar.models.moe import MoeMlp
-    from steps import mesh_of
 
     cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=64, num_heads=4,
                     num_experts=4, expert_every=1)

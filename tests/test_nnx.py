@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from equivalence import ROUTING_LOSS_RTOL, assert_losses_close, assert_params_close
 from flax import nnx
 
 import autopar
 from autopar.core.graph import InputRole
-from equivalence import ROUTING_LOSS_RTOL, assert_losses_close, assert_params_close
 from autopar.models.gemma import Gemma, GemmaConfig, make_gemma_batch, nnx_train_step
 
 MESH_SHAPE = (2, 4)

@@ -10,11 +10,20 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_nnx import (
+    BnDropNet,
+    assert_same_metrics,
+    assert_same_state,
+    mnist_batches,
+    mnist_loss,
+    mnist_objects,
+    mnist_train_step,
+    mse,
+    mse_step,
+    regression_batches,
+)
 
 import autopar
-from test_nnx import (BnDropNet, assert_same_metrics, assert_same_state, mnist_batches,
-                      mnist_loss, mnist_objects, mnist_train_step, mse, mse_step,
-                      regression_batches)
 
 
 class Mlp(nnx.Module):

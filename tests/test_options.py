@@ -10,11 +10,21 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.core.errors import (AutoparError, InfeasiblePlanError, InvalidArgumentError,
-                                 PlanMismatchError, UnsupportedError)
-from autopar.core.options import (DataParallel, MethodKind, ShardParallel, Zero2Parallel,
-                                  Zero3Parallel)
 from autopar.core.enums import SolverBackend
+from autopar.core.errors import (
+    AutoparError,
+    InfeasiblePlanError,
+    InvalidArgumentError,
+    PlanMismatchError,
+    UnsupportedError,
+)
+from autopar.core.options import (
+    DataParallel,
+    MethodKind,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
 
 METHODS = [ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel]
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100")

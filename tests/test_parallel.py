@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.intra_op.ilp import IlpEdge, IlpProblem, solve_ilp
 from autopar.inter_op.parallel import ENV_WORKERS, PlanPool, PlanWorkerError, plan_workers
+from autopar.intra_op.ilp import IlpEdge, IlpProblem, solve_ilp
 
 
 def _problems(n, seed=0):

@@ -2,8 +2,8 @@
 import jax
 import jax.numpy as jnp
 
-from autopar.intra_op.phases import deferred_nodes, sibling_reductions, tail_nodes
 from autopar.frontend.tracer import trace
+from autopar.intra_op.phases import deferred_nodes, sibling_reductions, tail_nodes
 
 
 def test_sibling_reductions_pay_one_latency():

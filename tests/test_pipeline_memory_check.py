@@ -11,12 +11,12 @@ import warnings
 
 import jax
 import pytest
+from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
+from autopar.runtime.compile_only import Role, abstract_args, compile_program, shard_bytes
 from autopar.verify import pipeline_memory_check as pmc
 from autopar.verify.memory_check import ROUNDS
-from autopar.runtime.compile_only import Role, abstract_args, compile_program, shard_bytes
-from steps import TINY_GPT, assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 
 def _pipe(budget=None, microbatches=4):
@@ -182,8 +182,8 @@ def test_gradient_accumulation_is_checked_as_a_one_stage_pipeline():
                                method=autopar.ShardParallel(num_microbatches=2))
     predicted = free.get_plan(state, batches[0]).peak_memory_bytes
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False,
-                              method=autopar.ShardParallel(num_microbatches=2,
-                                                           memory_budget_bytes=int(1.9 * predicted)))
+                              method=autopar.ShardParallel(
+                                  num_microbatches=2, memory_budget_bytes=int(1.9 * predicted)))
     plan = par.get_plan(state, batches[0])
     got = plan.measured["compiled_stage_bytes"]
     assert len(got) == 1 and 0 < got[0] <= 1.9 * predicted

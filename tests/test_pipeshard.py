@@ -9,17 +9,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from equivalence import assert_grads_close, assert_losses_close, assert_params_close
 from flax.training import train_state
+from steps import (
+    assert_equivalent,
+    make_case,
+    mesh_of,
+    mlp_train_state,
+    run_steps,
+    sgd_momentum_clip,
+)
 
 import autopar
-from autopar.inter_op.pipeshard import accumulation_method
 from autopar.core.spec import num_shards
+from autopar.inter_op.pipeshard import accumulation_method
 from autopar.models import make_mlp_batch
 from autopar.models.gpt import GPTConfig
 from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
-from equivalence import assert_grads_close, assert_losses_close, assert_params_close
-from steps import (assert_equivalent, make_case, mesh_of, mlp_train_state, run_steps,
-                   sgd_momentum_clip)
 
 GPT_MARKED = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4,
                        stage_boundaries=True)
@@ -216,8 +222,17 @@ def _model_case(kind: str, *, stage_boundaries: bool):
     """(step, state, batches) for the MoE and Wide-ResNet families; step returns
     (state, loss, grads) and takes the gradient with autopar.value_and_grad."""
     from flax.training import train_state
-    from autopar.models import (MoE, MoEConfig, WideResNet, WideResNetConfig, classification_loss,
-                                make_image_batch, make_moe_batch, moe_loss)
+
+    from autopar.models import (
+        MoE,
+        MoEConfig,
+        WideResNet,
+        WideResNetConfig,
+        classification_loss,
+        make_image_batch,
+        make_moe_batch,
+        moe_loss,
+    )
     key = jax.random.key(0)
     if kind == "moe":
         cfg = MoEConfig(vocab_size=32, seq_len=8, num_layers=4, hidden=16, num_heads=2,
@@ -548,7 +563,7 @@ def test_auxiliary_outputs_combine_like_the_full_batch(method):
     ref_state, ref = _run_with(jax.jit(step), state, batches)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
     got_state, got = _run_with(par, state, batches)
-    for i, (((rl, ra), rg), ((gl, ga), gg)) in enumerate(zip(ref, got)):
+    for i, (((rl, ra), _rg), ((gl, ga), _gg)) in enumerate(zip(ref, got)):
         assert ra["count"].dtype == ga["count"].dtype
         if i == 0:                   # a threshold count is exact where the parameters are
             assert ra["count"] == ga["count"]

@@ -11,16 +11,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from steps import mlp_train_state, mlp_train_step
 
 import autopar
 from autopar.core.graph import TensorKind
-from autopar.core.plan import (PLAN_FORMAT_VERSION, CollectivePlan, FallbackPlan, OperatorPlan,
-                               ParallelPlan, StagePlan, TensorPlan, graph_fingerprint)
-from autopar.tools.plan_cache import PlanCache
+from autopar.core.plan import (
+    PLAN_FORMAT_VERSION,
+    CollectivePlan,
+    FallbackPlan,
+    OperatorPlan,
+    ParallelPlan,
+    StagePlan,
+    TensorPlan,
+    graph_fingerprint,
+)
 from autopar.core.primitives import HEAVY_OPERATORS
 from autopar.core.spec import is_valid
 from autopar.frontend.tracer import trace
-from steps import mlp_train_state, mlp_train_step
+from autopar.tools.plan_cache import PlanCache
 
 IN_DIM, HIDDEN, BATCH = 8, 16, 32
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
@@ -402,7 +410,8 @@ def test_fingerprint_sees_equation_parameters():
 # ------------------------------------------------------- fingerprints see into sub-jaxprs
 # Two losses over the same parameter shapes: one shared layer applied 4 or 12 times.
 SHARED = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
-XY = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32), "y": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+XY = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+      "y": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
 
 
 def _shared_layer_step(num_layers, scan=False):

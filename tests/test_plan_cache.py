@@ -13,11 +13,16 @@ import queue as queue_module
 import pytest
 
 import autopar
-from autopar.tools import plan_cache
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.plan import ParallelPlan
-from autopar.tools.plan_cache import (PlanCache, cache_key, canonical_text, default_cache_dir,
-                                      env_setting)
+from autopar.tools import plan_cache
+from autopar.tools.plan_cache import (
+    PlanCache,
+    cache_key,
+    canonical_text,
+    default_cache_dir,
+    env_setting,
+)
 
 CLUSTER = autopar.ClusterSpec.preset("dgx-a100", num_hosts=2)
 METHOD = autopar.PipeshardParallel(

@@ -17,22 +17,35 @@ import optax
 import pytest
 from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
+from steps import make_case, mesh_of
 
 import autopar
+from autopar.core.plan import CollectivePlan, IlpStats
+from autopar.core.spec import enumerate_specs, is_valid, to_names
 from autopar.cost import hlo
 from autopar.cost.hlo import Collective
 from autopar.frontend.interpret import RESULT
-from autopar.intra_op.predict import (compare, implied_reshards, live_nodes, predict_collectives,
-                                      reshard_path)
-from autopar.core.plan import IlpStats
-from autopar.intra_op.solve import ShardingAssignment
-from autopar.core.plan import CollectivePlan
-from autopar.core.spec import enumerate_specs, is_valid, to_names
 from autopar.frontend.tracer import trace
-from autopar.models import (GPTConfig, MoE, MoEConfig, WideResNet, WideResNetConfig,
-                            classification_loss, make_image_batch, make_moe_batch, moe_loss)
+from autopar.intra_op.predict import (
+    compare,
+    implied_reshards,
+    live_nodes,
+    predict_collectives,
+    reshard_path,
+)
+from autopar.intra_op.solve import ShardingAssignment
+from autopar.models import (
+    GPTConfig,
+    MoE,
+    MoEConfig,
+    WideResNet,
+    WideResNetConfig,
+    classification_loss,
+    make_image_batch,
+    make_moe_batch,
+    moe_loss,
+)
 from autopar.models.bert import BertMLM, bert_batch, bert_state, bert_step
-from steps import make_case, mesh_of
 
 REMAT = "Involuntary full rematerialization"
 D, M = 0, 1                      # mesh axes: data, model

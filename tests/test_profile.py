@@ -6,10 +6,17 @@ import json
 import numpy as np
 import pytest
 
-from autopar.cost.cluster import ClusterSpec
 from autopar.core.errors import ProfileError
-from autopar.cost.profiler import (COLLECTIVES, VERSION, AxisProfile, DeviceProfile, cache_path,
-                                   fit_link, ring_coefficients)
+from autopar.cost.cluster import ClusterSpec
+from autopar.cost.profiler import (
+    COLLECTIVES,
+    VERSION,
+    AxisProfile,
+    DeviceProfile,
+    cache_path,
+    fit_link,
+    ring_coefficients,
+)
 
 
 def synthetic(alpha, beta, n, sizes=(1e4, 1e5, 1e6, 1e7), noise=0.0, seed=0):

@@ -11,10 +11,10 @@ import textwrap
 
 import jax
 import pytest
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 import autopar
 from autopar.core import progress
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 LOGGER = "autopar.core.progress"
 TIME = r"\d+\.\d+ (?:s|ms|us)"        # _format.format_time: "1.234 s", "12.345 ms", "3.2 us"

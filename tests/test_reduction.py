@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
-from autopar.inter_op.pipeline import split_step
-from autopar.inter_op.reduction import Combine, reduce_outputs
-from autopar.inter_op.pipeshard import microbatch_args
 from autopar.frontend.tracer import trace
+from autopar.inter_op.pipeline import split_step
+from autopar.inter_op.pipeshard import microbatch_args
+from autopar.inter_op.reduction import Combine, reduce_outputs
 
 W = jax.random.normal(jax.random.key(0), (4, 4))
 BATCH = {"x": jax.random.normal(jax.random.key(1), (8, 4)),

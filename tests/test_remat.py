@@ -5,14 +5,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from steps import assert_equivalent, long_lm_case, mesh_of, run_steps
 
 import autopar
-from autopar.core.graph import RematRegion
-from autopar.inter_op.remat import (CONCRETE, LossRemat, candidates, choices_of, policy_of,
-                                    remat_expand, run_forward, with_remat)
 from autopar.core.enums import Remat
+from autopar.core.graph import RematRegion
 from autopar.frontend.tracer import trace
-from steps import assert_equivalent, long_lm_case, mesh_of, run_steps
+from autopar.inter_op.remat import (
+    CONCRETE,
+    LossRemat,
+    candidates,
+    choices_of,
+    policy_of,
+    remat_expand,
+    run_forward,
+    with_remat,
+)
 
 
 def _mlp_loss(ws, x):

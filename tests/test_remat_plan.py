@@ -4,13 +4,21 @@ fits; the plan records the choice, replays it, and trains like jax.jit."""
 import textwrap
 
 import pytest
+from steps import (
+    assert_equivalent,
+    long_lm_case,
+    make_case,
+    mesh_of,
+    run_steps,
+    run_under_memory_scheduler,
+    sgd_momentum_clip,
+)
 
 import autopar
-from autopar.inter_op.remat_plan import loss_layers
 from autopar.frontend.tracer import trace
+from autopar.inter_op.remat_plan import loss_layers
 from autopar.models.gpt import GPTConfig
-from steps import (assert_equivalent, long_lm_case, make_case, mesh_of, run_steps,
-                   run_under_memory_scheduler, sgd_momentum_clip)
+
 
 @pytest.fixture(scope="module")
 def case():

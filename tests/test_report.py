@@ -14,13 +14,13 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import optax
 import pytest
+from steps import make_case, mesh_of
 
 import autopar
 from autopar.core._format import format_bytes, format_time
-from autopar.tools.report_data import optimizer_ratio
 from autopar.core.enums import Schedule
 from autopar.inter_op.schedule import make_schedule
-from steps import make_case, mesh_of
+from autopar.tools.report_data import optimizer_ratio
 
 SECTIONS = ("summary", "mesh", "sharding", "memory", "timeline", "collectives", "runner-ups")
 SVG_NS = "http://www.w3.org/2000/svg"
@@ -282,7 +282,7 @@ def test_report_rejects_what_it_cannot_draw(single_plan):
     with pytest.raises(autopar.InvalidArgumentError, match="pass a ParallelPlan"):
         autopar.report(single_plan.to_json())
     broken = dataclasses.replace(single_plan, mesh_shape=(8,), axis_names=("data",))
-    with pytest.raises(autopar.InvalidArgumentError, match=r"autopar.tools.report: the plan is "
+    with pytest.raises(autopar.InvalidArgumentError, match=r"autopar.report: the plan is "
                        r"inconsistent: .* is split over mesh axis 1, but the plan's mesh \(8,\)"):
         autopar.report(broken)
 

@@ -4,11 +4,10 @@ pipeline search solved whole and did not take."""
 import jax
 import jax.numpy as jnp
 import pytest
+from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 
 import autopar
 from autopar.tools import runner_ups
-
-from steps import BATCH, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 
 
 def step(params, batch):
@@ -95,7 +94,8 @@ def test_rivals_stop_at_their_time_share(mesh, monkeypatch):
     monkeypatch.setattr(runner_ups, "TIME_SHARE", 0.0)
     plan = plan_of(mesh, autopar.ShardParallel())
     assert len(plan.alternatives) == 3
-    assert all(a["predicted_step_s"] is None and a["fits"] is None and a["peak_memory_bytes"] is None
+    assert all(a["predicted_step_s"] is None and a["fits"] is None
+               and a["peak_memory_bytes"] is None
                and a["note"].startswith("not priced") for a in plan.alternatives)
     # A plan with unpriced rivals is a valid plan: it reloads, dumps and reports (the demo
     # crashed in autopar.report when a loaded machine left a rival unpriced).

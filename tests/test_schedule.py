@@ -7,8 +7,7 @@ import itertools
 import pytest
 
 from autopar.core.errors import InvalidArgumentError
-from autopar.runtime import (Phase, PipelineSchedule, Schedule, Task, check_schedule,
-                             make_schedule)
+from autopar.runtime import Phase, PipelineSchedule, Schedule, Task, check_schedule, make_schedule
 
 SIZES = list(itertools.product(range(1, 7), range(1, 11)))  # (S, M)
 F = lambda s, m: Task(Phase.FORWARD, s, m)   # noqa: E731

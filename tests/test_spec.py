@@ -8,9 +8,20 @@ import sys
 
 import pytest
 
-from autopar.core.spec import (bytes_per_device, dim_shards, enumerate_specs, format_spec,
-                               from_names, is_valid, num_shards, replicated, shard_shape, to_names,
-                               used_axes, without_axes)
+from autopar.core.spec import (
+    bytes_per_device,
+    dim_shards,
+    enumerate_specs,
+    format_spec,
+    from_names,
+    is_valid,
+    num_shards,
+    replicated,
+    shard_shape,
+    to_names,
+    used_axes,
+    without_axes,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("data", "model")

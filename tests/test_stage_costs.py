@@ -1,19 +1,19 @@
 """The stage search's costs (`inter_op.stage_costs`): the reshards between consecutive layers
 of a stage, and the re-ranking of the DP's best layouts by whole-stage solves."""
-import autopar
-from autopar.inter_op.pipeline import slice_range
-from autopar.inter_op.stage_solve import solve_stage, trace_stage
-from autopar.cost.cluster import ClusterSpec
-from autopar.inter_op.stages import AXIS_NAMES
-
 from test_stages import bounds, cluster, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
 
+import autopar
+from autopar.cost.cluster import ClusterSpec
+from autopar.inter_op.pipeline import slice_range
+from autopar.inter_op.stage_solve import solve_stage, trace_stage
+from autopar.inter_op.stages import AXIS_NAMES
 
 # -- the DP prices what it builds: boundary reshards, and re-ranking by whole-stage solves ---
 
 def test_boundary_costs_price_layers_that_disagree_on_the_handed_over_tensor(loss, bounds,
                                                                               cluster):
     import dataclasses
+
     from autopar.cost.model import CostModel
     from autopar.inter_op.stage_costs import boundary_costs
     shape = (1, 8)
@@ -37,6 +37,7 @@ def test_boundary_costs_price_layers_that_disagree_on_the_handed_over_tensor(los
 
 def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
     from types import SimpleNamespace as NS
+
     from autopar.inter_op.stage_costs import reranked
     two = NS(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0), total_latency_s=1.0, num_stages=2)
     one = NS(layer_spans=((0, 1),), submeshes=(1,), total_latency_s=1.1, num_stages=1)
@@ -63,8 +64,15 @@ def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
     The DP's retry price (`span_static_bytes` with the layers' deferred bytes) adds what a
     later layer's weight-gradient tail keeps live through the earlier layers' backward."""
     import numpy as np
-    from autopar.inter_op.stage_costs import (held_bytes, resident_bytes, span_held_bytes,
-                                              span_static_bytes, static_bytes, working_bytes)
+
+    from autopar.inter_op.stage_costs import (
+        held_bytes,
+        resident_bytes,
+        span_held_bytes,
+        span_static_bytes,
+        static_bytes,
+        working_bytes,
+    )
     from autopar.inter_op.stage_solver import StageSolver
     one = ClusterSpec.preset("v100-p3.16xlarge").with_(devices_per_host=1)
     solver = StageSolver(loss, one, method(autopar.AutoStageOption()), tuple(bounds))
@@ -95,6 +103,7 @@ def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
 
 def test_span_static_bytes_adds_the_later_layers_deferred_bytes():
     import numpy as np
+
     from autopar.inter_op.stage_costs import span_static_bytes
     held, work, deferred = np.array([1.0, 2.0, 4.0]), np.array([5.0, 1.0, 3.0]), np.ones(3)
     # span 0..j: held summed + max over l <= j of work[l] + deferred of the layers after l
@@ -107,6 +116,7 @@ def test_dp_retry_prices_the_deferred_bytes():
     prices a span's later layers' deferred bytes: a 2-layer stage that fits by its layers'
     largest working memory no longer does, a 1-layer stage costs the same."""
     import numpy as np
+
     from autopar.inter_op.stage_costs import run_dp
     from autopar.inter_op.stage_dp import SubmeshShape
     subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
@@ -127,6 +137,7 @@ def test_dp_asked_again_without_a_banned_span():
     pair, under any kind of layer plan: the search's answer to a stage that did not fit when
     solved whole."""
     import numpy as np
+
     from autopar.inter_op.stage_costs import run_dp
     from autopar.inter_op.stage_dp import SubmeshShape
     subs = (SubmeshShape(num_hosts=1, devices_per_host=1),

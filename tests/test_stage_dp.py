@@ -5,8 +5,13 @@ import numpy as np
 import pytest
 
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
-from autopar.inter_op import (StageCosts, SubmeshShape, brute_force_stages, candidate_submeshes,
-                              solve_stage_dp)
+from autopar.inter_op import (
+    StageCosts,
+    SubmeshShape,
+    brute_force_stages,
+    candidate_submeshes,
+    solve_stage_dp,
+)
 
 
 def _shapes(submeshes):

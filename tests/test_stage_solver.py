@@ -2,16 +2,15 @@
 (`slice_key`), and a logical view whose ILP is another's with the mesh axes swapped is solved
 as that view's mirror image, which gives the same plan costs and trains like jax.jit."""
 import jax
+from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
+from test_stages import bounds, cluster, loss, method  # noqa: F401 (fixtures)
 
 import autopar
+from autopar.core.spec import is_valid
 from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solve import stage_problem, trace_stage
 from autopar.inter_op.stage_solver import AXIS_NAMES, StageSolver, slice_key
-from autopar.core.spec import is_valid
-
-from test_stages import bounds, cluster, loss, method  # noqa: F401 (fixtures)
-from steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 
 def test_slice_key_names_identical_layers(loss, bounds):

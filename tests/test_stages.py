@@ -4,18 +4,17 @@ of a submesh; the option errors; and the pipeline plan's JSON round trip and rep
 import jax
 import jax.numpy as jnp
 import pytest
+from steps import BATCH, PARAMS, B, H, marked_layers  # four 16 x 16 layers, a batch of 8
 
 import autopar
-from autopar.cost.cluster import ClusterSpec
 from autopar.core.graph import TensorKind
-from autopar.core.plan import graph_fingerprint
+from autopar.core.plan import graph_fingerprint, solution_from_record, solution_record
+from autopar.cost.cluster import ClusterSpec
+from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, split_step
-from autopar.core.plan import solution_from_record, solution_record
 from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
-from autopar.frontend.tracer import trace
 
-from steps import B, BATCH, H, PARAMS, marked_layers  # four 16 x 16 layers, a batch of 8
 DEVICES = tuple(range(8))
 
 
@@ -420,8 +419,8 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
     """StageProblem.solve(opt_ratio=, in_flight=) gives the fastest plan whose pipeline peak
     (the stage DP's formula: one microbatch's peak, a gradient accumulator, the parameters'
     optimizer state, and the activations of the other microbatches in flight) fits."""
-    from autopar.inter_op.stage_solve import stage_problem
     from autopar.inter_op.stage_costs import static_bytes
+    from autopar.inter_op.stage_solve import stage_problem
     sl = slice_range(loss, bounds[0], bounds[4], 0)
     prob = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
         num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(

@@ -11,15 +11,21 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from steps import mlp_train_state, mlp_train_step
 
 import autopar
 from autopar.core import _compat
 from autopar.core.errors import AutoparError, InvalidArgumentError
 from autopar.core.graph import InputRole, OpGraph, Tensor, TensorKind
 from autopar.frontend.interpret import interpret
-from autopar.frontend.tracer import (carried_outputs, check_argnums, check_donated_aliases,
-                                    classify_input, node_flops, trace)
-from steps import mlp_train_state, mlp_train_step
+from autopar.frontend.tracer import (
+    carried_outputs,
+    check_argnums,
+    check_donated_aliases,
+    classify_input,
+    node_flops,
+    trace,
+)
 
 THIS_FILE = pathlib.Path(__file__).name
 IN_DIM, HIDDEN, BATCH = 8, 16, 8
@@ -139,7 +145,8 @@ def test_control_flow_becomes_regions_with_bodies_inlined():
     assert {"neg", "exp", "add", "mul"} <= set(prims)
     assert [r.kind.value for r in graph.regions] == ["scan", "cond", "while"]
     scan = graph.regions[0]
-    assert scan.trips == 4 and [graph.tensors[o].shape for o in scan.outer_outputs] == [(8,), (4, 8)]
+    assert scan.trips == 4
+    assert [graph.tensors[o].shape for o in scan.outer_outputs] == [(8,), (4, 8)]
     assert sum(n.flops for n in graph.nodes if n.primitive.startswith("loop_")) == 0.0
     assert [graph.tensors[o].shape for o in graph.outputs] == [(), (8,)]
 

@@ -8,12 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from steps import num_params
 
 from autopar.frontend.markers import STAGE_BOUNDARY
-from steps import num_params
-from autopar.models import (Norm, WideResNet, WideResNetConfig, classification_loss,
-                            make_image_batch, wide_resnet_flops_per_example,
-                            wide_resnet_param_count)
+from autopar.models import (
+    Norm,
+    WideResNet,
+    WideResNetConfig,
+    classification_loss,
+    make_image_batch,
+    wide_resnet_flops_per_example,
+    wide_resnet_param_count,
+)
 
 # WRN-10-1 on 8x8 images: one block per stage, channels 4 -> 4, 8, 16.
 TINY = WideResNetConfig(image_size=8, num_classes=10, depth=10, width=1, base_channels=4,

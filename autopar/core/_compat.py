@@ -2,12 +2,10 @@
 PuLP: its 4.x release changed the CBC backend)."""
 from __future__ import annotations
 
-
 import jax
 import jax.extend.core as jcore
 from jax.extend import source_info_util
 from jax.extend.core import primitives as prims
-
 
 Var = jcore.Var
 Literal = jcore.Literal

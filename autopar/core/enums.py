@@ -32,7 +32,7 @@ class Remat(str, enum.Enum):
     FULL = "full"            # keep only the layer's input; recompute its whole forward
 
     @classmethod
-    def of(cls, value, where: str = "remat") -> "Remat":
+    def of(cls, value, where: str = "remat") -> Remat:
         """`value` as a Remat (plain strings accepted), or a clear error."""
         try:
             return cls(value)

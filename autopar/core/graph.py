@@ -19,14 +19,13 @@ import numpy as np
 from autopar.core.errors import AutoparError
 from autopar.core.primitives import NOT_FOLDABLE
 
-
 # Three kinds of integer index a graph's maps use; the aliases name which one a map holds.
 TensorId = int       # index into `OpGraph.tensors`
 InputPos = int       # flat argument leaf position: index into `OpGraph.inputs`
 OutputPos = int      # flat result leaf position: index into `OpGraph.outputs`
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype not in ("key", "token") else 8
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import enum
 import math
 import re
-
-import numpy as np
 from dataclasses import dataclass
 
-from autopar.core.errors import InvalidArgumentError
+import numpy as np
+
 from autopar.core.enums import Annotations, Remat, Schedule, SolverBackend
+from autopar.core.errors import InvalidArgumentError
 
 
 class LayerReuse(enum.Enum):
@@ -99,7 +99,7 @@ class ShardParallel:
         >>> autopar.ShardParallel(num_microbatches=4)      # 4-step gradient accumulation
         >>> autopar.Zero3Parallel(num_microbatches=2)
         >>> autopar.ShardParallel(remat="none")             # never recompute activations
-        >>> autopar.ShardParallel(batch_axis="data")        # data parallel on "data", ILP on the rest
+        >>> autopar.ShardParallel(batch_axis="data")  # data parallel on "data", ILP on the rest
         >>> autopar.ShardParallel(sharding_rules=(         # Megatron-style MLP, batch on data
         ...     (r"\['fc'\]\['kernel'\]", (None, "model")),
         ...     (r"\['proj'\]\['kernel'\]", ("model", None)),
@@ -465,7 +465,7 @@ class PipeshardParallel(ShardParallel):
         return MethodKind.PIPESHARD
 
 
-__all__ = ["LayerReuse", "MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
-           "SolverBackend",
+__all__ = ["LayerReuse", "MethodKind", "ShardParallel", "DataParallel", "Zero2Parallel",
+           "Zero3Parallel", "SolverBackend",
            "PipeshardParallel", "AutoLayerOption", "ManualLayerOption", "AutoStageOption",
            "UniformStageOption", "ManualStageOption", "Schedule", "Remat"]

@@ -16,8 +16,9 @@ import datetime
 import enum
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any
 
 import numpy as np
 
@@ -197,7 +198,7 @@ class ParallelPlan:
         return (tuple(_operator_plan(o) for o in rec.get("operators", ())),
                 tuple(_collective_plan(c) for c in rec.get("collectives", ())))
 
-    def stage_solution(self, stage: int) -> "StageSolution":
+    def stage_solution(self, stage: int) -> StageSolution:
         """Pipeline stage `stage`'s saved ILP solution, loaded from `stage_solutions`."""
         return solution_from_record(self.stage_solutions[stage])[1]
 
@@ -210,7 +211,7 @@ class ParallelPlan:
         return json.dumps(dataclasses.asdict(self), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "ParallelPlan":
+    def from_json(cls, text: str) -> ParallelPlan:
         """The plan `to_json` wrote. Raises InvalidArgumentError for text that is not a
         plan (not JSON, truncated, missing keys, malformed entries) and PlanMismatchError for
         another format version or specs that do not fit the plan's mesh (`plan_check`)."""
@@ -244,7 +245,7 @@ def stamped(plan: ParallelPlan) -> ParallelPlan:
     """`plan` with `searched_at` set to now (UTC) where its search left it unset."""
     if plan.searched_at:
         return plan
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return dataclasses.replace(plan, searched_at=now)
 
 

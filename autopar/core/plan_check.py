@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from autopar.core.errors import InvalidArgumentError, PlanMismatchError
 from autopar.core._format import short_repr
 from autopar.core.enums import Schedule
+from autopar.core.errors import InvalidArgumentError, PlanMismatchError
 
 _FIX = "Fix: pass the whole text plan.to_json() wrote, or re-plan (parallelize without plan=)."
 

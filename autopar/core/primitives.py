@@ -53,5 +53,5 @@ LOOP_CARRY, LOOP_SLICE, LOOP_STACK = "loop_carry", "loop_slice", "loop_stack"
 LOOP_EXIT, BRANCH_EXIT = "loop_exit", "branch_exit"
 LOOP_PSEUDO = frozenset({LOOP_CARRY, LOOP_SLICE, LOOP_STACK, LOOP_EXIT, BRANCH_EXIT})
 # Results that are not constants even when every operand is.
-NOT_FOLDABLE = CONTROL_FLOW | LOOP_PSEUDO | {"random_bits", "random_seed", "random_wrap", "threefry2x32",
-                               "rng_bit_generator", "rng_uniform"}
+NOT_FOLDABLE = CONTROL_FLOW | LOOP_PSEUDO | {"random_bits", "random_seed", "random_wrap",
+                                             "threefry2x32", "rng_bit_generator", "rng_uniform"}

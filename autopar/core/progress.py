@@ -63,7 +63,8 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from autopar.core._format import format_time
 from autopar.core.errors import InvalidArgumentError
@@ -140,7 +141,7 @@ class _Counter:
     """`advance()` once per finished step of a counted phase."""
     __slots__ = ("rep", "label", "total", "k", "t0", "said", "task")
 
-    def __init__(self, rep: "_Reporter | None", label: str, total: int):
+    def __init__(self, rep: _Reporter | None, label: str, total: int):
         self.rep, self.label, self.total, self.k = rep, label, int(total), 0
         self.t0 = self.said = time.perf_counter()
         self.task = None
@@ -163,8 +164,15 @@ class _Reporter:
         self.bar = self.console = None
         if _is_tty(stream):
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                       TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             self.console = Console(file=stream, highlight=False)
             self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                 MofNCompleteColumn(), TimeElapsedColumn(),
@@ -352,7 +360,7 @@ def compiled(lowered: Callable[[], Any]) -> Any:
         return low.compile()
 
 
-_RAN: "weakref.WeakSet" = weakref.WeakSet()     # pipeline executors past their first step
+_RAN: weakref.WeakSet = weakref.WeakSet()     # pipeline executors past their first step
 
 
 def first_run(executor, flat_args: list, session_of: Callable) -> list:

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import jax
 
-from autopar.cost.cluster import ClusterSpec, memory_stats
 from autopar.core.errors import InvalidArgumentError
-from autopar.frontend.checks import is_parallelized
-from autopar.cost.measure import median_time, profile
 from autopar.core.plan import ParallelPlan
+from autopar.cost.cluster import ClusterSpec, memory_stats
+from autopar.cost.measure import median_time, profile
+from autopar.frontend.checks import is_parallelized
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,
     efficiency = m0["step_s"] / max(probe.get_plan(*args).predicted_step_s, 1e-30)
     cluster = _scaled(measured_cluster, efficiency)
     before = dataclasses.replace(before, measured=m0)
-    log.info("autopar.cost.calibrate: measured %.4g s vs predicted %.4g s (%+.0f%%); efficiency "
+    log.info("autopar.calibrate: measured %.4g s vs predicted %.4g s (%+.0f%%); efficiency "
              "factor %.3g", m0["step_s"], before.predicted_step_s, 100 * err0, efficiency)
     if abs(err0) <= tolerance:
         kept, kept_plan, after, err1 = fn, before, None, None
@@ -107,7 +107,7 @@ def calibrate(fn, *args, steps: int = 3, tolerance: float = 0.25,
         after = dataclasses.replace(replanned.get_plan(*args), measured=m1)
         err1 = after.predicted_step_s / m1["step_s"] - 1
         kept, kept_plan = (replanned, after) if m1["step_s"] <= m0["step_s"] else (fn, before)
-        log.info("autopar.cost.calibrate: re-planned; measured %.4g s vs predicted %.4g s (%+.0f%%)",
+        log.info("autopar.calibrate: re-planned; measured %.4g s vs predicted %.4g s (%+.0f%%)",
                  m1["step_s"], after.predicted_step_s, 100 * err1)
     return Calibration(before=before, after=after, cluster=cluster, efficiency=efficiency,
                        error_before=err0, error_after=err1, function=kept, plan=kept_plan)

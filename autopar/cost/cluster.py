@@ -16,8 +16,9 @@ import enum
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from autopar.core._format import short_repr
 from autopar.core.errors import InvalidArgumentError

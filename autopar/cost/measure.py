@@ -20,16 +20,23 @@ import logging
 import os
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
-import numpy as np
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from autopar.core.errors import InvalidArgumentError, ProfileError
-from autopar.cost.profiler import (COLLECTIVES, AxisProfile, DeviceProfile, cache_path,
-                                   default_cache_dir, fit_link)
+from autopar.cost.profiler import (
+    COLLECTIVES,
+    AxisProfile,
+    DeviceProfile,
+    cache_path,
+    default_cache_dir,
+    fit_link,
+)
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +199,7 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
         matmul_flops_per_s=flops, axes=tuple(axes), call_overhead_s=overhead,
         memory_bytes_per_s=bandwidth,
         jax_version=jax.__version__,
-        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_utc=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         extra={"sizes": [int(s) for s in sizes], "repeats": repeats,
                "matmul_size": matmul_size, "memory_size": memory_size,
                "seconds": time.perf_counter() - t0})

@@ -19,12 +19,12 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from autopar.cost.cluster import LogicalMesh
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.spec import Spec, num_shards, without_axes
+from autopar.cost.cluster import LogicalMesh
 
 
 class CollectiveAlgorithm(enum.Enum):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ def as_argnums(value, name: str, *, none_ok: bool = False) -> tuple[int, ...]:
 def method_instance(method):
     """`method` if it is an autopar method (None: the default); the class itself (a missing
     `()`) or anything else is refused with the fix."""
-    from autopar.core.options import ShardParallel     # options imports the solver, which imports here
+    from autopar.core.options import ShardParallel  # options imports the solver, which imports here
     if method is None or isinstance(method, ShardParallel):
         return method
     if isinstance(method, type) and issubclass(method, ShardParallel):

@@ -41,7 +41,7 @@ differ from the full batch's, so a step with dropout is not equal to `jax.jit`'s
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.extend.core as jcore
@@ -149,7 +149,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     @functools.wraps(fun)
     def wrapped(*args):
         nums = _check_argnums(argnums, len(args))
-        from autopar.frontend.nnx import holds_graph_nodes     # (frontend imports trace, grad)
+        from autopar.frontend.nnx import holds_graph_nodes  # (frontend imports trace, grad)
         if any(holds_graph_nodes(args[i]) for i in nums):
             from autopar.frontend.nnx_grad import value_and_grad_nnx
             return value_and_grad_nnx(_marked, fun, argnums, nums, has_aux, args)

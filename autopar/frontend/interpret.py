@@ -12,9 +12,9 @@ import jax
 
 from autopar.core import _compat
 from autopar.core.errors import AutoparError
-from autopar.frontend.loops import PSEUDO_PRIMITIVES, region_at
 from autopar.core.graph import OpGraph
 from autopar.frontend.interpret_loops import run_region
+from autopar.frontend.loops import PSEUDO_PRIMITIVES, region_at
 
 RESULT = -1                                      # `Reshard.node` of a step's result
 

@@ -9,7 +9,8 @@ Example (inside `lower.run_nodes`, which calls it when it meets a region's first
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend.core as jcore

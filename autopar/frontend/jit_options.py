@@ -19,8 +19,9 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -169,7 +170,7 @@ class PinnedShardings:
     out_shardings: Any = None
 
     @classmethod
-    def of(cls, in_shardings, out_shardings) -> "PinnedShardings":
+    def of(cls, in_shardings, out_shardings) -> PinnedShardings:
         return cls(_normalized(in_shardings), _normalized(out_shardings))
 
     def _per_argument(self, dynamic: Sequence[int]) -> list:

@@ -33,9 +33,9 @@ from typing import Any
 
 from autopar.core import _compat
 from autopar.core.graph import LoopKind, LoopRegion, Node, OpGraph, TensorKind
-from autopar.core.primitives import (BRANCH_EXIT, CONTROL_FLOW as REGION_PRIMITIVES, LOOP_CARRY,
-                                     LOOP_EXIT, LOOP_PSEUDO as PSEUDO_PRIMITIVES, LOOP_SLICE,
-                                     LOOP_STACK)
+from autopar.core.primitives import BRANCH_EXIT, LOOP_CARRY, LOOP_EXIT, LOOP_SLICE, LOOP_STACK
+from autopar.core.primitives import CONTROL_FLOW as REGION_PRIMITIVES
+from autopar.core.primitives import LOOP_PSEUDO as PSEUDO_PRIMITIVES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

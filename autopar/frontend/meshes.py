@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 from jax.sharding import NamedSharding

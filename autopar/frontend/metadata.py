@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
@@ -79,7 +80,7 @@ def metadata_rules(args: Sequence[Any], static: Sequence[int], names: Sequence[s
         if isinstance(arg, NnxState):
             values = iter(arg.values)
             keys = iter(arg.layout.keys)
-            for path, variable in arg.state_items():
+            for _path, variable in arg.state_items():
                 leaves = jax.tree_util.tree_leaves(variable)
                 entries = _nnx_entries(variable)
                 for _ in leaves:

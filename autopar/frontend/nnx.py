@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -107,7 +108,7 @@ class NnxState:
         return f"NnxState(part={self.layout.part}, {len(self.values)} leaves)"
 
     @classmethod
-    def of(cls, graphdef, part: int, state) -> "NnxState":
+    def of(cls, graphdef, part: int, state) -> NnxState:
         """The pytree of `state` (an `nnx.State`; a Variable for a Variable argument; None
         for an argument with no state of its own)."""
         nnx = _nnx()
@@ -228,7 +229,7 @@ class BoundCall:
         self._names, self._static, self._batch = names, set(static_argnums), batch_argnums
         self._manager = self._graphdef = None
 
-    def __enter__(self) -> "BoundCall":
+    def __enter__(self) -> BoundCall:
         nnx = _nnx()
         if nnx is None:
             return self

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 
-from typing import TYPE_CHECKING
-
 from autopar.core.graph import OpGraph
-from autopar.frontend.tracer import bind_arguments, check_argnums
 from autopar.frontend.checks import arg_names
 from autopar.frontend.jit_options import PinnedShardings
 from autopar.frontend.metadata import metadata_rules
 from autopar.frontend.nnx import BoundCall, NnxState, PureStep
+from autopar.frontend.tracer import bind_arguments, check_argnums
 
 if TYPE_CHECKING:      # options imports the intra-op solver, which imports back here
     from autopar.core.options import ShardParallel

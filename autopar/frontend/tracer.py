@@ -17,21 +17,31 @@ import inspect
 import math
 import re
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from autopar.core import _compat, progress
 from autopar.core.errors import InvalidArgumentError
-from autopar.frontend.grad import VALUE_AND_GRAD, expand as _expand_marker
-from autopar.core.graph import (InputRole, Node, OpGraph, RematRegion, StageMarker, Tensor,
-                                TensorKind)
-from autopar.frontend.checks import (argnums_text, arg_names as _arg_names, check_array_tree,
-                                     check_leaves, check_primitive, dtype_name as _dtype_name)
+from autopar.core.graph import (
+    InputRole,
+    Node,
+    OpGraph,
+    RematRegion,
+    StageMarker,
+    Tensor,
+    TensorKind,
+)
+from autopar.core.primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
+from autopar.frontend.checks import arg_names as _arg_names
+from autopar.frontend.checks import argnums_text, check_array_tree, check_leaves, check_primitive
+from autopar.frontend.checks import dtype_name as _dtype_name
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.frontend.grad import expand as _expand_marker
 from autopar.frontend.loops import REGION_PRIMITIVES, trace_region
 from autopar.frontend.markers import STAGE_BOUNDARY
-from autopar.core.primitives import ARITHMETIC, REDUCTION_FLOPS, WINDOW_REDUCTIONS, WINDOW_SELECTS
 
 # Path components that mark optimizer state (optax's state names and common container names).
 _OPT_STATE_PATTERN = re.compile(
@@ -106,9 +116,11 @@ def bind_arguments(fun: Callable, args: tuple, kwargs: dict) -> tuple:
     bound = list(args)
     for name, value in kwargs.items():
         if name not in names or (names.index(name) < len(args)):
+            why = ("is also passed by position" if name in names
+                   else "is not one of its positional parameters " + str(names))
             raise InvalidArgumentError(
                 f"{getattr(fun, '__name__', 'the step')}() got keyword argument {name!r}, which "
-                f"{'is also passed by position' if name in names else 'is not one of its positional parameters ' + str(names)}. "
+                f"{why}. "
                 "Fix: pass it by position, or make it a positional parameter (keyword-only "
                 "parameters and **kwargs are not supported by parallelize).")
         i = names.index(name)
@@ -406,7 +418,8 @@ def carried_outputs(dyn_args: tuple, out_shape, state_args: Sequence[int]) -> di
             continue
         for c, (sub, out_off) in enumerate(candidates):
             if c not in used and (tu.tree_structure(sub) == in_def
-                    and [_leaf_sig(x) for x in tu.tree_leaves(sub)] == [_leaf_sig(x) for x in in_leaves]):
+                    and [_leaf_sig(x) for x in tu.tree_leaves(sub)]
+                    == [_leaf_sig(x) for x in in_leaves]):
                 for k in range(len(in_leaves)):
                     pairs.setdefault(out_off + k, offsets[i] + k)
                 used.add(c)

@@ -13,8 +13,8 @@ a stage with ZeRO (`ChosenStage.zero`; XLA then gathers the updated parameters).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from autopar.core.graph import InputRole, OpGraph, TensorKind
 from autopar.core.primitives import ELEMENTWISE
@@ -179,7 +179,7 @@ def place(loss: LossGraph, stages: tuple[ChosenStage, ...],
     for t, sp in spec.items():
         class_spec.setdefault(uf.find(t), sp)
     in_stage, in_spec = [], []
-    for pos, tid in enumerate(step.inputs):
+    for _pos, tid in enumerate(step.inputs):
         t = step.tensors[tid]
         if tid in stage:
             s = stage[tid]

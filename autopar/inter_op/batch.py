@@ -13,8 +13,8 @@ process) overlaps with solving (in the workers). Jobs asking the same (key, n) s
 
 The calls are seen through `intra_op.solve.ILP_CALL`, set for the batch's duration: only
 calls inside a scope of a running `run_jobs`, in its thread, are deferred; every other call
-runs the real function. Caveat: an ILP stopped by its time limit returns the best plan found by then,
-which depends on the machine's load, with or without workers.
+runs the real function. Caveat: an ILP stopped by its time limit returns the best plan found by
+then, which depends on the machine's load, with or without workers.
 
 Example:
     >>> with PlanPool(2) as pool:
@@ -26,12 +26,12 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Callable, Hashable, Sequence
 
 from autopar.core import progress
-from autopar.intra_op.solve import ILP_CALL
 from autopar.inter_op.parallel import PlanPool
+from autopar.intra_op.solve import ILP_CALL
 
 log = logging.getLogger(__name__)
 _state = threading.local()     # .calls: {(key, n): Future} of the running batch; .scope

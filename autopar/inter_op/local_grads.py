@@ -19,22 +19,22 @@ Example:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from autopar.core import _compat
-from autopar.frontend.loops import region_at
 from autopar.core.graph import OpGraph, TensorKind
-from autopar.intra_op.batch_dims import batch_dims
-from autopar.frontend.interpret import run_nodes
 from autopar.core.spec import Spec
+from autopar.frontend.interpret import run_nodes
+from autopar.frontend.loops import region_at
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.stage_solve import stage_batch_sources, stage_io
 from autopar.inter_op.stages import ChosenStage
+from autopar.intra_op.batch_dims import batch_dims
 
 # Operators linear in their partial operand(s): they may run on partial sums.
 _UNARY_LINEAR = frozenset({"reshape", "transpose", "convert_element_type", "neg", "copy",

@@ -29,8 +29,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 from autopar.core.errors import AutoparError, InvalidArgumentError
 

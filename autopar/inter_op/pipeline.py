@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.extend.core as jcore
 import numpy as np
 
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.core.graph import InputRole, OpGraph, TensorKind, cheap_source_tensors
+from autopar.core.options import AutoLayerOption, ManualLayerOption
+from autopar.frontend.grad import VALUE_AND_GRAD
 from autopar.frontend.loops import atomic_spans
 from autopar.frontend.subscans import has_scan, split_scans
-from autopar.frontend.grad import VALUE_AND_GRAD
-from autopar.core.graph import InputRole, OpGraph, TensorKind
-from autopar.core.graph import cheap_source_tensors
-from autopar.core.options import AutoLayerOption, ManualLayerOption
 from autopar.frontend.tracer import trace
 from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
 from autopar.inter_op.reduction import LossReduction, guard_ratios, reduce_outputs, warn_inexact

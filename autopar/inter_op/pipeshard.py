@@ -16,29 +16,40 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 
-from autopar.cost.cluster import ClusterSpec
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole
-from autopar.intra_op.constraints import method_input_options
+from autopar.core.options import (
+    AutoLayerOption,
+    ManualStageOption,
+    MethodKind,
+    PipeshardParallel,
+    ShardParallel,
+)
+from autopar.core.plan import (
+    ParallelPlan,
+    StagePlan,
+    graph_fingerprint,
+    solution_from_record,
+    solution_record,
+)
+from autopar.core.primitives import HEAVY_OPERATORS
+from autopar.core.spec import Spec, replicated
+from autopar.cost.cluster import ClusterSpec
+from autopar.frontend.checks import arg_label, argnums_text, warn_unmatched_rules
+from autopar.frontend.tracer import _abstract, check_argnums, trace
 from autopar.inter_op.apply_grad import Placement, place
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
-from autopar.core.plan import solution_from_record, solution_record
-from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
-from autopar.core.options import (AutoLayerOption, ManualStageOption, MethodKind,
-                                  PipeshardParallel, ShardParallel)
-from autopar.core.plan import ParallelPlan, StagePlan, graph_fingerprint
-from autopar.intra_op.planner import output_paths, tensor_plans
-from autopar.core.primitives import HEAVY_OPERATORS
 from autopar.inter_op.schedule import make_schedule
-from autopar.core.spec import Spec, replicated
-from autopar.frontend.checks import arg_label, argnums_text, warn_unmatched_rules
-from autopar.frontend.tracer import _abstract, check_argnums, trace
+from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
+from autopar.intra_op.constraints import method_input_options
+from autopar.intra_op.planner import output_paths, tensor_plans
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ import dataclasses
 import enum
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,8 @@ import numpy as np
 
 from autopar.core.errors import MicrobatchReductionWarning
 from autopar.core.graph import Node, OpGraph, TensorKind
-from autopar.intra_op.batch_dims import batch_dims
 from autopar.core.primitives import ELEMENTWISE, KEY_OPS, RANDOM_BITS
+from autopar.intra_op.batch_dims import batch_dims
 
 
 class Combine(enum.Enum):

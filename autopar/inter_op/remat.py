@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.extend.core as jcore
@@ -25,7 +25,6 @@ import jax.extend.core as jcore
 from autopar.core.enums import Remat
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import OpGraph, RematRegion
-
 
 CONCRETE = (Remat.NONE, Remat.SELECTIVE, Remat.FULL)   # cheapest recomputation first
 
@@ -90,7 +89,7 @@ class LossRemat:
                 "layers": [c.value for c in self.choices]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "LossRemat":
+    def from_json(cls, d: dict) -> LossRemat:
         return cls(boundaries=tuple(int(b) for b in d["layer_boundaries"]),
                    choices=tuple(Remat.of(c) for c in d["layers"]))
 

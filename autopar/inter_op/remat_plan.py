@@ -18,18 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from autopar.core import progress
-from autopar.core.errors import InfeasiblePlanError, PlanMismatchError, UnsupportedError
-from autopar.frontend.grad import VALUE_AND_GRAD
-from autopar.core.graph import OpGraph
-from autopar.inter_op.pipeline import layer_boundaries
-from autopar.inter_op.remat import LossRemat, candidates, loss_forward, remat_expand
 from autopar.core.enums import Remat
-from autopar.intra_op.layers import find_family
+from autopar.core.errors import InfeasiblePlanError, PlanMismatchError, UnsupportedError
+from autopar.core.graph import OpGraph
 from autopar.core.options import AutoLayerOption, ManualLayerOption, ShardParallel
 from autopar.core.plan import ParallelPlan, graph_fingerprint
+from autopar.frontend.grad import VALUE_AND_GRAD
+from autopar.inter_op.pipeline import layer_boundaries
+from autopar.inter_op.remat import LossRemat, candidates, loss_forward, remat_expand
+from autopar.intra_op.layers import find_family
 
 log = logging.getLogger(__name__)
 

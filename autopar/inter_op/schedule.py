@@ -107,9 +107,11 @@ def _index(value: object, name: str, minimum: int) -> int:
         value = operator.index(value)
     except TypeError:
         raise InvalidArgumentError(
-            f"{name}={value!r} has type {type(value).__name__}; pass an int >= {minimum}.") from None
+            f"{name}={value!r} has type {type(value).__name__}; "
+            f"pass an int >= {minimum}.") from None
     if value < minimum:
-        raise InvalidArgumentError(f"{name}={value} is less than {minimum}; pass an int >= {minimum}.")
+        raise InvalidArgumentError(
+            f"{name}={value} is less than {minimum}; pass an int >= {minimum}.")
     return value
 
 
@@ -122,7 +124,8 @@ def _check_schedule_enum(schedule: object) -> Schedule:
     return schedule
 
 
-def _stage_order(schedule: Schedule, stage: int, num_stages: int, num_microbatches: int) -> list[Task]:
+def _stage_order(schedule: Schedule, stage: int, num_stages: int,
+                 num_microbatches: int) -> list[Task]:
     """The order in which one stage wants to run its tasks."""
     F = lambda m: Task(Phase.FORWARD, stage, m)   # noqa: E731
     B = lambda m: Task(Phase.BACKWARD, stage, m)  # noqa: E731
@@ -186,7 +189,8 @@ def check_schedule(s: PipelineSchedule) -> None:
         >>> check_schedule(make_schedule(Schedule.ONE_F_ONE_B, 3, 5))  # valid: returns None
     """
     if not isinstance(s, PipelineSchedule):
-        raise InvalidArgumentError(f"check_schedule got {type(s).__name__}; pass a PipelineSchedule.")
+        raise InvalidArgumentError(
+            f"check_schedule got {type(s).__name__}; pass a PipelineSchedule.")
     _check_schedule_enum(s.schedule)
     S = _index(s.num_stages, "num_stages", 1)
     M = _index(s.num_microbatches, "num_microbatches", 1)

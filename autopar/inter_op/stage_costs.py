@@ -11,10 +11,10 @@ import logging
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.core.plan import StageSolution
 from autopar.inter_op.batch import run_jobs
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_dp import StageCosts, solve_stage_dp
-from autopar.core.plan import StageSolution
 from autopar.inter_op.stage_solve import is_float, stage_io
 
 log = logging.getLogger(__name__)

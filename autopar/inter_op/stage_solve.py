@@ -11,30 +11,35 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from autopar.core.graph import OpGraph, TensorKind
+from autopar.core.options import MethodKind, ShardParallel
+from autopar.core.plan import StageSolution, constrained_tensors
+from autopar.core.spec import Spec, dim_shards, num_shards
 from autopar.cost.cluster import ClusterSpec, LogicalMesh
 from autopar.cost.model import CostModel
-from autopar.frontend.loops import atomic_spans
-from autopar.core.graph import OpGraph, TensorKind
-from autopar.intra_op.phases import tail_nodes
-from autopar.intra_op.memory import run_order, schedule
-from autopar.intra_op.solve import (IntraOpProblem, ShardingAssignment, build_intra_op,
-                                    least_memory, solve_built)
 from autopar.frontend.interpret import run_nodes
-from autopar.core.options import MethodKind, ShardParallel
-from autopar.intra_op.batch_dims import batch_dims
-from autopar.intra_op.predict import predict_collectives
-from autopar.core.plan import (StageSolution,
-                               constrained_tensors)
-from autopar.intra_op.planner import operator_plans
-from autopar.core.spec import Spec, dim_shards, num_shards
+from autopar.frontend.loops import atomic_spans
 from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.intra_op.batch_dims import batch_dims
+from autopar.intra_op.memory import run_order, schedule
+from autopar.intra_op.phases import tail_nodes
+from autopar.intra_op.planner import operator_plans
+from autopar.intra_op.predict import predict_collectives
+from autopar.intra_op.solve import (
+    IntraOpProblem,
+    ShardingAssignment,
+    build_intra_op,
+    least_memory,
+    solve_built,
+)
 
 
 def is_float(dtype: str) -> bool:

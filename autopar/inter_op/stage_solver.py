@@ -13,24 +13,29 @@ import hashlib
 import logging
 import time
 
-from autopar.cost.cluster import ClusterSpec
+from autopar.core import _compat
+from autopar.core.enums import Annotations, Remat
 from autopar.core.errors import InfeasiblePlanError
 from autopar.core.graph import InputRole, OpGraph, TensorKind
-from autopar.core import _compat
-from autopar.core.enums import Annotations
 from autopar.core.options import MethodKind, ShardParallel
-from autopar.core.spec import enumerate_specs, num_shards
+
 # The fingerprint's own digests of equation parameters and literals (same in every run).
-from autopar.core.plan import _scalar, _Seen, _stable, graph_fingerprint
+from autopar.core.plan import StageSolution, _scalar, _Seen, _stable, graph_fingerprint
+from autopar.core.spec import enumerate_specs, num_shards
+from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op.batch import ilp_scope
 from autopar.inter_op.parallel import PlanPool
 from autopar.inter_op.pipeline import LossGraph, StageSlice
-from autopar.core.enums import Remat
 from autopar.inter_op.remat import with_remat
 from autopar.inter_op.stage_costs import latency, static_bytes
-from autopar.core.plan import StageSolution
-from autopar.inter_op.stage_solve import (forward_batch_dims, mirrored, stage_batch_sources,
-                                          stage_input_paths, stage_problem, trace_stage)
+from autopar.inter_op.stage_solve import (
+    forward_batch_dims,
+    mirrored,
+    stage_batch_sources,
+    stage_input_paths,
+    stage_problem,
+    trace_stage,
+)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -43,9 +48,10 @@ def slice_key(loss: LossGraph, sl: StageSlice, act_dims=None) -> str:
     (which parameter, data input or activation input, or which node output), their
     parameters, shapes, dtypes, literal constants and `jax.checkpoint` regions, and of what
     the slice hands on (`act_dims`: the batch dimension of each forward tensor, see
-    `intra_op.batch_dims`, counted for its activation inputs): two slices with the same key trace to the same training graph
-    (`trace_stage`), as the repeated layers of a transformer do. A slice that reads a
-    non-scalar constant or holds a loop gets a key of its own (never shared)."""
+    `intra_op.batch_dims`, counted for its activation inputs): two slices with the same key
+    trace to the same training graph (`trace_stage`), as the repeated layers of a transformer
+    do. A slice that reads a non-scalar constant or holds a loop gets a key of its own (never
+    shared)."""
     fwd = loss.forward
     position = {tid: pos for pos, tid in enumerate(fwd.inputs)}
     params = {p: n for n, p in enumerate(sl.param_inputs)}
@@ -74,9 +80,9 @@ def slice_key(loss: LossGraph, sl: StageSlice, act_dims=None) -> str:
             local[o] = f"t{len(local)}{fwd.tensors[o].shape}{fwd.tensors[o].dtype}"
         params_text = ",".join(f"{k}={_stable(v, memo)}"
                                for k, v in sorted(node.eqn.params.items()))
-        region = "" if node.remat is None else "r{}:{}:{}".format(
-            regions.setdefault(node.remat.id, len(regions)), id(node.remat.policy),
-            node.remat.prevent_cse)
+        region = ("" if node.remat is None else
+                  f"r{regions.setdefault(node.remat.id, len(regions))}:"
+                  f"{id(node.remat.policy)}:{node.remat.prevent_cse}")
         h.update(f"{node.primitive}[{params_text}]{region}({ins});".encode())
     h.update(("->" + ",".join(local[t] for t in sl.outputs)).encode())
     h.update(f"{len(sl.param_inputs)},{len(sl.data_inputs)},{len(sl.act_inputs)}".encode())

@@ -21,24 +21,41 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core import progress
-from autopar.cost.cluster import ClusterSpec
-from autopar.cost.model import CostModel
+from autopar.core.enums import Remat
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.graph import OpGraph
-from autopar.core.options import (AutoStageOption, ManualStageOption, PipeshardParallel,
-                                  ShardParallel, UniformStageOption)
+from autopar.core.options import (
+    AutoStageOption,
+    ManualStageOption,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+)
+from autopar.core.plan import StageSolution
 from autopar.core.plan import alternative_record as record
-from autopar.inter_op.schedule import make_schedule
+from autopar.cost.cluster import ClusterSpec
+from autopar.cost.model import CostModel
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
-from autopar.core.enums import Remat
 from autopar.inter_op.remat import choices_of
-from autopar.inter_op.stage_costs import (boundary_costs, layer_options, reranked, run_dp,
-                                          static_bytes, try_dp, zero_variant)
+from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.stage_costs import (
+    boundary_costs,
+    layer_options,
+    reranked,
+    run_dp,
+    static_bytes,
+    try_dp,
+    zero_variant,
+)
 from autopar.inter_op.stage_dp import candidate_submeshes
-from autopar.inter_op.stage_solver import (AXIS_NAMES, LEAN_SLACK, LEANEST_SLACK, StageSolver,
-                                           opt_ratio_of)
-from autopar.core.plan import StageSolution
+from autopar.inter_op.stage_solver import (
+    AXIS_NAMES,
+    LEAN_SLACK,
+    LEANEST_SLACK,
+    StageSolver,
+    opt_ratio_of,
+)
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.core import _compat
 from autopar.core.errors import InvalidArgumentError

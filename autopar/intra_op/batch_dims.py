@@ -15,7 +15,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from autopar.core.graph import InputRole, Node, OpGraph
 from autopar.core.primitives import AXIS_OPS, ELEMENTWISE, LOOP_SLICE, LOOP_STACK, REDUCTIONS
@@ -139,7 +139,9 @@ def _squeeze(graph, node, dims):
 
 
 def _reshape(graph, node, dims):
-    from autopar.intra_op.follow import _reshape_groups   # the follow rule's grouping of reshaped dims
+    from autopar.intra_op.follow import (
+        _reshape_groups,  # the follow rule's grouping of reshaped dims
+    )
     d = dims[node.inputs[0]]
     if d is None:
         return [None]

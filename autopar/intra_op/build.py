@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from autopar.core._format import format_bytes
 from autopar.core.errors import FallbackWarning
-from autopar.core.graph import (InputRole, OpGraph, OutputPos, TensorId, TensorKind,
-                                cheap_source_tensors)
+from autopar.core.graph import (
+    InputRole,
+    OpGraph,
+    OutputPos,
+    TensorId,
+    TensorKind,
+    cheap_source_tensors,
+)
+from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
+from autopar.frontend.loops import stacked_tensors
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
-from autopar.frontend.loops import stacked_tensors
-from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.intra_op.loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from autopar.intra_op.memory import collective_buffers, schedule
 from autopar.intra_op.rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fallback:
@@ -187,7 +194,8 @@ class _Builder:
             strategies = replicated_rule(self.ctx, node)
             if node.inputs and name not in ("iota",):
                 if name in CONTROL_FLOW:
-                    reason = "control flow treated conservatively: operands gathered, results replicated"
+                    reason = ("control flow treated conservatively: operands gathered, "
+                              "results replicated")
                 elif "callback" in name or name == "debug_print":
                     reason = "host callback sees whole values: operands gathered"
                 else:

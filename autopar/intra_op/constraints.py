@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.core.errors import InvalidArgumentError
-from autopar.frontend.loops import stacked_tensors
 from autopar.core.graph import InputRole, OpGraph, TensorKind
 from autopar.core.options import MethodKind, ShardParallel
 from autopar.core.spec import Spec, enumerate_specs, is_valid, num_shards, replicated
+from autopar.frontend.loops import stacked_tensors
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.intra_op.build import default_input_options
 

@@ -8,13 +8,12 @@ input spec drops those axes and the reshard cost is charged to the node.
 from __future__ import annotations
 
 import dataclasses
-
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from autopar.core.graph import Node
-from autopar.core.spec import Spec, num_shards, replicated, without_axes
 from autopar.core.primitives import AXIS_OPS, ELEMENTWISE, REDUCTIONS
+from autopar.core.spec import Spec, num_shards, replicated, without_axes
 from autopar.intra_op.layer_rules import LAYER_FOLLOW_RULES
 from autopar.intra_op.loops import LOOP_FOLLOW_RULES
 from autopar.intra_op.rules import RuleContext, Strategy

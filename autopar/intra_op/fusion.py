@@ -47,10 +47,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from autopar.cost.cluster import FusionStyle
 from autopar.core.errors import AutoparError
 from autopar.core.graph import OpGraph
 from autopar.core.primitives import ELEMENTWISE, REDUCTIONS
+from autopar.cost.cluster import FusionStyle
 
 # Views of their operand: no bytes on a materialized operand.
 _ALIAS = frozenset({

@@ -11,7 +11,6 @@ case: all but the first are dominated. The MIP fixes dominated columns to 0.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from autopar.intra_op.reduced import _Reduced

@@ -20,14 +20,27 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
-from autopar.intra_op.memory_points import (MemoryPoint, PointRows, _fold_point,  # noqa: F401
-                                            folded_point, point_rows)
+from autopar.intra_op.memory_points import (  # noqa: F401
+    MemoryPoint,
+    PointRows,
+    _fold_point,
+    folded_point,
+    point_rows,
+)
+from autopar.intra_op.mip import (
+    EXACT_REL_GAP,
+    Mip,
+    MipResult,
+    SolveStatus,
+    build_mip,
+    columns_of,
+    round_solution,
+    run_mip,
+)
 from autopar.intra_op.reduced import _Reduced
-from autopar.intra_op.mip import (EXACT_REL_GAP, Mip, MipResult, SolveStatus, build_mip,
-                                  columns_of, round_solution, run_mip)
-from autopar.core.enums import SolverBackend
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ Example (a 2x2 max pool over NHWC keeps a batch split, gathers a split height):
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.core.graph import Node
 from autopar.core.primitives import KEY_OPS, WINDOW_REDUCTIONS, WINDOW_SELECTS

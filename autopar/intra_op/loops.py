@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.frontend.loops import BRANCH_EXIT, LOOP_CARRY, LOOP_EXIT, LOOP_SLICE, LOOP_STACK
 from autopar.core.spec import Spec, enumerate_specs, replicated
+from autopar.frontend.loops import BRANCH_EXIT, LOOP_CARRY, LOOP_EXIT, LOOP_SLICE, LOOP_STACK
 from autopar.intra_op.rules import RuleContext, Strategy
 
 

@@ -41,10 +41,10 @@ import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from autopar.cost.cluster import FusionStyle
-from autopar.frontend.loops import stacks_born_early
 from autopar.core.graph import OpGraph, TensorKind, cheap_source_tensors
 from autopar.core.spec import num_shards
+from autopar.cost.cluster import FusionStyle
+from autopar.frontend.loops import stacks_born_early
 from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind, single_output_kernels
 from autopar.intra_op.phases import tail_nodes
 
@@ -259,7 +259,7 @@ class Schedule:
     freed: dict[int, tuple[int, ...]]
 
 
-_CACHE: "OrderedDict[int, tuple[OpGraph, Schedule]]" = OrderedDict()   # the last graphs'
+_CACHE: OrderedDict[int, tuple[OpGraph, Schedule]] = OrderedDict()   # the last graphs'
 
 
 def schedule(graph: OpGraph) -> Schedule:

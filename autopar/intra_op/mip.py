@@ -14,7 +14,6 @@ import numpy as np
 
 from autopar.core.enums import SolverBackend
 from autopar.core.errors import UnsupportedError
-
 from autopar.intra_op.reduced import _Reduced
 
 logger = logging.getLogger(__name__)

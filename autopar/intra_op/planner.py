@@ -3,14 +3,22 @@ from __future__ import annotations
 
 import math
 
-from autopar.frontend.labels import operator_labels
 from autopar.core.graph import OpGraph
+from autopar.core.plan import (
+    FallbackPlan,
+    OperatorPlan,
+    ParallelPlan,
+    StagePlan,
+    TensorPlan,
+    constrained_tensors,
+    graph_fingerprint,
+)
+from autopar.core.primitives import HEAVY_OPERATORS
+from autopar.frontend.labels import operator_labels
 from autopar.intra_op import ShardingAssignment
 from autopar.intra_op.memory import predicted_peak_bytes
 from autopar.intra_op.predict import implied_reshards, predict_collectives
-from autopar.core.plan import (FallbackPlan, OperatorPlan, ParallelPlan, StagePlan, TensorPlan,
-                               constrained_tensors, graph_fingerprint)
-from autopar.core.primitives import HEAVY_OPERATORS
+
 
 def tensor_plans(graph: OpGraph, ids, specs, paths=None, stages=None) -> tuple[TensorPlan, ...]:
     """One TensorPlan per tensor id (an argument or result leaf), with its spec and, in a
@@ -46,7 +54,8 @@ def operator_plans(graph: OpGraph, assignment: ShardingAssignment) -> tuple[Oper
         out.append(OperatorPlan(
             node=node.id, primitive=node.primitive, strategy=assignment.node_strategy[node.id],
             communication=assignment.node_comm[node.id], source=node.source,
-            name_stack=labels.get(node.id, node.name_stack), out_shape=t.shape, out_spec=specs[t.id],
+            name_stack=labels.get(node.id, node.name_stack), out_shape=t.shape,
+            out_spec=specs[t.id],
             flops=node.flops, compute_s=assignment.node_compute_s[node.id],
             comm_s=assignment.node_comm_s[node.id], trips=trips[node.id]))
     return tuple(out)
@@ -83,7 +92,8 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
         inputs=tensor_plans(graph, graph.inputs, in_specs),
         outputs=tensor_plans(graph, graph.outputs, assignment.output_specs,
                              output_paths(graph)),
-        constraints=tuple((t, specs[t]) for t in constrained_tensors(graph, assignment.constant_tensors)),
+        constraints=tuple((t, specs[t])
+                          for t in constrained_tensors(graph, assignment.constant_tensors)),
         operators=operators, collectives=collectives, reshards=reshards,
         fallbacks=fallbacks, stages=(stage,),
         predicted_compute_s=assignment.compute_s, predicted_comm_s=assignment.comm_s,

@@ -29,15 +29,16 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from autopar.core._format import format_bytes
 from autopar.core.graph import OpGraph, TensorKind
-from autopar.frontend.interpret import RESULT
-from autopar.cost.hlo import KINDS as COLLECTIVE_KINDS, Collective
 from autopar.core.plan import CollectivePlan
 from autopar.core.spec import Spec, num_shards
+from autopar.cost.hlo import KINDS as COLLECTIVE_KINDS
+from autopar.cost.hlo import Collective
+from autopar.frontend.interpret import RESULT
 from autopar.intra_op.solve import ShardingAssignment
 
 COMBINED_KINDS = ("all-reduce", "all-gather")   # XLA's combiners merge independent ones

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from autopar.core._format import format_bytes
-from autopar.cost.model import CostModel
 from autopar.core.graph import Node, OpGraph, Tensor
 from autopar.core.spec import Spec, dim_shards, enumerate_specs, num_shards, replicated
+from autopar.cost.model import CostModel
 from autopar.intra_op.fusion import FusionCosts, fusion_costs
 
 

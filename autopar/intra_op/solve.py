@@ -5,27 +5,33 @@ import contextvars
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from autopar.cost.cluster import LogicalMesh
-from autopar.cost.model import CostModel
+from autopar.core.enums import Annotations
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
 from autopar.core.options import LayerReuse, ShardParallel
 from autopar.core.plan import IlpStats
 from autopar.core.spec import Spec
-from autopar.core.enums import Annotations
+from autopar.cost.cluster import LogicalMesh
+from autopar.cost.model import CostModel
 from autopar.intra_op.annotations import annotation_specs, both, pin_rule
 from autopar.intra_op.build import Built, Fallback, build_ilp, option_bytes
-from autopar.intra_op.phases import deferred_nodes
 from autopar.intra_op.constraints import method_input_options, method_tensor_rule
-from autopar.intra_op.ilp import (IlpSolution, SolveStatus, evaluate, min_peak_memory, solve_ilp,
-                                  with_extra_bytes)
+from autopar.intra_op.ilp import (
+    IlpSolution,
+    SolveStatus,
+    evaluate,
+    min_peak_memory,
+    solve_ilp,
+    with_extra_bytes,
+)
 from autopar.intra_op.layers import find_family, group_keys, tie, tied_problem
 from autopar.intra_op.memory import peak_bytes
+from autopar.intra_op.phases import deferred_nodes
 from autopar.intra_op.rules import RuleContext
 
 log = logging.getLogger(__name__)
@@ -182,12 +188,13 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
         made = graph.nodes[t.producer] if t.producer is not None else None
         where.append(f"{t.path or 'value'} {t.shape} from {made.primitive} at {made.source}"
                      if made is not None else f"{t.path or 'value'} {t.shape}")
-    log.log(UNMET_PINS_LEVEL.get(), "autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
-                "operator making them keeps the batch split as the method says%s): %s%s",
-                type(method).__name__, len(unmet),
-                ", together with the code's sharding annotations (plan them as hints with "
-                "annotations='hint')" if annotated else "", "; ".join(where),
-                " ..." if len(unmet) > 4 else "")
+    log.log(UNMET_PINS_LEVEL.get(),
+            "autopar: %s could not pin the sharding of %d value(s) (no strategy of the "
+            "operator making them keeps the batch split as the method says%s): %s%s",
+            type(method).__name__, len(unmet),
+            ", together with the code's sharding annotations (plan them as hints with "
+            "annotations='hint')" if annotated else "", "; ".join(where),
+            " ..." if len(unmet) > 4 else "")
 
 
 def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
@@ -227,7 +234,8 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             f"memory: no sharding of this step fits {budget:,.0f} bytes per device on mesh "
             f"{mesh.shape}; the plan with the least memory needs {needed:,.0f} bytes per "
             f"device. Fix: raise memory_budget_bytes, use more devices, a smaller batch, or "
-            f"a sharded method (Zero3Parallel).", needed_bytes=int(needed), budget_bytes=int(budget))
+            f"a sharded method (Zero3Parallel).",
+            needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
     if perturb is not None:

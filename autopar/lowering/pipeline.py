@@ -13,23 +13,24 @@ move between submeshes with `jax.device_put` (see `runtime.executor`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from autopar.core import progress
+from autopar.core.enums import Schedule
+from autopar.frontend.interpret import run_nodes
 from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
-from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
+from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.inter_op.schedule import PipelineSchedule, make_schedule
 from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
 from autopar.lowering.single_mesh import named
-from autopar.frontend.interpret import run_nodes
-from autopar.inter_op.schedule import PipelineSchedule, make_schedule
-from autopar.core.enums import Schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

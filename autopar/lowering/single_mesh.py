@@ -9,8 +9,8 @@ replicates a tensor to change its layout and compiles the collectives the plan p
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import numpy as np
@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from autopar.core import _compat
 from autopar.core.errors import PlanMismatchError
 from autopar.core.graph import OpGraph
-from autopar.frontend.interpret import RESULT, interpret
-from autopar.intra_op.predict import reshard_path
 from autopar.core.plan import ParallelPlan
 from autopar.core.spec import Spec, to_names
+from autopar.frontend.interpret import RESULT, interpret
+from autopar.intra_op.predict import reshard_path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -38,8 +38,14 @@ import jax.numpy as jnp
 import optax
 
 from autopar.frontend.markers import mark_stage_boundary
-from autopar.models.gpt import (_POS_EMBED_INIT, CausalSelfAttention, GPTConfig, MlpBlock,
-                                check_positive_ints, megatron_rules)
+from autopar.models.gpt import (
+    _POS_EMBED_INIT,
+    CausalSelfAttention,
+    GPTConfig,
+    MlpBlock,
+    check_positive_ints,
+    megatron_rules,
+)
 
 Dtype = Any
 
@@ -79,7 +85,7 @@ class MoEConfig:
                 f"MoEConfig.capacity_factor must be > 0, got {self.capacity_factor!r}."
             )
         try:
-            self.gpt  # validates the shared transformer fields
+            _ = self.gpt  # validates the shared transformer fields
         except ValueError as e:
             raise ValueError(str(e).replace("GPTConfig", "MoEConfig")) from None
 

@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from autopar.inter_op.schedule import Phase, PipelineSchedule, Task, check_schedule, make_schedule
 from autopar.core.enums import Schedule
+from autopar.inter_op.schedule import Phase, PipelineSchedule, Task, check_schedule, make_schedule
 
 __all__ = ["Schedule", "Phase", "Task", "PipelineSchedule", "make_schedule", "check_schedule"]

@@ -31,9 +31,9 @@ from etils import epath
 
 from autopar.core._format import format_bytes, format_time
 from autopar.core.errors import InvalidArgumentError
+from autopar.core.plan import ParallelPlan
 from autopar.frontend.checks import check_array_tree
 from autopar.lowering.single_mesh import plan_input_shardings
-from autopar.core.plan import ParallelPlan
 
 log = logging.getLogger(__name__)
 

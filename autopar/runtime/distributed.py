@@ -33,8 +33,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from autopar.core.errors import InvalidArgumentError, PlanMismatchError
 

@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.inter_op.apply_grad import PIPELINE
-from autopar.lowering.single_mesh import has_sharding, put
-from autopar.lowering.pipeline import PipelineProgram
-from autopar.runtime.microbatch import Merger, add_all
 from autopar.inter_op.schedule import Phase
+from autopar.lowering.pipeline import PipelineProgram
+from autopar.lowering.single_mesh import has_sharding, put
+from autopar.runtime.microbatch import Merger, add_all
 
 
 @dataclass(slots=True)

@@ -23,16 +23,16 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.core.errors import InvalidArgumentError
-from autopar.frontend.checks import is_parallelized
+from autopar.frontend.checks import arg_names, dtype_name, is_parallelized
 from autopar.lowering.single_mesh import put
-from autopar.frontend.checks import arg_names, dtype_name
 
 log = logging.getLogger(__name__)
 

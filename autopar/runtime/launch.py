@@ -30,8 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from autopar.runtime import distributed as dist
 from autopar.core.errors import InvalidArgumentError
+from autopar.runtime import distributed as dist
 
 _CHILD = "--_child"
 # What the children's Gloo prints while it connects, e.g. "[Gloo] Rank 0 is connected to 1 peer

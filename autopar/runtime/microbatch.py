@@ -13,14 +13,14 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from autopar.frontend.interpret import run_nodes
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.reduction import Combine, OutputCombine
-from autopar.frontend.interpret import run_nodes
 
 
 def interleave(values, *, dim: int, rows: int):
@@ -107,6 +107,6 @@ class Merger:
         return _interleaver(out.batch_dim, self.rows)(values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interleaver(dim: int, rows: int) -> Callable:
     return jax.jit(functools.partial(interleave, dim=dim, rows=rows))

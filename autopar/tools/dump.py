@@ -14,12 +14,13 @@ from __future__ import annotations
 import collections
 import warnings
 
-from autopar.core._format import (Heading, Table, format_bytes as _bytes, format_time as _time,
-                                  id_range, mesh_text, render, runner_up_text)
+from autopar.core._format import Heading, Table, id_range, mesh_text, render, runner_up_text
+from autopar.core._format import format_bytes as _bytes
+from autopar.core._format import format_time as _time
 from autopar.core.errors import InvalidArgumentError
-from autopar.tools.fold import fold, kept_results, pair_optimizer_state
 from autopar.core.plan import CollectivePlan, ParallelPlan
 from autopar.core.spec import format_spec
+from autopar.tools.fold import fold, kept_results, pair_optimizer_state
 
 STYLES = ("text", "markdown")
 CONCISE_OPERATORS = 8      # operator rows (folded) of the concise dump, per stage

@@ -10,8 +10,8 @@ that differ only in such numbers (and agree in everything else shown) fold into 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Sequence
 
 # `word_3`, `/3/` (or a trailing `/3`), `.3.` (or a trailing `.3`), `['name'][3]`,
 # `name[3]`

@@ -36,12 +36,13 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from autopar.core import progress
 from autopar.core._format import mesh_text
 from autopar.core.errors import InvalidArgumentError
-from autopar.core import progress
 from autopar.core.plan import ParallelPlan, stamped
 
 log = logging.getLogger(__name__)
@@ -428,7 +429,7 @@ def _fsync_directory(directory: Path) -> None:
 
 def _header(key: str) -> dict:
     return {"format": FORMAT, "version": VERSION, **library_versions(), "key": key,
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            "created_utc": datetime.datetime.now(datetime.UTC).isoformat()}
 
 
 def _encode(key: str, plan: ParallelPlan) -> bytes:

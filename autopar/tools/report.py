@@ -17,13 +17,19 @@ from html import escape
 
 from autopar.core._format import format_bytes, format_time, id_range, mesh_text, ratio_text
 from autopar.core.errors import InvalidArgumentError, PlanMismatchError
-from autopar.tools.fold import fold
 from autopar.core.plan import ParallelPlan
 from autopar.core.plan_check import check_specs
-from autopar.tools.report_data import collective_groups, memory_bars
-from autopar.tools.report_svg import (PART_COLOURS, mesh_svg, memory_svg, split_bar_svg,
-                                      stage_colour, timeline_svg)
 from autopar.core.spec import format_spec
+from autopar.tools.fold import fold
+from autopar.tools.report_data import collective_groups, memory_bars
+from autopar.tools.report_svg import (
+    PART_COLOURS,
+    memory_svg,
+    mesh_svg,
+    split_bar_svg,
+    stage_colour,
+    timeline_svg,
+)
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +397,7 @@ def _check(plan) -> None:
         check_specs(plan)
     except PlanMismatchError as e:
         raise InvalidArgumentError(
-            f"autopar.tools.report: the plan is inconsistent: {e} (report a plan made by autopar: "
+            f"autopar.report: the plan is inconsistent: {e} (report a plan made by autopar: "
             "get_plan, autopar.plan or ParallelPlan.from_json of a saved one)") from None
 
 

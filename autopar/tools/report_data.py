@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.inter_op.stage_costs import working_bytes
-from autopar.core.plan import solution_from_record
-from autopar.core.plan import CollectivePlan, ParallelPlan, TensorPlan
-from autopar.tools.report_svg import MemoryBar
+from autopar.core.plan import CollectivePlan, ParallelPlan, TensorPlan, solution_from_record
 from autopar.core.spec import num_shards
+from autopar.inter_op.stage_costs import working_bytes
+from autopar.tools.report_svg import MemoryBar
 
 ROLE_PARTS = (("param", "parameters"), ("opt_state", "optimizer state"), ("batch", "batch"),
               ("other", "other inputs"))

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from html import escape
 
 from autopar.core._format import format_bytes, format_time
+from autopar.core.enums import Schedule
 from autopar.core.plan import ParallelPlan
 from autopar.inter_op.schedule import Phase, make_schedule
-from autopar.core.enums import Schedule
 
 SVG_NS = "http://www.w3.org/2000/svg"
 # Colour-blind-safe stage colours (Okabe-Ito, then Tableau), cycled past ten stages.

@@ -25,14 +25,15 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from autopar.core import progress
 from autopar.core._format import runner_up_text
 from autopar.core.errors import InfeasiblePlanError
-from autopar.intra_op.solve import UNMET_PINS_LEVEL
 from autopar.core.options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
-from autopar.core.plan import alternative_record as record, ParallelPlan
+from autopar.core.plan import ParallelPlan
+from autopar.core.plan import alternative_record as record
+from autopar.intra_op.solve import UNMET_PINS_LEVEL
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from autopar.core import progress
 from autopar.core.errors import InfeasiblePlanError

@@ -41,16 +41,16 @@ Example (what `parallelize` does for a pipeline plan):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
-from autopar.frontend.meshes import no_context_mesh
-from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 from autopar.core.plan import ParallelPlan
+from autopar.frontend.meshes import no_context_mesh
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
-
+from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 
 _PIPELINE_ROLES = (Role.FORWARD, Role.BACKWARD, Role.FUSED, Role.REDUCE)
 _FIX = ("Fix: raise memory_budget_bytes, use more devices per stage or more stages, more "
