@@ -116,9 +116,9 @@ def _check_spec(where: str, spec, shape: tuple, mesh_shape: tuple, axis_names) -
                 f"divide it. {fix}")
 
 
-# What `autopar.dump`, `autopar.report` and `ParallelPlan.summary` read from a plan's records
-# (`inspect`, `report`, `report_data`, `report_svg`): key -> kind of value. A record that is
-# not empty must have every key (as every search writes them).
+# What `autopar.dump`, `autopar.report` and `autopar.summary` read from a plan's records
+# (`tools.dump`, `tools.report`, `report_data`, `report_svg`): key -> kind of value. A record
+# that is not empty must have every key (as every search writes them).
 _INT, _NUM, _STR, _BOOL, _INTS, _STRS = "an int", "a number", "a string", "a bool", \
     "a list of ints", "a list of strings"
 _NUM_OR_NULL, _BOOL_OR_NULL = "a number or null", "a bool or null"

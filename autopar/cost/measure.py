@@ -5,7 +5,7 @@ memory bandwidth a fused elementwise kernel achieves (every device at once), the
 one executable call on the whole mesh, and per mesh axis the time of all-reduce, all-gather,
 reduce-scatter and all-to-all over that axis alone (`jax.shard_map` with the collective on one
 axis name) for a range of sizes; each axis's link alpha/beta are
-fitted through the cost model's formulas (`profile.fit_link`). The result is cached as JSON by
+fitted through the cost model's formulas (`cost.profiler.fit_link`). The result is cached as JSON by
 device kind and mesh shape, and reused unless `refresh=True`.
 
 Example:
@@ -153,7 +153,7 @@ def profile(mesh: jax.sharding.Mesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
       memory_size: bytes per device of the elementwise kernel's operand (bandwidth); default
         16 MiB on CPU, 256 MiB on accelerators (large enough to hide the launch).
       repeats: timed calls per measurement (median; one warm-up call first).
-      cache_dir: where profiles live (default `profile.default_cache_dir()`).
+      cache_dir: where profiles live (default `cost.profiler.default_cache_dir()`).
       refresh: measure even if a cached profile exists (and replace it).
       use_cache: False neither reads nor writes the cache.
     """

@@ -4,7 +4,7 @@ the planned body operators with their sharding constraints. Constraints inside t
 per-iteration shardings; the carry-out is constrained to the carry-in's sharding, so the
 carry keeps one layout across iterations, and each result gets the spec of its exit node.
 
-Example (inside `lower.run_nodes`, which calls it when it meets a region's first node):
+Example (inside `frontend.interpret.run_nodes`, which calls it when it meets a region's first node):
     >>> run_region(graph, region, env, constrain, reshard, run_nodes, resharded)
 """
 from __future__ import annotations

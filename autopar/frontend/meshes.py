@@ -69,7 +69,7 @@ def on_user_mesh(values: list, mesh: jax.sharding.Mesh) -> list:
 def relabel(x, sharding: NamedSharding):
     """`x` as an array with `sharding` when it already lies that way on the same devices but
     under another mesh object (the same devices with other axis types): no copy. Anything
-    else is returned as it is (`lower.put` moves it)."""
+    else is returned as it is (`lowering.single_mesh.put` moves it)."""
     s = getattr(x, "sharding", None)
     if not isinstance(s, NamedSharding) or s.mesh is sharding.mesh or s == sharding:
         return x

@@ -205,9 +205,10 @@ def partial_spec(spec: Spec, axes: tuple[int, ...]) -> Spec:
 
 def run_nodes_local(graph: OpGraph, nodes, env: dict, specs: dict[int, Spec],
                     local: LocalGrads, mesh, named: Callable) -> None:
-    """`lower.run_nodes` with the kept partial sums: reducers run under a `shard_map` manual
-    over their axes, linear readers of partial values run vmapped over the partial dimension,
-    and every pinned value is constrained to its spec (`partial_spec` for a partial one)."""
+    """`frontend.interpret.run_nodes` with the kept partial sums: reducers run under a
+    `shard_map` manual over their axes, linear readers of partial values run vmapped over the
+    partial dimension, and every pinned value is constrained to its spec (`partial_spec` for a
+    partial one)."""
     names = mesh.axis_names
     regions, skip_to, constrain = region_at(graph), -1, None
     for node in nodes:

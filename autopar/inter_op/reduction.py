@@ -376,7 +376,8 @@ class _GuardedDiv:
 
 
 class _Reemitted:
-    """An equation re-emitted through another primitive (what `lower.run_nodes` binds)."""
+    """An equation re-emitted through another primitive (what `frontend.interpret.run_nodes`
+    binds)."""
 
     def __init__(self, eqn, primitive):
         self._eqn, self.primitive = eqn, primitive

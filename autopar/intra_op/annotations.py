@@ -6,7 +6,7 @@ constructors (explicit-sharding JAX), read off the traced graph.
 annotated sharding; `HINT` charges every other choice what moving the value into the annotated
 layout would cost (the annotation wins ties and near-ties, not large gains); `IGNORE` plans as
 if there were none. Lowering never re-emits an annotation: the plan's own constraints place
-every value (see `lower.run_nodes`).
+every value (see `frontend.interpret.run_nodes`).
 
 Example:
     >>> pins = annotation_specs(graph, ("data", "model"), (2, 4))

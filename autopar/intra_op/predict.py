@@ -16,9 +16,9 @@ partitioner turns into at most one collective (checked on jax 0.10.2, XLA:CPU):
   - `all-gather`: the axes of one dimension past its common prefix with the target are
     gathered (one all-gather over their product);
   - `slice`: axes appended to the minor end of dimensions: each device slices, no collective.
-The lowering constrains every intermediate layout of a path (`lower.py`), so XLA never changes
-a layout in one step that would need more than one collective: that is what makes it replicate
-the whole tensor ("Involuntary full rematerialization", see `CostModel.reshard_s`).
+The lowering constrains every intermediate layout of a path (`lowering/single_mesh.py`), so XLA
+never changes a layout in one step that would need more than one collective: that is what makes
+it replicate the whole tensor ("Involuntary full rematerialization", see `CostModel.reshard_s`).
 
 Works on the graph and the assignment alone: no devices, no compile.
 

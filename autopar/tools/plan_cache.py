@@ -168,7 +168,7 @@ def cache_key(*, graph_fingerprint: str, args_signature: str, cluster: Any, meth
 
 def default_cache_dir() -> Path:
     """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar/plans, else ~/.cache/autopar/plans
-    (next to `profile.default_cache_dir()`'s profiles, which also use $AUTOPAR_CACHE_DIR as
+    (next to `cost.profiler.default_cache_dir()`'s profiles, which also use $AUTOPAR_CACHE_DIR as
     is: entries are named `plan-<key>.json`, so the two can share it).
 
     Example:

@@ -128,7 +128,7 @@ def _mesh_text(plan: ParallelPlan) -> str:
 
 
 def _fold_rows(rows: list[tuple], add: int | None = None) -> list[tuple]:
-    """Rows equal but for the layer indices in their first column (`inspect_fold`: e.g.
+    """Rows equal but for the layer indices in their first column (`tools.fold`: e.g.
     `Dense_0` .. `Dense_3`) and the number in column `add` (summed) folded into one row,
     whose first column shows the indices (`Dense_{0..3}`) and whose last (added) column
     counts the rows ("" for one), in order of first appearance."""

@@ -177,7 +177,7 @@ def memory_svg(bars: list[MemoryBar], budget: float) -> str:
 # -------------------------------------------------------------------------- timeline
 def timeline_tasks(plan: ParallelPlan):
     """(clock table, clock length in seconds, per-stage forward+backward seconds) of a
-    pipeline plan, from `runtime.schedule.make_schedule` (the order the executor runs)."""
+    pipeline plan, from `inter_op.schedule.make_schedule` (the order the executor runs)."""
     p = plan.pipeline
     table = make_schedule(Schedule(p["schedule"]), len(plan.stages), p["num_microbatches"])
     lat = [s.latency_s for s in plan.stages]

@@ -24,7 +24,7 @@ very executables the first call runs (jax.jit keeps them). On stage s:
 - `apply`: the apply-gradient segments on s, arguments + outputs + temp - aliased less the
   step inputs among their arguments (they run after the pipeline, its residuals freed; the
   new state aliases the old only where the user donated it, see
-  `lower_pipeline.donated_inputs`).
+  `lowering.pipeline.donated_inputs`).
 
 peak = max(held + data + accumulator + in_flight * stash + work, held + apply).
 
@@ -191,7 +191,7 @@ def verified_pipeline(plan_at: Callable[[int | None], tuple],
     """`plan_at(None)` (the method's budget), checked against XLA when a stage binds.
     `plan_at(budget)` plans with the search's budget scaled to `budget` bytes and returns
     `(plan, parts, graph)` as `plan_pipeline` does; `program_of(parts)` lowers the plan
-    (`lower_pipeline`); `leaves` are the step's flat arguments.
+    (`lowering.pipeline`); `leaves` are the step's flat arguments.
 
     Raises:
       InfeasiblePlanError: a stage compiles over the budget after `ROUNDS` re-plans (or the
