@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autopar import passes
 from autopar.core import _compat, progress
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
 from autopar.core.graph import OpGraph
@@ -41,15 +42,6 @@ from autopar.inter_op.pipeshard import plan_pipeline, with_search_record
 from autopar.inter_op.remat_plan import plan_step, traced_for
 from autopar.lowering.pipeline import lower_pipeline
 from autopar.lowering.single_mesh import Lowered, lower, named, put
-from autopar.passes import (
-    check_batch,
-    layout_text,
-    matching,
-    pipeline_methods,
-    pipelined,
-    plan_cache_of,
-    plan_graph,
-)
 from autopar.runtime.distributed import check_agreement
 from autopar.runtime.executor import Executor
 from autopar.tools.plan_cache import cache_key, find_plan
@@ -92,7 +84,7 @@ class ParallelizedFunction:
         self._pins = pins or PinnedShardings()
         self._front = StepFrontend(fun=self._fun, static=self._static, donate=self._donate,
                                    batch=self._batch, pins=self._pins)
-        self._plans = plan_cache_of(plan_cache)
+        self._plans = passes.plan_cache_of(plan_cache)
         self._cache: dict[Any, _Entry] = {}
 
     @property
@@ -151,17 +143,17 @@ class ParallelizedFunction:
 
     def _new_entry(self, args) -> _Entry:
         mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
-        if pipelined(method):
+        if passes.pipelined(method):
             return self._pipeline_entry(args, mesh, method)
         retrace = functools.partial(trace, self._fun, args, static_argnums=self._static,
                                     batch_argnums=self._batch,
                                     donate_argnums=self._front.donated(args))
         graph = retrace()
-        check_batch(graph, self._batch)
+        passes.check_batch(graph, self._batch)
         searched = []
 
         def plan_with(g, m):
-            return plan_graph(g, self.cluster, mesh.devices.shape, mesh.axis_names, m,
+            return passes.plan_graph(g, self.cluster, mesh.devices.shape, mesh.axis_names, m,
                               tuple(int(d.id) for d in mesh.devices.flat),
                               output_pins=self._front.out_pins(g, args, self.mesh))
 
@@ -173,7 +165,7 @@ class ParallelizedFunction:
                 v.plan, method, functools.partial(plan_with, v.graph))))
             return searched[0].plan
         if self._saved_plan is not None:
-            plan_ = matching(self._saved_plan, graph_fingerprint(graph), graph)
+            plan_ = passes.matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
         graph = searched[0].graph if searched else traced_for(plan_, graph, retrace)
@@ -186,7 +178,7 @@ class ParallelizedFunction:
 
     def _pipeline_entry(self, args, mesh, method) -> _Entry:
         cluster = self.cluster
-        method, stage_method = pipeline_methods(method, mesh.devices.shape, cluster)
+        method, stage_method = passes.pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
                   donate_argnums=self._front.donated(args))
         step = trace(self._fun, args, keep_grad=True, **kw)
@@ -217,7 +209,7 @@ class ParallelizedFunction:
         if searched is not None:      # `replay`: the searched plan as find_plan stamped it
             (_, parts, graph), plan_ = searched, replay
         else:      # a saved, cached or shared plan: replay its stages and their solutions
-            matching(replay, fingerprint, step)
+            passes.matching(replay, fingerprint, step)
             t0 = time.perf_counter()
             plan_, parts, graph = run(dataclasses.replace(
                 method, stage_option=replay.stage_option()), solutions=replay.stage_solutions)
@@ -229,7 +221,7 @@ class ParallelizedFunction:
                  getattr(self._fun, "__name__", "step"),
                  f"a {len(plan_.stages)}-stage pipeline" if stage_method is None else
                  f"{method.num_microbatches}-microbatch gradient accumulation")
-        check_agreement(fingerprint, layout_text(program), "pipeline layouts")
+        check_agreement(fingerprint, passes.layout_text(program), "pipeline layouts")
         pins = {pos: named(_compat.auto_mesh(mesh), spec)
                 for pos, spec in self._front.out_pins(graph, args, self.mesh).items()}
         return _Entry(graph=graph, plan=plan_, lowered=None, executor=Executor(program),
@@ -378,7 +370,7 @@ class ParallelizedFunction:
             >>> p = step.sample_plan(state, batch, seed=3, fraction=0.3)
             >>> rand = autopar.parallelize(train_step, mesh=mesh, plan=p)
         """
-        if pipelined(self._method):
+        if passes.pipelined(self._method):
             raise InvalidArgumentError("sample_plan: random plans are drawn for single-mesh "
                                        "methods only (not pipelines or gradient accumulation).")
         with self._front.bind(args) as call:
@@ -386,9 +378,9 @@ class ParallelizedFunction:
             graph = under_mesh_if_needed(self._mesh, lambda: trace(
                 self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
                 donate_argnums=self._front.donated(args)))
-        check_batch(graph, self._batch)
+        passes.check_batch(graph, self._batch)
         mesh = self.mesh
-        return plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
+        return passes.plan_graph(graph, self.cluster, mesh.devices.shape, mesh.axis_names,
                            self._front.method(args, self._method, mesh),
                            tuple(int(d.id) for d in mesh.devices.flat),
                            perturb=(int(seed), float(fraction)),
