@@ -1,4 +1,5 @@
-"""Pipeline runtime: schedules (which stage runs which microbatch when).
+"""Pipeline runtime: the executor runs a schedule (which stage runs which microbatch when; the
+schedules are planning data in `inter_op.schedule`, re-exported here).
 
     >>> from autopar.runtime import Schedule, make_schedule
     >>> make_schedule(Schedule.ONE_F_ONE_B, num_stages=4, num_microbatches=8).num_clocks

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.core.plan import CollectivePlan, ParallelPlan, TensorPlan, solution_from_record
+from autopar.core.plan import CollectivePlan, ParallelPlan, TensorPlan
 from autopar.core.spec import num_shards
 from autopar.inter_op.stage_costs import working_bytes
 from autopar.tools.report_svg import MemoryBar
@@ -103,8 +103,9 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
         notes.append("A stage with recomputation whose savings the search did not price "
                      "(recomputation forced, or a manual layout) names its mode only.")
     bars = []
-    for st, rec, q, c, sv in zip(plan.stages, plan.stage_solutions, in_flight, compiled, saves):
-        sol = solution_from_record(rec)[1]
+    stages = zip(plan.stages, plan.stage_solutions, in_flight, compiled, saves)
+    for k, (st, _, q, c, sv) in enumerate(stages):
+        sol = plan.stage_solution(k)
         label = f"stage {st.index}"
         parts = [("parameters", sol.param_bytes), ("gradient accumulator", sol.param_bytes),
                  ("gradients (one microbatch)", sol.grad_bytes),
