@@ -1,8 +1,12 @@
-"""Helpers shared by `run_all.py`, `pipeline.py` and `pipeline_report.py`.
+"""Helpers shared by the benchmark scripts of this folder.
 
 The scripts are run as `python benchmarks/<script>.py`, so this folder is the first entry of
 `sys.path` and they import this module as `common`. Nothing here imports jax at module level:
 the drivers do not need it, and each worker sets its environment before importing it.
+
+Each benchmark writes its whole report to `benchmarks/results/<key>.md` (`result_path`,
+`write_result`); `BENCHMARKS.md` at the repository root is the index of those files, with one
+headline per benchmark, kept by hand.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO, "BENCHMARKS.md")
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+INDEX = os.path.join(REPO, "BENCHMARKS.md")
 
 # The measured steps of both benchmarks run on 8 simulated CPU devices, a 2 x 4 mesh.
 MESH_SHAPE, AXIS_NAMES = (2, 4), ("data", "model")
@@ -100,17 +105,19 @@ def revision_text(start: str | None, end: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sections of BENCHMARKS.md that separate scripts own, between HTML-comment markers.
+# The results files: benchmarks/results/<key>.md, one per benchmark, each rewritten whole.
 # ---------------------------------------------------------------------------------------------
 
-SECTION_KEYS = ("pipeline", "multihost", "methods", "fidelity", "paper", "loops",   # in the
-                "real_world", "ilp", "plan_workers", "gpt39b", "memory",      # order they
-                "runner_ups")                                                 # appear
-# "gpt39b" (GPT-39B planning time) is written by hand from benchmarks/paper.py runs: kept as is.
+RESULT_KEYS = ("shard_parallel", "pipeline", "multihost", "methods", "fidelity", "paper",
+               "loops", "real_world", "ilp", "plan_workers", "gpt39b", "memory", "runner_ups",
+               "gpu")
+# "shard_parallel" is run_all.py's own report; "gpt39b" (GPT-39B planning time) is written by
+# hand from benchmarks/paper.py runs, no script rewrites it.
 
 
-def markers(key: str) -> tuple[str, str]:
-    return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+def result_path(key: str) -> str:
+    """Where the benchmark `key` writes its report by default: benchmarks/results/<key>.md."""
+    return os.path.join(RESULTS_DIR, f"{key}.md")
 
 
 def run_worker(script: str, argv: list[str], timeout_s: float) -> dict:
@@ -145,33 +152,20 @@ def collective_kinds(found: dict, *, kib: bool = True) -> str:
     return ", ".join(parts) or "none"
 
 
-def section_head(key: str, title: str, res: dict, cmdline: str) -> list[str]:
-    """The first lines of a section that a `run_worker` result fills: its begin marker, its
-    title, and the command with when, where and on which revision it ran."""
-    return [markers(key)[0], f"## {title}", "",
+def section_head(title: str, res: dict, cmdline: str) -> list[str]:
+    """The first lines of a report that a `run_worker` result fills: its title and the command
+    with when, where and on which revision it ran."""
+    return [f"## {title}", "",
             f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
             f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", ""]
 
 
-def section_tail(out: list[str], key: str, res: dict) -> str:
-    """The section's lines joined, with a line saying the worker did not finish (if it did
-    not) and the end marker: the counterpart of `section_head`."""
+def section_tail(out: list[str], res: dict) -> str:
+    """The report's lines joined, with a line saying the worker did not finish (if it did
+    not): the counterpart of `section_head`."""
     if res.get("error"):
         out = out + ["", f"The worker did not finish: {res['error']}."]
-    return "\n".join(out + [markers(key)[1]])
-
-
-def read_section(path: str, key: str) -> str | None:
-    """The `key` section of `path` (markers included), or None."""
-    begin, end = markers(key)
-    try:
-        with open(path) as f:
-            old = f.read()
-    except OSError:
-        return None
-    if begin in old and end in old:
-        return old[old.index(begin):old.index(end) + len(end)]
-    return None
+    return "\n".join(out)
 
 
 def results(args, run) -> dict:
@@ -183,23 +177,11 @@ def results(args, run) -> dict:
     return run(args)
 
 
-def write_section(text: str, path: str, key: str) -> None:
-    """Put the `key` section into `path`: replace the old one, else insert it before `## GPU`,
-    else append."""
-    begin, end = markers(key)
-    old = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-    if begin in old and end in old:
-        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
-    elif "\n## GPU" in old:
-        i = old.index("\n## GPU") + 1
-        new = old[:i] + text + "\n\n" + old[i:]
-    else:
-        new = (old.rstrip("\n") + "\n\n" if old else "") + text + "\n"
+def write_result(text: str, path: str) -> None:
+    """Write a benchmark's report to `path` (its results file), replacing what was there."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write(new)
+        f.write(text.rstrip("\n") + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,18 +303,21 @@ def md_row(cells) -> str:
 
 
 def section_main(argv, *, doc: str, key: str, script: str, worker, run, section) -> int:
-    """The command line of a one-section benchmark script (`--out`, and the internal
-    `--_worker ROWS` its `run` starts): run it, write its `key` section, print it."""
+    """The command line of a benchmark script with one worker (`--out`, and the internal
+    `--_worker ROWS` its `run` starts): run it, write its report to `--out` (by default
+    benchmarks/results/<key>.md), print it."""
     import argparse
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    default = result_path(key)
+    ap.add_argument("--out", default=default,
+                    help=f"the Markdown file to write (default: benchmarks/results/{key}.md)")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._worker:
         worker(args._worker)
         return 0
     text = section(run(), f"python benchmarks/{script}" + (
-        f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
-    write_section(text, args.out, key)
+        f" --out {args.out}" if args.out != default else ""))
+    write_result(text, args.out)
     print(text)
     return 0

@@ -1,6 +1,6 @@
 """autopar cost-model fidelity: does the predicted step time rank plans the way they run?
 
-Run from the repository root; it rewrites only the fidelity section of BENCHMARKS.md:
+Run from the repository root; it rewrites benchmarks/results/fidelity.md:
 
     .venv/bin/python benchmarks/fidelity.py                     # both models, ~10 min, 2 cores
     .venv/bin/python benchmarks/fidelity.py --models mlp --out /tmp/f.md
@@ -42,18 +42,18 @@ import tempfile
 import time
 
 from common import (
-    DEFAULT_OUT,
     NUM_DEVICES,
     Saver,
     cpu_model,
     load_avg,
     md_row,
     progress,
+    result_path,
     run_child,
     setup_worker,
     source_revision,
     utc_now,
-    write_section,
+    write_result,
 )
 
 KEY = "fidelity"
@@ -315,7 +315,7 @@ def comparison(res: dict, base: dict, label: str, same_session: bool = False) ->
 
 def section(res: dict) -> str:
     prof = res.get("profile") or {}
-    out = [f"<!-- {KEY}:begin -->", "## Cost-model fidelity (predicted vs measured plans)", "",
+    out = ["## Cost-model fidelity (predicted vs measured plans)", "",
            f"Run {res['date']} UTC on {res['machine']}, command `{res['command']}`, source "
            f"{res['revision']}; load average {res.get('load_start')} at the start, "
            f"{res.get('load_end')} at the end; {res.get('total_s', 0) / 60:.1f} min in all.", "",
@@ -379,7 +379,7 @@ def section(res: dict) -> str:
         out += [res["notes"].strip(), ""]
     out += ["Absolute times on simulated CPU devices are noisy, and the 8 devices share this "
             "machine's cores, which pipelines (stages meant to run side by side) suffer from "
-            "most; the single-mesh correlation is shown for that reason.", f"<!-- {KEY}:end -->"]
+            "most; the single-mesh correlation is shown for that reason."]
     return "\n".join(out)
 
 
@@ -429,14 +429,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--case-timeout-s", type=float, default=120.0, help="for profiling")
     p.add_argument("--model-timeout-s", type=float, default=900.0)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=result_path(KEY),
+                   help="the Markdown file to write (default: benchmarks/results/fidelity.md)")
     p.add_argument("--save-json", default=None)
     p.add_argument("--from-json", default=None)
     p.add_argument("--baseline-json", default=None,
                    help="a --save-json file of an earlier run to compare with")
     p.add_argument("--baseline-label", default="the baseline")
     p.add_argument("--notes-file", default=None,
-                   help="markdown appended to the section (e.g. other runs and their load)")
+                   help="markdown appended to the report (e.g. other runs and their load)")
     p.add_argument("--ab", action="store_true",
                    help="also plan every candidate with the model before fusion (unfused "
                         "roofline, the preset's memory bandwidth) and time both in the same "
@@ -472,8 +473,8 @@ def main() -> int:
             res["baseline"] = json.load(f)
         res["baseline_label"] = args.baseline_label
     text = section(res)
-    write_section(text, args.out, KEY)
-    _progress(f"wrote the fidelity section of {args.out}")
+    write_result(text, args.out)
+    _progress(f"wrote {args.out}")
     print(text)
     return 0
 

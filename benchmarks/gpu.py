@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU (it exits with status 2 and a message where JAX sees none):
 
-    python benchmarks/gpu.py                              # 125M and 350M GPT -> BENCHMARKS.md
+    python benchmarks/gpu.py                # 125M and 350M GPT -> benchmarks/results/gpu.md
     python benchmarks/gpu.py --sizes 125M --steps 5 --out /tmp/gpu.md
     python benchmarks/gpu.py --json /tmp/gpu.json --no-write   # results only
     python benchmarks/gpu.py --from-json /tmp/gpu.json    # render saved results (no GPU needed)
@@ -17,8 +17,8 @@ taking its gradient with `autopar.value_and_grad`). Each step is ended by
 timed steps after the warm-up steps; the pipelined step time is that of steps ended by one
 `block_until_ready` at the end (host dispatch overlaps the GPU's work). autopar's
 `plan.predicted_step_s` is set beside the measured step. The results are saved as JSON after
-every case (`--json`), and the `## GPU` section of BENCHMARKS.md is rewritten (everything else
-in the file is left as it is).
+every case (`--json`), and the report is written to benchmarks/results/gpu.md (`--out`: elsewhere;
+`--no-write`: not at all).
 """
 from __future__ import annotations
 
@@ -338,22 +338,6 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_gpu_section(text: str, path: str) -> None:
-    """Replace the `## GPU` section of `path` (its heading up to the next `## ` heading or the
-    end) with `text`, or append `text` where there is none; the rest stays byte for byte."""
-    with open(path) as f:
-        old = f.read()
-    head = "## GPU\n"
-    start = 0 if old.startswith(head) else old.find("\n" + head) + 1
-    if start == 0 and not old.startswith(head):
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start)
-        new = old[:start] + text + ("\n" + old[end + 1:] if end >= 0 else "")
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["125M", "350M"], choices=sorted(SIZES))
@@ -371,7 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--revision", default=None, help="source revision to report")
     ap.add_argument("--json", default=None, help="also save the results here")
     ap.add_argument("--from-json", default=None, help="render saved results; measure nothing")
-    ap.add_argument("--out", default=common.DEFAULT_OUT)
+    ap.add_argument("--out", default=common.result_path("gpu"),
+                    help="the Markdown file to write (default: benchmarks/results/gpu.md)")
     ap.add_argument("--no-write", action="store_true", help="do not write the Markdown")
     args = ap.parse_args(argv)
     if args.from_json:
@@ -382,8 +367,8 @@ def main(argv=None) -> int:
     text = render(result)
     print(text)
     if not args.no_write:
-        write_gpu_section(text, args.out)
-        _progress(f"wrote the ## GPU section of {args.out}")
+        common.write_result(text, args.out)
+        _progress(f"wrote {args.out}")
     return 0
 
 

@@ -6,10 +6,11 @@ captured problem alone and report its size, LP relaxation, optimum, time and gap
     python benchmarks/ilp_hardness.py capture bench12 DIR     # make bench's 12-layer GPT
     python benchmarks/ilp_hardness.py capture gpt-39B DIR --microbatches 64 --auto-layers 16
     # 2. measure (no JAX): solve every captured problem (folders or .pkl files) with the
-    #    current solver; --json keeps the rows, --out writes BENCHMARKS.md's `ilp` section
-    #    (with a --baseline run's rows beside them: e.g. the same command at an older revision)
+    #    current solver; --json keeps the rows, --write writes benchmarks/results/ilp.md
+    #    (--out PATH: elsewhere), with a --baseline run's rows beside them (e.g. the same
+    #    command at an older revision)
     python benchmarks/ilp_hardness.py measure DIR... [--lp] [--repeat 2] [--time-limit 60] \
-        [--json rows.json] [--baseline old.json] [--out BENCHMARKS.md]
+        [--json rows.json] [--baseline old.json] [--write | --out PATH]
 
 `capture` of a pipeline configuration (a key of benchmarks/paper_configs.py) plans it on the
 V100 preset with `PipeshardParallel(AutoLayerOption(num_layers=...), AutoStageOption())`; the
@@ -208,12 +209,12 @@ def measure(args) -> list[dict]:
 
 
 def section(rows: list[dict], baseline: list[dict] | None, cmdline: str) -> str:
-    """The `ilp` section of BENCHMARKS.md: one row per captured problem, with the baseline's
-    status and time beside it where a baseline run is given."""
-    from common import markers, source_revision, utc_now
+    """The report (benchmarks/results/ilp.md): one row per captured problem, with the
+    baseline's status and time beside it where a baseline run is given."""
+    from common import source_revision, utc_now
     base = {r["problem"]: r for r in baseline or []}
     loads = [r["load"] for r in rows if "load" in r]
-    out = [markers("ilp")[0], "## Intra-op ILP solves (benchmarks/ilp_hardness.py)", "",
+    out = ["## Intra-op ILP solves (benchmarks/ilp_hardness.py)", "",
            f"Command: `{cmdline}`; written {utc_now()}, revision {source_revision()}; 1-minute "
            f"load average during the solves {min(loads, default=0):.1f} to "
            f"{max(loads, default=0):.1f} (2 cores). Problems captured from real planning "
@@ -237,7 +238,7 @@ def section(rows: list[dict], baseline: list[dict] | None, cmdline: str) -> str:
     out += ["", f"{len(rows) - len(slow)} of {len(rows)} solve to optimality (gap <= 0.1%) "
             f"in <= 5 s; not: " + (", ".join(f"{r['problem']} ({r['status']}, "
                                            f"{r['time_s']:.1f} s)" for r in slow) or "none")
-            + ".", markers("ilp")[1]]
+            + "."]
     return "\n".join(out)
 
 
@@ -260,23 +261,26 @@ def main(argv=None) -> int:
     m.add_argument("--backend", default="highs")
     m.add_argument("--json", default=None, help="write the rows here")
     m.add_argument("--baseline", default=None, help="rows (--json) of an earlier run")
-    m.add_argument("--out", default=None, help="write the `ilp` section into this file")
-    r = sub.add_parser("report", help="write the section from the rows of a measure --json")
+    m.add_argument("--write", action="store_true",
+                   help="write the report to benchmarks/results/ilp.md")
+    m.add_argument("--out", default=None, help="write the report to this file instead")
+    r = sub.add_parser("report", help="write the report from the rows of a measure --json")
     r.add_argument("rows")
     r.add_argument("--baseline", default=None)
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", default=None,
+                   help="the Markdown file to write (default: benchmarks/results/ilp.md)")
     r.add_argument("--command", required=True, help="the measure command that made the rows")
     args = p.parse_args(argv)
     if args.cmd in ("measure", "report"):
         rows = measure(args) if args.cmd == "measure" else json.load(open(args.rows))
-        if args.out:
+        if args.out or args.cmd == "report" or getattr(args, "write", False):
             sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-            from common import write_section
+            from common import result_path, write_result
             baseline = json.load(open(args.baseline)) if args.baseline else None
             cmd = args.command if args.cmd == "report" else (
                 "python benchmarks/ilp_hardness.py " +
                 " ".join(argv if argv is not None else sys.argv[1:]))
-            write_section(section(rows, baseline, cmd), args.out, "ilp")
+            write_result(section(rows, baseline, cmd), args.out or result_path("ilp"))
         return 0
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()

@@ -1,6 +1,6 @@
 """Loops: a scanned GPT (`nn.scan` over blocks, stacked parameters) next to its unrolled twin.
 
-    .venv/bin/python benchmarks/loops.py                  # -> the "loops" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/loops.py                  # -> benchmarks/results/loops.md
     .venv/bin/python benchmarks/loops.py --out /tmp/l.md --layers 4 --plan-layers 48
 
 A linen GPT (hidden 256, 8 heads, vocab 1024, seq_len 64, batch 16, adamw) on 8 simulated CPU
@@ -20,16 +20,17 @@ import sys
 import time
 
 from common import (
-    DEFAULT_OUT,
     collective_kinds,
     md_row,
+    result_path,
     run_worker,
     section_head,
     section_tail,
-    write_section,
+    write_result,
 )
 
 COMPILED_LAYERS, PLAN_LAYERS = (4, 12), (48,)
+DEFAULT_OUT = result_path("loops")
 
 
 def _case(layers: int, scan: bool):
@@ -97,7 +98,7 @@ def run(compiled_layers=COMPILED_LAYERS, plan_layers=PLAN_LAYERS,
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = section_head("loops", "Loops (scanned vs unrolled GPT)", res, cmdline) + [
+    out = section_head("Loops (scanned vs unrolled GPT)", res, cmdline) + [
            "Linen GPT (hidden 256, 8 heads, vocab 1024, seq 64, batch 16, adamw), ShardParallel "
            "on a 2 x 4 mesh of simulated CPU devices. *scan*: `nn.scan` over the blocks "
            "(`GPTConfig.scan_layers`), the body planned once and costed x layers. *temp*: "
@@ -119,12 +120,13 @@ def section(res: dict, cmdline: str) -> str:
             f"{temp / row['temp_one_device']:.2f}" if temp is not None else "",
             collective_kinds(row["compiled"], kib=False) if temp is not None else "",
             collective_kinds(row["in_loops"], kib=False) if temp is not None else ""]))
-    return section_tail(out, "loops", res)
+    return section_tail(out, res)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="the Markdown file to write (default: benchmarks/results/loops.md)")
     ap.add_argument("--layers", type=int, nargs="*", default=list(COMPILED_LAYERS),
                     help="sizes planned and compiled")
     ap.add_argument("--plan-layers", type=int, nargs="*", default=list(PLAN_LAYERS),
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
                                  ("--plan-layers", args.plan_layers, list(PLAN_LAYERS)))
         if v != default)
     text = section(run(tuple(args.layers), tuple(args.plan_layers)), cmd)
-    write_section(text, args.out, "loops")
+    write_result(text, args.out)
     print(text)
     return 0
 

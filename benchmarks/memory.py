@@ -1,6 +1,6 @@
 """Memory fidelity: the planner's predicted peak per device next to the compiled executable's.
 
-    .venv/bin/python benchmarks/memory.py                 # -> the "memory" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/memory.py                 # -> benchmarks/results/memory.md
     .venv/bin/python benchmarks/memory.py --out /tmp/m.md
 
 Every model of `models/` (MLP, GPT, MoE, Wide-ResNet, BERT, lm1b, Gemma-like NNX; small
@@ -192,9 +192,9 @@ NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_notes.m
 
 
 def section(res: dict, cmdline: str) -> str:
-    """The section; the analysis in benchmarks/memory_notes.md (if there) is appended."""
-    out = section_head("memory", "Memory fidelity (predicted vs compiled peak per device)",
-                       res, cmdline) + [
+    """The report; the analysis in benchmarks/memory_notes.md (if there) is appended."""
+    out = section_head("Memory fidelity (predicted vs compiled peak per device)", res,
+                       cmdline) + [
         "ShardParallel plans (remat none unless said; GPT-ZeRO-3: Zero3Parallel) on 8 simulated "
         "CPU devices. *predicted*: "
         "`Plan.peak_memory_bytes`; *compiled*: `memory_analysis()` arguments + outputs + temp "
@@ -231,7 +231,7 @@ def section(res: dict, cmdline: str) -> str:
     if os.path.exists(NOTES):
         with open(NOTES) as f:
             out += ["", f.read().strip()]
-    return section_tail(out, "memory", res)
+    return section_tail(out, res)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Method promises: what each method compiles to, next to what its plan predicts.
 
-    .venv/bin/python benchmarks/methods.py  # -> the "methods" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/methods.py  # -> benchmarks/results/methods.md
     .venv/bin/python benchmarks/methods.py --out /tmp/m.md
 
 Per method (DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel) x model (MLP, one BERT
@@ -129,7 +129,7 @@ def run(timeout_s: float = 1800) -> dict:
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = section_head("methods", "Method promises", res, cmdline) + [
+    out = section_head("Method promises", res, cmdline) + [
            "2 x 4 mesh of simulated CPU devices, Adam. *gathered* = bytes all-gathered per step "
            "/ parameter bytes; *update FLOPs* = the optimizer's elementwise FLOPs per device; "
            "XLA:CPU shows a reduce-scatter as an all-reduce. Predicted counts are before XLA "
@@ -147,7 +147,7 @@ def section(res: dict, cmdline: str) -> str:
         out.append(md_row([row["model"], row["method"], collective_kinds(row["compiled"]),
                            collective_kinds(row["predicted"]), f"{gathered:.2f}x",
                            f"{row['update_flops']:,.0f}", f"{row['flops']:,.0f}"]))
-    return section_tail(out, "methods", res)
+    return section_tail(out, res)
 
 
 def main(argv=None) -> int:

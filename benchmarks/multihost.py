@@ -1,9 +1,9 @@
-"""Multi-host runs and the plan cache: the `## Multi-host and plan cache` section of
-BENCHMARKS.md (run by `run_all.py`, i.e. `make bench`; alone: `python benchmarks/multihost.py`).
+"""Multi-host runs and the plan cache: benchmarks/results/multihost.md (run by `run_all.py`,
+i.e. `make bench`; alone: `python benchmarks/multihost.py`).
 
 1. Plan cache: `get_plan` of a fresh `autopar.parallelize` with an empty cache directory (a
    search) against a second fresh one reading the entry the first wrote (a hit), for the GPT of
-   the ShardParallel section (12 layers, 2 x 4 mesh) and for a 2-stage pipeline of it (a hit
+   the ShardParallel benchmark (12 layers, 2 x 4 mesh) and for a 2-stage pipeline of it (a hit
    replays the stages, re-solving only their ILPs). Both include tracing the step. Medians of 3
    alternating rounds in one process.
 2. Step time of one process with 8 simulated CPU devices against 2 processes x 4 devices
@@ -23,17 +23,17 @@ import tempfile
 import time
 
 from common import (
-    DEFAULT_OUT,
     REPO,
     cpu_model,
     fmt,
     gpt_state_fn,
     gpt_train_step,
     load_avg,
+    result_path,
     setup_worker,
     source_revision,
     utc_now,
-    write_section,
+    write_result,
 )
 
 CACHE_CFG = dict(vocab_size=8192, seq_len=128, num_layers=12, hidden=768, num_heads=12)
@@ -148,8 +148,7 @@ def run(steps: int = 10, rounds: int = 3) -> dict:
 
 
 def section(res: dict, cmdline: str) -> str:
-    begin, end = "<!-- multihost:begin -->", "<!-- multihost:end -->"
-    out = [begin, "## Multi-host and plan cache", "",
+    out = ["## Multi-host and plan cache", "",
            f"Command: `{cmdline}`; {res['started']} to {res['finished']}, revision "
            f"{res['revision']}, {res['cpu']}, load average at the end {res['load']}.", "",
            "### Plan cache: cached lookup vs fresh search", "",
@@ -197,13 +196,13 @@ def section(res: dict, cmdline: str) -> str:
                 "collectives and socket transfers between the processes where the 1-process "
                 "run uses in-process copies, so the ratio is the cost of the process boundary "
                 "here, not of a network between hosts."]
-    out.append(end)
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=result_path("multihost"),
+                   help="the Markdown file to write (default: benchmarks/results/multihost.md)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--_cache", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_steps", type=int, default=None, help=argparse.SUPPRESS)
@@ -218,7 +217,7 @@ def main(argv=None) -> int:
     res = run(args.steps)
     text = section(res, "python benchmarks/multihost.py" if argv is None and len(sys.argv) == 1
                    else "benchmarks/multihost.py " + " ".join(sys.argv[1:]))
-    write_section(text, args.out, "multihost")
+    write_result(text, args.out)
     print(text)
     return 0
 

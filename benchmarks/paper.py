@@ -1,8 +1,8 @@
 """Alpa's evaluation (Zheng et al., OSDI 2022, weak scaling on up to 8 AWS p3.16xlarge = 64
 V100 16 GB), planned by autopar on paper hardware, and the planning-time scale plot.
 
-Run from the repository root; it rewrites only the paper section of BENCHMARKS.md (markers
-`<!-- paper:begin -->` / `<!-- paper:end -->`) and `benchmarks/scale.png`:
+Run from the repository root; it rewrites benchmarks/results/paper.md and the plot beside it,
+benchmarks/results/paper-scale.png:
 
     .venv/bin/python benchmarks/paper.py                       # the default (~15 min, 2 cores)
     make bench-paper                                           # fidelity.py, then this
@@ -19,7 +19,7 @@ layer_option=AutoLayerOption(num_layers=K), stage_option=AutoStageOption(logical
 configuration's planning budget lasts; then the best Megatron-style manual plan under the same
 cost model: a grid over data x tensor x pipeline degrees with Megatron's column/row rules
 pinned (`sharding_rules`) and uniform stages (`ManualStageOption`). Part 2: planning time of a
-GPT on 8 to 1024 V100s for several layer counts, with log-log slopes and `scale.png`.
+GPT on 8 to 1024 V100s for several layer counts, with log-log slopes and the plot.
 
 Each configuration (and each scale layer count) runs in its own child process with a time
 limit; a child saves what it has after every plan, so a stopped one keeps its finished plans.
@@ -385,13 +385,13 @@ def main(argv=None) -> int:
     p.add_argument("--scale-layers", type=int, nargs="+", default=list(SCALE_LAYERS))
     p.add_argument("--scale-hosts", type=int, nargs="+", default=list(SCALE_HOSTS))
     p.add_argument("--scale-timeout-s", type=float, default=360.0)
-    p.add_argument("--out", default=DEFAULT_OUT, help="markdown file whose paper section is "
-                                                      "(re)written")
-    p.add_argument("--plot", default=None, help="where to save the scale plot (default: "
-                                                "benchmarks/scale.png)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="the Markdown file to write (default: benchmarks/results/paper.md)")
+    p.add_argument("--plot", default=None, help="where to save the scale plot (default: next "
+                                                "to --out, <out>-scale.png)")
     p.add_argument("--save-json", default=None, help="also write the raw results here")
     p.add_argument("--from-json", default=None,
-                   help="render the section from results saved by --save-json (runs nothing)")
+                   help="render the report from results saved by --save-json (runs nothing)")
     p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_scale", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
@@ -412,7 +412,7 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv)).strip()
     res = results(args, run)
     text = write_outputs(res, args.out, args.plot)
-    _progress(f"wrote the paper section of {args.out}")
+    _progress(f"wrote {args.out}")
     print(text)
     return 0
 

@@ -31,7 +31,7 @@ PRESET = "v100-p3.16xlarge"
 DEVICES_PER_HOST = 8
 
 # The planning-time scale part: a GPT of the 350M shape planned for 8 to 1024 V100s, with the
-# pipeline section's batch and microbatches.
+# pipeline benchmark's batch and microbatches.
 SCALE_LAYERS = (24, 48)
 SCALE_HOSTS = (1, 8, 128)
 SCALE_CFG = dict(hidden=1024, num_heads=16, seq_len=1024, vocab_size=51200)

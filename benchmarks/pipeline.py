@@ -1,6 +1,6 @@
 """autopar pipeline benchmark (PipeshardParallel): planning cost and executor overhead.
 
-Run from the repository root; it rewrites only the pipeline section of BENCHMARKS.md:
+Run from the repository root; it rewrites benchmarks/results/pipeline.md:
 
     .venv/bin/python benchmarks/pipeline.py                    # ~10 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --only pipeline     # the same
@@ -42,7 +42,6 @@ import time
 
 from common import (
     AXIS_NAMES,
-    DEFAULT_OUT,
     MESH_SHAPE,
     NUM_DEVICES,
     Saver,
@@ -55,8 +54,10 @@ from common import (
     setup_worker,
     source_revision,
     utc_now,
+    write_result,
 )
 from pipeline_report import (
+    DEFAULT_OUT,
     PLAN_CFG,
     PLAN_FALLBACK_BATCH,
     PLAN_MICROBATCHES,
@@ -66,7 +67,6 @@ from pipeline_report import (
     RUN_MICROBATCHES,
     _short,
     section,
-    write_section,
 )
 
 # Defaults of the options (the workload itself is described in pipeline_report.py).
@@ -427,7 +427,7 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The pipeline options (also accepted by run_all.py)."""
-    g = p.add_argument_group("pipeline section")
+    g = p.add_argument_group("pipeline benchmark")
     g.add_argument("--plan-layers", type=int, nargs="+", default=list(PLAN_LAYERS))
     g.add_argument("--plan-hosts", type=int, nargs="+", default=list(PLAN_HOSTS))
     g.add_argument("--plan-batch", type=int, default=PLAN_BATCH)
@@ -460,9 +460,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     add_arguments(p)
     p.add_argument("--out", default=DEFAULT_OUT,
-                   help="markdown file whose pipeline section is (re)written")
+                   help="the Markdown file to write (default: benchmarks/results/pipeline.md)")
     p.add_argument("--from-json", default=None,
-                   help="render the section from raw results saved by --save-json (runs "
+                   help="render the report from raw results saved by --save-json (runs "
                         "nothing)")
     p.add_argument("--_plan", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shapes", default="all", help=argparse.SUPPRESS)
@@ -485,8 +485,8 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv)).strip()
     res = results(args, run)
     text = section(res)
-    write_section(text, args.out)
-    _progress(f"wrote the pipeline section of {args.out}")
+    write_result(text, args.out)
+    _progress(f"wrote {args.out}")
     print(text)
     return 0
 

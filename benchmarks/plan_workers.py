@@ -3,8 +3,7 @@
 (as `paper.py` builds them), `PipeshardParallel(num_microbatches=M, layer_option=
 AutoLayerOption(num_layers=K), stage_option=AutoStageOption(logical_shapes=S, workers=W))`.
 
-Run from the repository root; it rewrites only its section of BENCHMARKS.md (markers
-`<!-- plan_workers:begin -->` / `<!-- plan_workers:end -->`):
+Run from the repository root; it rewrites benchmarks/results/plan_workers.md:
 
     .venv/bin/python benchmarks/plan_workers.py                  # GPT-39B, K=8 and 16, M=64
     .venv/bin/python benchmarks/plan_workers.py --gpt 6.7B 39B --layers 8 --shapes flat \\
@@ -25,16 +24,16 @@ import sys
 import time
 
 from common import (
-    DEFAULT_OUT,
     Saver,
     load_avg,
     progress,
+    result_path,
     results,
     run_case,
     setup_worker,
     source_revision,
     utc_now,
-    write_section,
+    write_result,
 )
 from paper_configs import ALL, GPT
 
@@ -125,7 +124,7 @@ def _cell(r: dict) -> str:
 
 
 def section(res: dict) -> str:
-    lines = [f"<!-- {KEY}:begin -->", "## Planning in worker processes", "",
+    lines = ["## Planning in worker processes", "",
              f"Run {res['started_utc']} UTC at {res['revision']}: `{res['cmdline']}`. "
              "GPT configurations of `benchmarks/paper_configs.py` on "
              "`ClusterSpec.preset(\"v100-p3.16xlarge\")`, planned from abstract arguments "
@@ -154,7 +153,7 @@ def section(res: dict) -> str:
             f"| {r['key']} | {ALL[r['key']].gpus} | {r['layers']} | {r['m']} | {r['shapes']} "
             f"| {r['workers']} | {_cell(r)} | {cpu} | {pl.get('num_ilps', '–')} / "
             f"{pl.get('num_reused', '–')} | {tflops} | {load[0]} | {speed} |")
-    lines += [""] + [f"- {n}" for n in res.get("notes", [])] + ["", f"<!-- {KEY}:end -->"]
+    lines += [""] + [f"- {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -166,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=["all"], choices=("all", "flat"))
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=result_path(KEY),
+                   help="the Markdown file to write (default: benchmarks/results/plan_workers.md)")
     p.add_argument("--save-json", default=None)
     p.add_argument("--from-json", default=None, help="render saved results (runs nothing)")
     for a in ("--_case", "--_shapes", "--_result"):
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                                                             else sys.argv[1:])
     res = results(args, run)
     text = section(res)
-    write_section(text, args.out, KEY)
+    write_result(text, args.out)
     print(text)
     return 0
 

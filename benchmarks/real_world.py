@@ -1,6 +1,6 @@
 """Real-world steps: memory per device of models written the way the Flax / JAX docs write them.
 
-    .venv/bin/python benchmarks/real_world.py              # -> the "real_world" section
+    .venv/bin/python benchmarks/real_world.py              # -> benchmarks/results/real_world.md
     .venv/bin/python benchmarks/real_world.py --out /tmp/r.md
 
 Each case is a step as its users write it, swapped from `jax.jit` / `nnx.jit` to
@@ -267,7 +267,7 @@ def _mib(b: float) -> str:
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = section_head("real_world", "Real-world steps: memory per device", res, cmdline) + [
+    out = section_head("Real-world steps: memory per device", res, cmdline) + [
            "Each step as its users write it, with the decorator swapped for "
            "`autopar.parallelize` (ShardParallel, 2 x 4 mesh of simulated CPU devices). *temp* = "
            "compiled temporary bytes per device; *one device* = the same step under jax.jit on "
@@ -291,7 +291,7 @@ def section(res: dict, cmdline: str) -> str:
     if scan and unrolled:
         out += ["", f"Scanned / unrolled temp per device under autopar: "
                     f"{scan[0] / max(unrolled[0], 1):.2f}x."]
-    return section_tail(out, "real_world", res)
+    return section_tail(out, res)
 
 
 def main(argv=None) -> int:

@@ -2,11 +2,15 @@
 
 Run from the repository root (`make bench` runs exactly this with no flags):
 
-    .venv/bin/python benchmarks/run_all.py               # 2, 6, 12, 24 layers -> BENCHMARKS.md
+    .venv/bin/python benchmarks/run_all.py               # 2, 6, 12, 24 layers, every report
     .venv/bin/python benchmarks/run_all.py --layers 2 6         # a subset
-    .venv/bin/python benchmarks/run_all.py --layers 2 --no-measure --out /tmp/b.md   # plan only
-    .venv/bin/python benchmarks/run_all.py --only pipeline      # only the pipeline section
-    .venv/bin/python benchmarks/run_all.py --only shard         # everything but the pipeline
+    .venv/bin/python benchmarks/run_all.py --layers 2 --no-measure --out-dir /tmp/b  # plan only
+    .venv/bin/python benchmarks/run_all.py --only pipeline      # only pipeline.md
+    .venv/bin/python benchmarks/run_all.py --only shard         # only shard_parallel.md
+
+Each benchmark writes its report to benchmarks/results/<name>.md (`--out-dir`: elsewhere);
+this script's own is shard_parallel.md. BENCHMARKS.md, the index of those files with one
+headline each, is kept by hand.
 
 Workload: a flax linen GPT (hidden 768, 12 heads, vocab 8192, seq_len 128, global batch 8),
 `TrainState` with `optax.adamw`, on 8 simulated CPU devices viewed as a 2 x 4 ("data", "model")
@@ -19,18 +23,17 @@ starts (the 8 simulated devices share host RAM), and a child that is killed (tim
 of memory) still leaves what it measured before (it saves its results after every phase).
 Progress goes to stderr.
 
-The `## Pipeline (PipeshardParallel)` section comes from `benchmarks/pipeline.py` (planning
-time for 8 and 64 GPUs, and the measured pipeline step against its ideal schedule time); its
-options (`--plan-layers`, `--stages`, ... see `--help`) are accepted here too. `--only
-pipeline` rewrites just that section of the output file, keeping the rest. The `## Multi-host
-and plan cache` section comes from `benchmarks/multihost.py` (a cached plan lookup against a
-fresh search; the step time of 2 processes x 4 devices next to 1 process x 8), then the `##
-Method promises` section from `benchmarks/methods.py` (each method's compiled collectives next
-to its plan's), the `## Loops` section from `benchmarks/loops.py` (a scanned GPT next to its
-unrolled twin) and the `## Real-world steps` section from `benchmarks/real_world.py` (memory
-per device of Flax/JAX-doc-style steps), then the memory fidelity and `## Why this plan`
-(`benchmarks/runner_ups.py`: what pricing the runner-ups costs) sections, run last; the
-`## GPU` section (`benchmarks/gpu.py`, on a GPU machine) is kept as it is.
+After the sizes (unless `--only shard`) it runs the other `make bench` benchmarks, each
+writing its own report: `benchmarks/pipeline.py` (pipeline.md: planning time for 8 and 64 GPUs,
+and the measured pipeline step against its ideal schedule time; its options, `--plan-layers`,
+`--stages`, ... see `--help`, are accepted here too; `--only pipeline` runs just it), then
+`multihost.py` (multihost.md: a cached plan lookup against a fresh search; the step time of 2
+processes x 4 devices next to 1 process x 8), `methods.py` (methods.md: each method's compiled
+collectives next to its plan's), `loops.py` (loops.md: a scanned GPT next to its unrolled
+twin), `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
+`memory.py` (memory.md: memory fidelity) and `runner_ups.py` (runner_ups.md: what pricing the
+runner-ups costs), run last. The other reports (`make bench-paper`'s fidelity.md and paper.md,
+gpu.md from a GPU machine, ...) are left as they are.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
 the reason.
@@ -54,10 +57,9 @@ import real_world as real_world_bench  # benchmarks/real_world.py (this script's
 import runner_ups as runner_ups_bench  # benchmarks/runner_ups.py (this script's folder)
 from common import (
     AXIS_NAMES,
-    DEFAULT_OUT,
     MESH_SHAPE,
     NUM_DEVICES,
-    SECTION_KEYS,
+    RESULTS_DIR,
     Saver,
     fmt,
     gpt_state_fn,
@@ -68,13 +70,12 @@ from common import (
     mem_total_bytes,
     ms,
     progress,
-    read_section,
     revision_text,
     run_child,
     setup_worker,
     source_revision,
     utc_now,
-    write_section,
+    write_result,
 )
 
 DEFAULT_LAYERS = (2, 6, 12, 24)
@@ -218,7 +219,7 @@ def _worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Driver: one child per (size, method), then BENCHMARKS.md.
+# Driver: one child per (size, method), then benchmarks/results/shard_parallel.md.
 # ---------------------------------------------------------------------------------------------
 
 def _run_worker(layers: int, method: str, args) -> dict:
@@ -337,25 +338,16 @@ def _planning_claim(rows) -> str:
             f"and solve {fmt(ilp.get('solve_time_s'))} s).")
 
 
-def _save(text: str, path: str, others: dict) -> None:
-    """Write the report, then put back the sections other scripts own."""
-    with open(path, "w") as f:
-        f.write(text)
-    for key, kept in others.items():
-        if kept:
-            write_section(kept, path, key)
-
-
-def _write(results, args, started_utc, total_s, pipeline_text: str | None = None,
-           gpu_text: str | None = None) -> str:
+def _write(results, args, started_utc, total_s) -> str:
+    """The report of this script (shard_parallel.md)."""
     rev = revision_text(args.revision, source_revision())
-    out = ["# autopar benchmarks", "",
+    out = ["## ShardParallel vs DataParallel: planning, compilation, step time", "",
            f"Generated by `{args.cmdline}` (`make bench` runs `.venv/bin/python "
            f"benchmarks/run_all.py` with no flags) on {started_utc} UTC; the whole run took "
            f"{total_s / 60:.1f} min.", "",
            f"Source: `{rev}`.", "",
-           "## Machine", ""] + _machine(results) + [
-           "", "## Workload", "",
+           "### Machine", ""] + _machine(results) + [
+           "", "### Workload", "",
            f"flax linen GPT (`models/gpt.py`): hidden {HIDDEN}, {HEADS} heads, vocab {VOCAB}, "
            f"seq_len {args.seq_len}, global batch {BATCH}; `TrainState` with `optax.adamw`; "
            f"mesh {MESH_SHAPE[0]} x {MESH_SHAPE[1]} {AXIS_NAMES}. The step is "
@@ -366,13 +358,13 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
         out += [f"seq_len was lowered from {SEQ_LEN} to {args.seq_len} for this run.", ""]
     rows = sorted(results, key=lambda r: r["layers"])
 
-    out += ["## Planning and compilation (ShardParallel)", "",
+    out += ["### Planning and compilation (ShardParallel)", "",
             "`plan s` is the wall time of `step.get_plan(state, batch)` on a fresh "
             "`ParallelizedFunction` (trace + ILP build + solve + plan assembly); `trace` and "
             "`intra-op` come from `plan.timings_s`, ILP columns from `plan.ilp`; `plan s` includes "
-            "the runner-ups (see \"Why this plan\"). `compile s` is the wall time of "
-            "`step.get_compiled(state, batch)` (XLA compile of the partitioned step); a plan "
-            "whose memory binds was compiled while planning (the memory check), inside its "
+            "the runner-ups (see runner_ups.md, \"Why this plan\"). `compile s` is the wall "
+            "time of `step.get_compiled(state, batch)` (XLA compile of the partitioned step); a "
+            "plan whose memory binds was compiled while planning (the memory check), inside its "
             "`plan s`.", "",
             "| layers | params (M) | plan s | trace s | intra-op s | ILP build s | ILP solve s | "
             "status | groups | edges | variables | constraints | variables/layer | compile s | "
@@ -391,7 +383,8 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
             fmt(nv / r["layers"] if nv is not None else None, 0),
             _compile_cell(sp, r), fmt(dp.get("plan_wall_s")), _compile_cell(dp, r)]))
 
-    out += ["", "## Step time: predicted vs measured, ShardParallel (SP) vs DataParallel (DP)", "",
+    out += ["", "### Step time: predicted vs measured, ShardParallel (SP) vs DataParallel (DP)",
+            "",
             "Predicted = `plan.predicted_step_s` (autopar's cost model for "
             f"{_devices_text(results)}). "
             f"Measured = median wall time of {args.steps} steps (fewer, but at least 3, when "
@@ -434,8 +427,8 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
             f"{fmt(sp.get('last_loss'), 4)} / {fmt(dp.get('last_loss'), 4)}",
             "; ".join(notes) or "–"]))
 
-    out += ["", "## Claims", "", *_linearity(rows), _planning_claim(rows), "",
-            "## Notes", "",
+    out += ["", "### Claims", "", *_linearity(rows), _planning_claim(rows), "",
+            "### Notes", "",
             "- Absolute CPU times are noisy: the 8 \"devices\" are threads of one process "
             f"sharing {os.cpu_count()} CPU cores and one memory system, other work on the machine "
             "competes with them, and collectives are memory copies. Only the side-by-side "
@@ -450,21 +443,7 @@ def _write(results, args, started_utc, total_s, pipeline_text: str | None = None
                   if d.get("incomplete") or r.get("error")]
     if unfinished:
         out.append("- Runs that did not finish: " + "; ".join(unfinished) + ".")
-    if pipeline_text:
-        out += ["", pipeline_text]
-    out += ["", gpu_text or "## GPU\n\nnot run: no GPU was lent to this session", ""]
     return "\n".join(out)
-
-
-def _gpu_section(path: str) -> str | None:
-    """The `## GPU` section already in `path` (written by benchmarks/gpu.py on a GPU machine,
-    to the end of the file), kept as it is."""
-    try:
-        with open(path) as f:
-            old = f.read()
-    except OSError:
-        return None
-    return old[old.index("\n## GPU") + 1:].rstrip("\n") if "\n## GPU" in old else None
 
 
 def main(argv=None) -> int:
@@ -473,7 +452,8 @@ def main(argv=None) -> int:
                    help="GPT depths to benchmark (default: 2 6 12 24)")
     p.add_argument("--no-measure", action="store_true",
                    help="plan only: no compilation, no steps")
-    p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write")
+    p.add_argument("--out-dir", default=RESULTS_DIR,
+                   help="folder of the reports, <name>.md each (default: benchmarks/results)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (median)")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--first-step-budget-s", type=float, default=60.0,
@@ -483,8 +463,8 @@ def main(argv=None) -> int:
     p.add_argument("--size-timeout-s", type=float, default=3600.0,
                    help="kill a (size, method) worker after this long (what it measured is kept)")
     p.add_argument("--only", choices=("all", "shard", "pipeline"), default="all",
-                   help="all (default): every section; shard: the ShardParallel/DataParallel "
-                        "sections only; pipeline: rewrite only the pipeline section of --out")
+                   help="all (default): every report; shard: the ShardParallel/DataParallel "
+                        "one only (shard_parallel.md); pipeline: only pipeline.md")
     pipeline_bench.add_arguments(p)
     p.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
@@ -500,53 +480,42 @@ def main(argv=None) -> int:
     args.cmdline = "make bench" if sys.argv[1:] == [] else (
         "benchmarks/run_all.py " + " ".join(sys.argv[1:]))
     if args.no_measure:
-        args.no_run = True          # plan only: the pipeline section skips its measured part
+        args.no_run = True          # plan only: the pipeline benchmark skips its measured part
+
+    def save(key: str, text: str) -> None:
+        path = os.path.join(args.out_dir, f"{key}.md")
+        write_result(text, path)
+        _progress(f"wrote {path}")
+
     if args.only == "pipeline":
         text = pipeline_report.section(pipeline_bench.run(args))
-        pipeline_report.write_section(text, args.out)
-        _progress(f"wrote the pipeline section of {args.out}")
+        save("pipeline", text)
         print(text)
         return 0
     started = utc_now()
     args.revision = source_revision()
-    # The pipeline section already in --out (it carries its own date) is kept until this run
-    # replaces it; with --only shard it is kept as it is.
-    pipeline_text = pipeline_report.read_section(args.out)
-    # Sections other scripts own (benchmarks/fidelity.py, paper.py) are kept as they are.
-    others = {k: read_section(args.out, k) for k in SECTION_KEYS if k != "pipeline"}
-    gpu_text = _gpu_section(args.out)
     t0 = time.perf_counter()
     results = []
     for layers in args.layers:
         results.append(_run_size(layers, args))
         # Rewrite after every size, so a long run that is stopped still leaves a report.
-        text = _write(results, args, started, time.perf_counter() - t0, pipeline_text,
-                      gpu_text)
-        _save(text, args.out, others)
+        text = _write(results, args, started, time.perf_counter() - t0)
+        save("shard_parallel", text)
     if args.only == "all":
-        _progress("pipeline section ...")
-        pipeline_text = pipeline_report.section(pipeline_bench.run(args))
-        text = _write(results, args, started, time.perf_counter() - t0, pipeline_text,
-                      gpu_text)
-        _save(text, args.out, others)
-        _progress("multi-host and plan cache section ...")
-        others["multihost"] = multihost_bench.section(multihost_bench.run(),
-                                                      args.cmdline)
-        _save(text, args.out, others)
-        _progress("method promises section ...")
-        others["methods"] = methods_bench.section(methods_bench.run(), args.cmdline)
-        _save(text, args.out, others)
-        _progress("loops section ...")
-        others["loops"] = loops_bench.section(loops_bench.run(), args.cmdline)
-        _progress("real-world section ...")
-        others["real_world"] = real_world_bench.section(real_world_bench.run(), args.cmdline)
-        _progress("memory section ...")
-        others["memory"] = memory_bench.section(memory_bench.run(), args.cmdline)
-        _save(text, args.out, others)
-        _progress("runner-ups section ...")
-        others["runner_ups"] = runner_ups_bench.section(runner_ups_bench.run(), args.cmdline)
-        _save(text, args.out, others)
-    _progress(f"wrote {args.out}")
+        # The other benchmarks of `make bench`, each into its own report.
+        _progress("pipeline ...")
+        save("pipeline", pipeline_report.section(pipeline_bench.run(args)))
+        for key, bench, what in (("multihost", multihost_bench, "multi-host and plan cache"),
+                                 ("methods", methods_bench, "method promises"),
+                                 ("loops", loops_bench, "loops"),
+                                 ("real_world", real_world_bench, "real-world steps"),
+                                 ("memory", memory_bench, "memory fidelity"),
+                                 ("runner_ups", runner_ups_bench, "runner-ups")):
+            _progress(f"{what} ...")
+            save(key, bench.section(bench.run(), args.cmdline))
+        # Once more, with the whole run's time.
+        text = _write(results, args, started, time.perf_counter() - t0)
+        save("shard_parallel", text)
     print(text)
     return 0
 

@@ -1,6 +1,6 @@
 """Why this plan: what pricing the runner-ups costs, and what they say.
 
-    .venv/bin/python benchmarks/runner_ups.py  # -> the "runner_ups" section of BENCHMARKS.md
+    .venv/bin/python benchmarks/runner_ups.py  # -> benchmarks/results/runner_ups.md
     .venv/bin/python benchmarks/runner_ups.py --out /tmp/r.md --layers 2 6
 
 The GPT of `make bench` (hidden 768, 12 heads, vocab 8192, seq_len 128, batch 8, adamw) on 8
@@ -21,9 +21,10 @@ import os
 import sys
 import time
 
-from common import DEFAULT_OUT, md_row, run_worker, section_head, section_tail, write_section
+from common import md_row, result_path, run_worker, section_head, section_tail, write_result
 
 LAYERS = (2, 6, 12, 24)
+DEFAULT_OUT = result_path("runner_ups")
 
 
 def _worker(out_path: str, layers_list) -> None:
@@ -89,7 +90,7 @@ def _rivals(on: dict) -> str:
 
 
 def section(res: dict, cmdline: str) -> str:
-    out = section_head("runner_ups", "Why this plan: what the runner-ups cost", res, cmdline) + [
+    out = section_head("Why this plan: what the runner-ups cost", res, cmdline) + [
         "GPT of `make bench` (hidden 768, vocab 8192, seq 128, batch 8, adamw), ShardParallel on "
         "a 2 x 4 mesh of simulated CPU devices, planned only (abstract state), runner-ups off "
         "then on in one process. *search*: trace + intra-op ILP of the run with them on; "
@@ -109,12 +110,13 @@ def section(res: dict, cmdline: str) -> str:
             f"{on['runner_ups_s'] / max(on['search_s'], 1e-9):.0%}",
             f"{on['wall_s'] / off['wall_s']:.2f}", f"{on['cpu_s'] / off['cpu_s']:.2f}",
             _rivals(on)]))
-    return section_tail(out, "runner_ups", res)
+    return section_tail(out, res)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="the Markdown file to write (default: benchmarks/results/runner_ups.md)")
     ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
         for flag, v, default in (("--out", args.out, DEFAULT_OUT),
                                  ("--layers", args.layers, list(LAYERS))) if v != default)
     text = section(run(tuple(args.layers)), cmd)
-    write_section(text, args.out, "runner_ups")
+    write_result(text, args.out)
     print(text)
     return 0
 

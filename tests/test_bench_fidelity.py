@@ -78,4 +78,8 @@ def test_section_appends_notes():
     res = {"date": "d", "machine": "m", "command": "c", "revision": "r", "steps": 1,
            "models": {}, "notes": "- an earlier run had load 9.\n"}
     text = fidelity.section(res)
-    assert "- an earlier run had load 9." in text and text.endswith("<!-- fidelity:end -->")
+    # the notes come before the closing paragraph, which ends the results file
+    assert "- an earlier run had load 9." in text
+    assert text.index("- an earlier run had load 9.") < text.index("Absolute times on simulated")
+    assert text.startswith("## Cost-model fidelity") and "<!--" not in text
+    assert text.endswith("the single-mesh correlation is shown for that reason.")

@@ -113,3 +113,12 @@ def test_goals_report_the_remat_of_every_stage():
     name, status, detail = goals(res)[3]
     assert name == REMAT_GOAL and status == "met" and "gpt-6.7B full/none" in detail
     assert goals(res)[2][1] == "missed"          # 1.2x wanted on GPT >= 6.7B
+
+
+def test_plot_goes_next_to_the_report():
+    from paper_report import DEFAULT_OUT, plot_path
+    assert plot_path("/tmp/p.md", None) == "/tmp/p-scale.png"
+    assert plot_path("/tmp/p.md", "/x/s.png") == "/x/s.png"
+    assert plot_path(DEFAULT_OUT, None).endswith(os.path.join("benchmarks", "results",
+                                                              "paper-scale.png"))
+    assert os.path.exists(plot_path(DEFAULT_OUT, None))     # the last run's plot
