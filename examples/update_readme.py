@@ -1,7 +1,8 @@
-"""Rewrite the README's excerpts of real output from the current code.
+"""Rewrite the excerpts of real output in README.md and docs/ from the current code.
 
 Runs the demo (`examples/train_gpt.py`) and the command-line example, and replaces each block
-of README.md between `<!-- NAME:start -->` and `<!-- NAME:end -->` with what they printed:
+between `<!-- NAME:start -->` and `<!-- NAME:end -->` in README.md and docs/*.md (every page
+that has the markers; each block must be on one page at least) with what they printed:
 
 - `machine`: the machine, the date and the versions the excerpts come from;
 - `demo-progress`: the demo's progress lines (the `autopar` logger's phase lines);
@@ -11,8 +12,8 @@ of README.md between `<!-- NAME:start -->` and `<!-- NAME:end -->` with what the
 
 Run from the repository root (`make readme`):
 
-    python examples/update_readme.py            # rewrites README.md
-    python examples/update_readme.py --check    # exit 1 if a marker is missing
+    python examples/update_readme.py            # rewrites README.md and docs/*.md
+    python examples/update_readme.py --check    # exit 1 if a block is on no page
 """
 from __future__ import annotations
 
@@ -29,15 +30,26 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = ("machine", "demo-progress", "demo-dump", "demo-tail", "cli-plan")
 
 
+def pages() -> list[str]:
+    """README.md and docs/*.md, relative to the repository."""
+    docs = sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO_ROOT, "docs"))
+                  if f.endswith(".md"))
+    return ["README.md", *docs]
+
+
+def has_block(text: str, name: str) -> bool:
+    return f"<!-- {name}:start -->" in text and f"<!-- {name}:end -->" in text
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """`text` with the lines between `<!-- name:start -->` and `<!-- name:end -->` replaced
     by a fenced block holding `body` (`machine`: a plain line)."""
     pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?"
                          rf"(<!-- {re.escape(name)}:end -->)", re.S)
     if not pattern.search(text):
-        raise SystemExit(f"update_readme: README.md has no `<!-- {name}:start -->` ... "
+        raise SystemExit(f"update_readme: no page has a `<!-- {name}:start -->` ... "
                          f"`<!-- {name}:end -->` block. Fix: add the two marker lines where "
-                         "the excerpt belongs.")
+                         "the excerpt belongs (README.md or a page of docs/).")
     inner = body.rstrip("\n") + "\n" if name == "machine" else f"```\n{body.rstrip()}\n```\n"
     return pattern.sub(lambda m: m.group(1) + inner + m.group(2), text, count=1)
 
@@ -78,13 +90,13 @@ def run(cmd: list[str], cwd: str = REPO_ROOT) -> tuple[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="only check that README.md has every marker block")
+                        help="only check that every block is on a page")
     ns = parser.parse_args(argv)
-    path = os.path.join(REPO_ROOT, "README.md")
-    text = open(path, encoding="utf-8").read()
+    texts = {p: open(os.path.join(REPO_ROOT, p), encoding="utf-8").read() for p in pages()}
+    for name in BLOCKS:
+        if not any(has_block(t, name) for t in texts.values()):
+            replace_block("", name, "")             # raises, naming the block and the fix
     if ns.check:
-        for name in BLOCKS:
-            replace_block(text, name, "")
         return 0
     parts = demo_parts(*run([sys.executable, "examples/train_gpt.py"]))
     cli = ["plan", "examples/cli_factory.py:make_step", "--preset", "dgx-a100", "--hosts", "2",
@@ -94,11 +106,14 @@ def main(argv=None) -> int:
                        os.path.join(REPO_ROOT, cli[1]), *cli[2:]], cwd=tmp)
     parts["cli-plan"] = "$ autopar " + " ".join(cli) + "\n" + cli_out
     parts["machine"] = machine_line()
-    for name in BLOCKS:
-        text = replace_block(text, name, parts[name].replace(REPO_ROOT + os.sep, ""))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"update_readme: rewrote {', '.join(BLOCKS)} in README.md")
+    for page, text in texts.items():
+        names = [name for name in BLOCKS if has_block(text, name)]
+        for name in names:
+            text = replace_block(text, name, parts[name].replace(REPO_ROOT + os.sep, ""))
+        if names:
+            with open(os.path.join(REPO_ROOT, page), "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"update_readme: rewrote {', '.join(names)} in {page}")
     return 0
 
 

@@ -9,3 +9,17 @@ os.environ.setdefault("AUTOPAR_PLAN_CACHE", "off")
 # The rival methods' plans (autopar.runner_ups) cost a few ILPs per planned step; the suite
 # prices them only in the tests of that pass (and of what shows them), which turn them on.
 os.environ.setdefault("AUTOPAR_RUNNER_UPS", "off")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Count the code blocks of README.md and docs/ that ran (tests/test_docs.py records them
+    per page), so the test output says how many ran and how many were skipped."""
+    ran = skipped = pages = 0
+    for report in terminalreporter.stats.get("passed", []):
+        for name, value in getattr(report, "user_properties", ()):
+            if name == "docs_blocks":
+                pages += 1
+                ran, skipped = ran + value[0], skipped + value[1]
+    if pages:
+        terminalreporter.write_line(f"code blocks of README.md and docs/: {ran} ran, "
+                                    f"{skipped} skipped (marked), on {pages} pages")

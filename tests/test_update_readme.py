@@ -17,12 +17,14 @@ def test_replace_block_rewrites_only_between_its_markers():
 
 
 def test_a_missing_marker_names_it_and_the_fix():
-    with pytest.raises(SystemExit, match="no `<!-- y:start -->`.*Fix"):
+    with pytest.raises(SystemExit, match="no page has a `<!-- y:start -->`.*Fix"):
         update_readme.replace_block("text", "y", "body")
 
 
-def test_the_readme_has_every_block():
+def test_the_readme_and_docs_have_every_block():
     assert update_readme.main(["--check"]) == 0
+    pages = update_readme.pages()
+    assert pages[0] == "README.md" and "docs/cli-and-report.md" in pages
 
 
 def test_demo_output_is_cut_into_the_excerpts():
