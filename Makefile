@@ -21,26 +21,35 @@ lint: $(STAMP)
 
 # Two pytest workers (pytest-xdist): about 1.35x faster on 2 cores; each worker's tests use 8
 # simulated devices, so more workers than cores only adds memory. TEST_WORKERS=0: one process.
+# Tests marked slow (sweeps that repeat a mesh, model or schedule another test covers) are left
+# to `make test-slow`.
 TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
-# The numerically sensitive modules (equivalence against jax.jit of routing models: ReLU, max
-# pooling, top-k gates, BatchNorm; tests/equivalence.py has the comparison rule) a second time
-# under another XLA:CPU code generation, so that a comparison that depends on the CPU's vector
-# code fails here before a machine change shows it. XLA's CPU code limited to AVX changes the
-# rounding on the AMD EPYC (AVX-512) machines here and reproduced the Intel Xeon failure of
-# issue 28; AVX2 gave bit-identical results there. The smooth GPT cases are left out (-k).
-# About 3.5 minutes on 2 cores.
+# Two parts, both run by .ci/run after `make test`:
+# 1. The tests marked slow (pyproject.toml's markers): the repeated meshes of the equivalence
+#    sweep, the other optimizers on the GPTs, the MoE/Wide-ResNet and 4-stage GPT pipelines,
+#    the Zero3/GPipe multi-process runs, the remat search at scale.
+# 2. The numerically sensitive modules (equivalence against jax.jit of routing models: ReLU,
+#    max pooling, top-k gates, BatchNorm; tests/support/equivalence.py has the comparison rule)
+#    a second time under another XLA:CPU code generation, so that a comparison that depends on
+#    the CPU's vector code fails here before a machine change shows it. XLA's CPU code limited
+#    to AVX changes the rounding on the AMD EPYC (AVX-512) machines here and reproduced the
+#    Intel Xeon failure of issue 28; AVX2 gave bit-identical results there. The smooth GPT
+#    cases are left out (-k).
 SLOW_ISA ?= AVX
-SLOW_TESTS ?= tests/test_equivalence_helper.py tests/test_layer_rules.py tests/test_nnx.py \
-	tests/test_nnx_grad.py tests/test_metadata.py tests/test_executor.py tests/test_constraints.py \
-	tests/test_local_grads.py tests/test_moe.py tests/test_wide_resnet.py tests/test_equivalence.py
+SLOW_TESTS ?= tests/support/test_equivalence_helper.py tests/intra_op/test_layer_rules.py \
+	tests/frontend/test_nnx.py tests/frontend/test_nnx_grad.py tests/frontend/test_metadata.py \
+	tests/runtime/test_executor.py tests/intra_op/test_constraints.py \
+	tests/inter_op/test_local_grads.py tests/models/test_moe.py tests/models/test_wide_resnet.py \
+	tests/api/test_equivalence.py
 SLOW_K ?= not gpt
 test-slow: $(STAMP)
-	XLA_FLAGS="--xla_cpu_max_isa=$(SLOW_ISA)" $(PY) -m pytest -q \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(SLOW_TESTS) \
-		$(if $(SLOW_K),-k "$(SLOW_K)")
+	$(PY) -m pytest -q $(XDIST) -m slow tests
+	XLA_FLAGS="--xla_cpu_max_isa=$(SLOW_ISA)" $(PY) -m pytest -q $(XDIST) -m "not slow" \
+		$(SLOW_TESTS) $(if $(SLOW_K),-k "$(SLOW_K)")
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
@@ -80,11 +89,13 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # shard_map and the other JAX constructs it must recognize) and progress. LATEST_K leaves out the slowest repeats: the 1x4 and
 # 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
 # pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
-LATEST_TESTS ?= tests/test_trace.py tests/test_equivalence.py tests/test_intra_op.py tests/test_ilp.py \
-	tests/test_constraints.py tests/test_hlo.py tests/test_layer_rules.py tests/test_models.py \
-	tests/test_stages.py tests/test_inter_op_pipeline.py tests/test_pipeshard.py \
-	tests/test_nnx.py tests/test_loops.py tests/test_annotations.py tests/test_meshes.py \
-	tests/test_errors.py tests/test_progress.py
+LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
+	tests/intra_op/test_intra_op.py tests/intra_op/test_ilp.py tests/intra_op/test_constraints.py \
+	tests/cost/test_hlo.py tests/intra_op/test_layer_rules.py tests/models/test_models.py \
+	tests/inter_op/test_stages.py tests/inter_op/test_inter_op_pipeline.py \
+	tests/inter_op/test_pipeshard.py tests/frontend/test_nnx.py tests/frontend/test_loops.py \
+	tests/intra_op/test_annotations.py tests/frontend/test_meshes.py tests/api/test_errors.py \
+	tests/core/test_progress.py
 LATEST_K ?= not (1x4 or 8x1 or test_moe_and_wide_resnet_pipelines)
 
 $(STAMP_LATEST): pyproject.toml
@@ -102,8 +113,7 @@ python-latest:   # prints the Python test-latest would use (empty: none found)
 # Delete .venv-latest (or `make clean`) to take newer releases again.
 test-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -c 'import sys, jax, flax, optax; print("test-latest: Python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__)'
-	$(PY_LATEST) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
-		$(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
+	$(PY_LATEST) -m pytest -q $(XDIST) $(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST)

@@ -114,7 +114,7 @@ def cases():
             return (optax.apply_updates(params, updates), opt), loss
         return step, (params, tx.init(params)), gemma.make_gemma_batch(key, 16, cfg)
 
-    def zero3_case():       # tests/test_init.py's GPT: a wide vocabulary, short sequences
+    def zero3_case():       # tests/runtime/test_init.py's GPT: a wide vocabulary, short sequences
         return gpt_case(cfg=gpt.GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128,
                                           num_heads=4), batch_size=8)
 

@@ -100,6 +100,26 @@ def test_top_level_holds_the_api_and_the_driver_only_and_files_stay_small():
     assert not long, f"files over 500 lines: {long}"
 
 
+# Tests of the repository as a whole (its layers, its docs, its demo) stay at tests/.
+REPOSITORY_TESTS = {"test_layers.py", "test_docs.py", "test_update_readme.py", "test_demo.py"}
+
+
+def test_the_tests_mirror_the_packages():
+    """tests/<package>/ for every package of autopar/ (tests/api: the driver end to end;
+    tests/benchmarks: the benchmark scripts; tests/support: what tests share, no test of
+    autopar), and no other test module at the top of tests/."""
+    tests = os.path.join(ROOT, "tests")
+    packages = {d for d in os.listdir(PKG) if os.path.isfile(os.path.join(PKG, d, "__init__.py"))}
+    folders = {d for d in os.listdir(tests) if os.path.isdir(os.path.join(tests, d))
+               and d != "__pycache__"}
+    assert packages <= folders, f"packages without tests/<package>/: {packages - folders}"
+    assert folders - packages <= {"api", "benchmarks", "support"}, folders - packages
+    for d in packages | {"api"}:
+        assert any(f.startswith("test_") for f in os.listdir(os.path.join(tests, d))), d
+    loose = {f for f in os.listdir(tests) if f.startswith("test_") and f.endswith(".py")}
+    assert loose == REPOSITORY_TESTS, loose ^ REPOSITORY_TESTS
+
+
 @pytest.mark.skipif(os.environ.get("AUTOPAR_SKIP_WHEEL") == "1", reason="AUTOPAR_SKIP_WHEEL=1")
 def test_the_wheel_installs_only_autopar(tmp_path):
     """What `pip install .` installs: the wheel's top-level names are `autopar` and its

@@ -32,7 +32,7 @@ first in its kernel to read (a node recomputed in several kernels pays in each).
 per node, so the cost stays per node and per sharding (both divided by the node's shards).
 On XLA:CPU the whole-step bytes of small GPT and MLP Adam steps are 0.92x and 1.13x of
 `compiled.cost_analysis()["bytes accessed"]`, where the unfused count was 2.2-2.9x
-(tests/test_fusion.py).
+(tests/intra_op/test_fusion.py).
 
 Pure Python on an `OpGraph`: no JAX import.
 

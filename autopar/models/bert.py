@@ -1,7 +1,8 @@
 """A small BERT written the way the Flax docs write models (linen, post-LayerNorm encoder layers,
 a masked-LM head tied to the token embedding, a loss padded with per-token weights), with a
 TrainState step: the BERT layer and BERT MLM cases of the method tests
-(`tests/test_constraints.py`) and of the "method promises" benchmark (`benchmarks/methods.py`).
+(`tests/intra_op/test_constraints.py`) and of the "method promises" benchmark
+(`benchmarks/methods.py`).
 
 Example:
     >>> model = BertMLM(vocab=128, seq=16, hidden=64, heads=4, layers=2)
