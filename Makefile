@@ -21,10 +21,12 @@ lint: $(STAMP)
 
 # Two pytest workers (pytest-xdist): about 1.35x faster on 2 cores; each worker's tests use 8
 # simulated devices, so more workers than cores only adds memory. TEST_WORKERS=0: one process.
+# worksteal: a worker that runs out of tests takes some of the other's (the long tests would
+# otherwise leave one worker idle at the end).
 # Tests marked slow (sweeps that repeat a mesh, model or schedule another test covers) are left
 # to `make test-slow`.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 

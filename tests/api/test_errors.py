@@ -508,7 +508,8 @@ def test_native_cases_in_a_subprocess():
     names = [c[0] for c in CASES if c[0].startswith(NATIVE_PREFIXES)]
     assert len(names) >= 25
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(pathlib.Path(__file__).parents[1]), str(pathlib.Path(autopar.__file__).parents[1]),
+        [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1]),
+         str(pathlib.Path(autopar.__file__).parents[1]),
          os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, *names], env=env, text=True,

@@ -23,7 +23,7 @@ from autopar.core.spec import (
     without_axes,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = ("data", "model")
 
 

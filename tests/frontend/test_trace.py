@@ -627,7 +627,7 @@ def test_parallelized_step_rejects_a_donated_array_passed_twice_before_running(c
     """Without the check XLA:CPU kills the process (issue 13, item 10), so run it in a child."""
     import subprocess
     import sys
-    root = str(pathlib.Path(__file__).resolve().parents[1])
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root, "AUTOPAR_PLAN_CACHE": "off",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", _DONATED_TWICE, case], env=env, cwd=root,

@@ -353,9 +353,9 @@ def test_remat_blocks_in_a_pipeline_match_single_device():
     """A loss of `jax.checkpoint`ed blocks (dots saveable) pipelined over 2 stages with 2
     microbatches: the stages differentiate the blocks under the user's checkpoint (see
     test_stages) and the numbers equal jax.jit's."""
-    from support.stage_mlp import _remat_step
+    from support.stage_mlp import remat_step
     from support.steps import BATCH, PARAMS
-    step = _remat_step(jax.checkpoint_policies.dots_saveable)
+    step = remat_step(jax.checkpoint_policies.dots_saveable)
     batches = [jax.tree_util.tree_map(lambda x, i=i: x * (1 + 0.1 * i), BATCH) for i in range(3)]
 
     def run(fn):

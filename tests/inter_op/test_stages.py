@@ -2,7 +2,6 @@
 choose_stages with Uniform / Manual / Auto stage options on a four-layer MLP; the logical views
 of a submesh; the option errors; and the pipeline plan's JSON round trip and replay option."""
 import jax
-import jax.numpy as jnp
 import pytest
 
 import autopar
@@ -12,7 +11,15 @@ from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import layer_boundaries, slice_range, split_step
 from autopar.inter_op.stage_solve import solve_stage, stage_io, trace_stage
 from autopar.inter_op.stages import AXIS_NAMES, choose_stages, logical_shapes
-from support.stage_mlp import bounds, cluster, loss, loss_fn, method, step  # noqa: F401 (fixtures)
+from support.stage_mlp import (  # noqa: F401 (fixtures)
+    bounds,
+    cluster,
+    loss,
+    loss_fn,
+    method,
+    remat_step,
+    step,
+)
 from support.steps import BATCH, PARAMS, B, H  # four 16 x 16 layers, a batch of 8
 
 DEVICES = tuple(range(8))
@@ -407,28 +414,12 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
         prob.solve(1.0, opt_ratio=opt, in_flight=q)
 
 
-def _remat_step(policy):
-    def loss_fn(p, x, y):
-        h = x
-        for i in range(4):
-            h = jax.checkpoint(lambda w, a: jnp.tanh(jnp.tanh(a @ w) @ w.T), policy=policy)(
-                p[f"l{i}"], h)
-            if i < 3:
-                h = autopar.mark_stage_boundary(h)
-        return jnp.mean((h - y) ** 2)
-
-    def remat_step(params, batch):
-        loss, grads = autopar.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
-    return remat_step
-
-
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
 def test_stage_graph_keeps_the_users_remat(policy):
     """The loss's forward graph remembers each `jax.checkpoint` region; a stage's training
     graph differentiates it under `jax.checkpoint` with the user's policy, so each remat'd
     block of the stage has its optimization barrier (one group) as under jax.jit."""
-    graph = trace(_remat_step(policy), (PARAMS, BATCH), batch_argnums=(1,), keep_grad=True)
+    graph = trace(remat_step(policy), (PARAMS, BATCH), batch_argnums=(1,), keep_grad=True)
     loss = split_step(graph, graph, 1)
     assert len({n.remat.id for n in loss.forward.nodes if n.remat is not None}) == 4
     b = layer_boundaries(loss.forward, autopar.ManualLayerOption())

@@ -224,7 +224,7 @@ def test_scalar_fallback_does_not_warn():
 
 # -- models, end to end ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((1, 8), marks=pytest.mark.slow)])
 def test_cnn_batchnorm_maxpool_stays_batch_split(mesh_shape):
     step, state, batches = cnn_case(batch_size=32, image_size=32)
     par = autopar.parallelize(step, mesh=mesh_of(mesh_shape), batch_argnums=(1,))

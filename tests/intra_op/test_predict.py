@@ -333,8 +333,13 @@ def cases():
     return get
 
 
+def _slow_if(m, s):      # MoE and Wide-ResNet on 1x8 repeat their 2x4 case: make test-slow
+    return [pytest.mark.slow] if m in ("moe", "wide_resnet") and s == (1, 8) else []
+
+
 @pytest.mark.parametrize("name,mesh_shape", [
-    *[(m, s) for m in ("gpt", "mlp", "moe", "wide_resnet") for s in ((1, 8), (2, 4))],
+    *[pytest.param(m, s, marks=_slow_if(m, s))
+      for m in ("gpt", "mlp", "moe", "wide_resnet") for s in ((1, 8), (2, 4))],
     ("bert", (2, 2))], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_compiled_collectives_are_the_predicted_ones(cases, capfd, name, mesh_shape):
     step, args = cases(name)

@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import queue as queue_module
+import time
 
 import pytest
 
@@ -393,7 +394,10 @@ def _reader(directory, key, ready, done, results):
     cache = PlanCache(directory)
     ready.wait(60)
     reads = []
-    for _ in range(READS):
+    # READS reads at least; on a loaded machine the writers may not have replaced the first
+    # entry yet after READS fast reads, so go on (up to a minute) until one has.
+    deadline = time.monotonic() + 60
+    while len(reads) < READS or (len(set(reads)) < 2 and time.monotonic() < deadline):
         got = cache.get(key)
         if got is None:
             reads.append(None)
@@ -427,7 +431,7 @@ def test_concurrent_writers_leave_a_complete_entry(tmp_path, plan):
     assert reads is not None, "the reader process did not report"
     # The entry always exists (put before the writers start) and is only ever replaced whole.
     assert warnings == [] and "bad" not in reads and None not in reads
-    assert len(reads) == READS and set(reads) <= set(range(writers))
+    assert len(reads) >= READS and set(reads) <= set(range(writers))
     assert len(set(reads)) > 1, "the reader saw no writer's entry replace another's"
     final = PlanCache(directory).get(key)
     assert final in plans
