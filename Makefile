@@ -24,7 +24,8 @@ lint: $(STAMP)
 # worksteal: a worker that runs out of tests takes some of the other's (the long tests would
 # otherwise leave one worker idle at the end).
 # Tests marked slow (sweeps that repeat a mesh, model or schedule another test covers) are left
-# to `make test-slow`.
+# to `make test-slow`. XLA:CPU compiles without LLVM's optimizations here (tests/conftest.py;
+# AUTOPAR_TEST_XLA_OPT=default turns them back on, as test-slow and test-latest do).
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 test: $(STAMP)
@@ -49,9 +50,9 @@ SLOW_TESTS ?= tests/support/test_equivalence_helper.py tests/intra_op/test_layer
 	tests/api/test_equivalence.py
 SLOW_K ?= not gpt
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m slow tests
-	XLA_FLAGS="--xla_cpu_max_isa=$(SLOW_ISA)" $(PY) -m pytest -q $(XDIST) -m "not slow" \
-		$(SLOW_TESTS) $(if $(SLOW_K),-k "$(SLOW_K)")
+	AUTOPAR_TEST_XLA_OPT=default $(PY) -m pytest -q $(XDIST) -m slow tests
+	AUTOPAR_TEST_XLA_OPT=default XLA_FLAGS="--xla_cpu_max_isa=$(SLOW_ISA)" \
+		$(PY) -m pytest -q $(XDIST) -m "not slow" $(SLOW_TESTS) $(if $(SLOW_K),-k "$(SLOW_K)")
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
@@ -115,7 +116,8 @@ python-latest:   # prints the Python test-latest would use (empty: none found)
 # Delete .venv-latest (or `make clean`) to take newer releases again.
 test-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -c 'import sys, jax, flax, optax; print("test-latest: Python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__)'
-	$(PY_LATEST) -m pytest -q $(XDIST) $(LATEST_TESTS) $(if $(LATEST_K),-k "$(LATEST_K)")
+	AUTOPAR_TEST_XLA_OPT=default $(PY_LATEST) -m pytest -q $(XDIST) $(LATEST_TESTS) \
+		$(if $(LATEST_K),-k "$(LATEST_K)")
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST)

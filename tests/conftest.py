@@ -1,8 +1,17 @@
-"""8 simulated CPU devices for every test: set before JAX is imported."""
+"""8 simulated CPU devices for every test: set before JAX is imported.
+
+XLA:CPU's code is compiled without LLVM's optimizations (`--xla_backend_optimization_level=0`)
+unless AUTOPAR_TEST_XLA_OPT=default: the test models are tiny, so compiling is most of the
+suite's time (a third less with it off), while what the tests check is decided before LLVM (the
+HLO, its collectives, shardings and buffer assignment) or compared against jax.jit compiled the
+same way. `make test-slow` and `make test-latest` compile at XLA's default level.
+"""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+_FLAGS = " --xla_force_host_platform_device_count=8"
+if os.environ.get("AUTOPAR_TEST_XLA_OPT", "0") != "default":
+    _FLAGS += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests that exercise the on-disk plan cache pass their own directory; the rest must search.
 os.environ.setdefault("AUTOPAR_PLAN_CACHE", "off")
