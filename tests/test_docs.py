@@ -100,3 +100,17 @@ def test_code_blocks_run(path, tmp_path, monkeypatch, record_property):
     record_property("docs_blocks", (ran, skipped))
     if not found:
         pytest.skip(f"{path} has no python code blocks")
+
+
+def test_local_links_resolve():
+    """Every relative link of README.md and docs/ names a file of the repository."""
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    broken = []
+    for page in pages():
+        text = open(os.path.join(REPO, page), encoding="utf-8").read()
+        for target in link.findall(text):
+            if "://" in target:
+                continue
+            if not os.path.exists(os.path.join(REPO, os.path.dirname(page), target)):
+                broken.append(f"{page}: {target}")
+    assert not broken, broken
