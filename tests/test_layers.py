@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import pathlib
 import subprocess
 import sys
 import zipfile
@@ -123,7 +124,8 @@ def test_the_tests_mirror_the_packages():
 @pytest.mark.skipif(os.environ.get("AUTOPAR_SKIP_WHEEL") == "1", reason="AUTOPAR_SKIP_WHEEL=1")
 def test_the_wheel_installs_only_autopar(tmp_path):
     """What `pip install .` installs: the wheel's top-level names are `autopar` and its
-    metadata (the reference models live in autopar.models, not a top-level `models`)."""
+    metadata (the reference models live in autopar.models, not a top-level `models`), and a
+    fresh venv it is installed into gains the package `autopar` alone."""
     run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                           str(tmp_path), ROOT], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -132,3 +134,18 @@ def test_the_wheel_installs_only_autopar(tmp_path):
         top = {n.split("/")[0] for n in z.namelist()}
         assert "autopar/models/gpt.py" in z.namelist()
     assert {t for t in top if not t.endswith(".dist-info")} == {"autopar"}, top
+    # ... and installed into a fresh venv (without dependencies: nothing else is fetched),
+    # `autopar` is the only package it adds.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = pathlib.Path(subprocess.run([python, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout.strip())
+    before = set(os.listdir(site))
+    run = subprocess.run([python, "-m", "pip", "install", "--no-deps", "-q",
+                          str(tmp_path / wheel)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    added = {n for n in set(os.listdir(site)) - before
+             if not n.endswith((".dist-info", ".pth")) and n != "__pycache__"}
+    assert added == {"autopar"}, added
