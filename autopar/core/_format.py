@@ -46,13 +46,20 @@ def ratio_text(value: float | None, base: float, suffix: str = "") -> str:
     return f"{value / base:.2f}{suffix}"
 
 
+NOT_APPLICABLE = "not applicable"    # an alternatives note: the method does not fit the step
+
+
 def runner_up_text(alt: dict, step_s: float) -> str:
     """One `ParallelPlan.alternatives` entry in a few words, its predicted step as a multiple
     of the chosen plan's `step_s`: "DataParallel() 1.52x", "... 1.52x (over budget)",
-    "... over budget" (no plan of it fits), "... not priced" (not searched: `fits` None)."""
+    "... over budget" (no plan of it fits), "... not priced" (not searched: `fits` None),
+    "... not applicable" (the method cannot take this step: its note says why)."""
     name, step = alt.get("name", "?"), alt.get("predicted_step_s")
     if step is None:
-        return f"{name} " + ("over budget" if alt.get("fits") is False else "not priced")
+        if alt.get("fits") is False:
+            return f"{name} over budget"
+        return f"{name} " + (NOT_APPLICABLE if str(alt.get("note", "")).startswith(
+            NOT_APPLICABLE) else "not priced")
     return (f"{name} {ratio_text(step, step_s, 'x')}"
             + ("" if alt.get("fits") else " (over budget)"))
 

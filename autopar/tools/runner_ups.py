@@ -11,7 +11,10 @@ Pricing a rival is one intra-op ILP of a forced method: its build dominates (a f
 a second on the demo GPT), and costs about what the chosen plan's build did. So that a large
 model's first call does not pay for them several times over, a rival is priced only while
 the time spent plus that build time stays within `TIME_SHARE` of the search's own time (or
-`MIN_TIME_S`, whichever is more); those left are recorded as not priced, with the reason.
+`MIN_TIME_S`, whichever is more); those left are recorded as not priced, with the reason. A
+rival whose rules the step cannot take (DataParallel's batch split, when the batch does not
+divide over the devices) is recorded as not applicable, with the reason, never raised: the
+user did not ask for it.
 `AUTOPAR_RUNNER_UPS=all` prices every rival whatever it takes; `AUTOPAR_RUNNER_UPS=off`
 skips them (the test suite does, but for its own tests).
 
@@ -28,8 +31,8 @@ import time
 from collections.abc import Callable
 
 from autopar.core import progress
-from autopar.core._format import runner_up_text
-from autopar.core.errors import InfeasiblePlanError
+from autopar.core._format import NOT_APPLICABLE, runner_up_text
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from autopar.core.plan import ParallelPlan
 from autopar.core.plan import alternative_record as record
@@ -96,6 +99,11 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
         quiet = UNMET_PINS_LEVEL.set(logging.DEBUG)     # not the user's method: no warnings
         try:
             got = plan_with(rival)
+        except InvalidArgumentError as e:    # the rival's rules do not fit this step (a batch
+            out.append({**record(name, "method", None, 0.0, budget, what), "fits": None,
+                        "peak_memory_bytes": None,       # that does not split over the mesh)
+                        "note": f"{NOT_APPLICABLE}: {str(e).split('. Fix:')[0]}"})
+            continue
         except InfeasiblePlanError as e:
             out.append(record(name, "method", None, e.needed_bytes, budget,
                               f"{what}; does not fit: needs {e.needed_bytes:.4g} bytes per "

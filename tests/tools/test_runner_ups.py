@@ -149,3 +149,33 @@ def test_rivals_keep_their_warnings_to_themselves(mesh, caplog):
         return [r for r in caplog.records if "could not pin" in r.getMessage()]
     assert plan(autopar.DataParallel())           # the note, for the method asked for
     assert plan(autopar.ShardParallel()) == []     # not for DataParallel as a runner-up
+
+
+def test_a_rival_that_does_not_fit_the_step_is_not_applicable_and_the_step_plans():
+    """Issue 24: a batch of 1 pinned to a mesh axis of size 1 by `sharding_rules` on a (1, 4)
+    mesh. The user's method plans (the batch whole on that axis) and trains like jax.jit;
+    DataParallel and ZeRO, which would split the batch over 4 devices, are recorded as not
+    applicable with the reason instead of raising an error that names a method the user did
+    not pass; the free ILP is priced as usual."""
+    mesh = jax.make_mesh((1, 4), ("data", "model"), devices=jax.devices()[:4])
+    params, batch = {"w": PARAMS["l0"]}, {"x": BATCH["x"][:1]}
+
+    def one_layer(state, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(batch["x"] @ p["w"]) ** 2))(
+            state)
+        return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, state, g), loss
+
+    method = autopar.ShardParallel(sharding_rules=((r"^batch", ("data",)),))
+    par = autopar.parallelize(one_layer, mesh=mesh, method=method, plan_cache=False)
+    plan = par.get_plan(params, batch)
+    assert next(t.spec for t in plan.inputs if t.role == "batch") == ((0,), ())
+    by_name = {a["name"]: a for a in plan.alternatives}
+    for name in ("DataParallel()", "Zero3Parallel()", "Zero2Parallel()"):
+        alt = by_name[name]
+        assert alt["predicted_step_s"] is None and alt["fits"] is None
+        assert alt["note"].startswith("not applicable: ") and "not divisible by 4" in alt["note"]
+    assert by_name["ShardParallel()"]["predicted_step_s"] is not None
+    assert "DataParallel() not applicable" in autopar.dump(plan)
+    assert autopar.ParallelPlan.from_json(plan.to_json()).alternatives == plan.alternatives
+    got, want = par(params, batch), jax.jit(one_layer)(params, batch)
+    assert abs(float(got[1]) - float(want[1])) <= 1e-6 * abs(float(want[1]))
