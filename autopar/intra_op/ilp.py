@@ -242,6 +242,41 @@ def _rank(problem: IlpProblem, choice) -> tuple[bool, float]:
     return over, evaluate(problem, choice)
 
 
+def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -> tuple[int, ...]:
+    """Break ties by memory: `choice` with each group g of `tie_bytes` moved, in index order, to
+    the strategy holding the fewest `tie_bytes[g]` bytes among those that cost no more than its
+    current one (its node cost plus its edges to the other groups' choices), as long as the
+    memory points still fit the budget. The objective never grows; a plan changes only where
+    two strategies cost the same, e.g. a matrix read sliced by its one consumer, whole or
+    split at no extra cost: the split one is kept.
+
+        >>> choice = polish_ties(problem, sol.choice, {g: bytes_per_strategy})
+    """
+    c = list(_check_choice(problem, choice))
+    adj: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in tie_bytes}
+    for e in problem.edges:
+        if e.u in adj:
+            adj[e.u].append((e.v, np.asarray(e.cost)))
+        if e.v in adj:
+            adj[e.v].append((e.u, np.asarray(e.cost).T))
+    budget = problem.memory_budget_bytes
+    rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
+    for g, held in tie_bytes.items():
+        cost = np.array(problem.node_costs[g], float)
+        for v, r in adj[g]:
+            cost = cost + r[:, c[v]]
+        now = c[g]
+        tied = np.flatnonzero(cost <= cost[now] + 1e-12 * abs(cost[now]))
+        best = int(tied[np.argmin(np.asarray(held, float)[tied])])
+        if held[best] >= held[now]:
+            continue
+        c[g] = best
+        if rows is not None and rows.usage(c).max() > max(budget, rows.usage(
+                [*c[:g], now, *c[g + 1:]]).max()):
+            c[g] = now
+    return tuple(c)
+
+
 LAZY_MEMORY_POINTS = 64    # above this many liveness points, add them as they are violated
 LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points each, 1 x 32 and
                    # 1 x 64 views) took 11 s in all instead of 30 s with 16 (2 rounds instead of

@@ -26,6 +26,7 @@ from autopar.intra_op.ilp import (
     SolveStatus,
     evaluate,
     min_peak_memory,
+    polish_ties,
     solve_ilp,
     with_extra_bytes,
 )
@@ -240,6 +241,10 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         log.warning("autopar intra-op ILP: %s", sol.message)
     if perturb is not None:
         sol = _perturbed(graph, built, sol, mesh.shape, budget, *perturb)
+    else:       # between equally fast plans, the one whose inputs take less memory
+        ties = {built.tensor_group[t]: option_bytes(graph, built.tensor_specs, t, mesh.shape)
+                for t in graph.inputs if len(built.tensor_specs[t]) > 1}
+        sol = dataclasses.replace(sol, choice=polish_ties(built.problem, sol.choice, ties))
     stats = IlpStats(
         num_groups=len(built.group_size), num_edges=len(built.edges),
         num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,

@@ -500,3 +500,22 @@ def test_highs_writes_no_banner_to_stdout():
     assert "HiGHS" in run("import highspy; highspy.Highs()")
     out = run("from autopar.intra_op.mip import _quiet_highs; _quiet_highs(); print('after')")
     assert "HiGHS" not in out and "Copyright" not in out and out.strip() == "after"
+
+
+def test_polish_ties_takes_the_leaner_of_equally_cheap_strategies():
+    """Issue 24 (ties): group 0's strategies 0 and 1 cost the same with group 1's choice, and
+    strategy 1 holds fewer bytes: it is taken; strategy 2 holds fewest but costs more: never.
+    A move that would break the memory budget is not made; the objective never grows."""
+    edges = (ilp.IlpEdge(u=0, v=1, cost=np.array([[0.0, 1.0], [0.0, 1.0], [5.0, 5.0]])),)
+    problem = IlpProblem(node_costs=(np.array([1.0, 1.0, 1.0]), np.array([0.0, 3.0])),
+                         edges=edges)
+    held = {0: np.array([400.0, 100.0, 50.0])}
+    got = ilp.polish_ties(problem, (0, 0), held)
+    assert got == (1, 0) and ilp.evaluate(problem, got) == ilp.evaluate(problem, (0, 0))
+    # strategy 1 needs more at a memory point than the budget allows: the plan stays
+    point = MemoryPoint(terms=((0, np.array([10.0, 90.0, 0.0])),), constant_bytes=0.0)
+    tight = IlpProblem(node_costs=problem.node_costs, edges=edges, memory_points=(point,),
+                       memory_budget_bytes=50.0)
+    assert ilp.polish_ties(tight, (0, 0), held) == (0, 0)
+    # a cheaper strategy is never traded for bytes (group 1's strategy 1 costs 4 more)
+    assert ilp.polish_ties(problem, (0, 0), {1: np.array([100.0, 1.0])}) == (0, 0)

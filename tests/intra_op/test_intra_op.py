@@ -239,3 +239,22 @@ def test_tanh_derivative_log2_and_polyval_are_elementwise():
     (w_ref, loss_ref), (w_got, loss_got) = jax.jit(step)(w, x), par(w, x)
     np.testing.assert_allclose(loss_got, loss_ref, rtol=1e-5)
     np.testing.assert_allclose(w_got, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tie_keeps_the_leaner_plan_the_gemv_splits_its_matrix():
+    """Issue 24 (ties): `a (128,) @ b (128, 256)` on 1x4 with its result split over the
+    columns costs the same whether b is held whole and sliced or held split; the plan holds
+    it split (a quarter of the bytes), at the predicted time of b whole, and computes a @ b."""
+    from jax.sharding import PartitionSpec as P
+    mesh = mesh_of((1, 4))
+    a = jax.random.normal(jax.random.key(0), (128,))
+    b = jax.random.normal(jax.random.key(1), (128, 256))
+    gemv = lambda a, b: a @ b
+    par = autopar.parallelize(gemv, mesh=mesh, batch_argnums=())
+    plan = par.get_plan(a, b)
+    whole = autopar.parallelize(gemv, mesh=mesh, batch_argnums=(),
+                                in_shardings=(None, P())).get_plan(a, b)
+    assert plan.inputs[1].spec == ((), (1,)) and whole.inputs[1].spec == ((), ())
+    assert plan.predicted_step_s <= whole.predicted_step_s
+    assert plan.peak_memory_bytes < whole.peak_memory_bytes
+    np.testing.assert_allclose(np.asarray(par(a, b)), np.asarray(a @ b), rtol=1e-5, atol=1e-5)
