@@ -261,6 +261,7 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
             adj[e.v].append((e.u, np.asarray(e.cost).T))
     budget = problem.memory_budget_bytes
     rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
+    peak = rows.usage(c).max() if rows is not None else 0.0    # of the plan as it stands
     for g, held in tie_bytes.items():
         cost = np.array(problem.node_costs[g], float)
         for v, r in adj[g]:
@@ -271,9 +272,12 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
         if held[best] >= held[now]:
             continue
         c[g] = best
-        if rows is not None and rows.usage(c).max() > max(budget, rows.usage(
-                [*c[:g], now, *c[g + 1:]]).max()):
-            c[g] = now
+        if rows is not None:
+            moved = rows.usage(c).max()
+            if moved > max(budget, peak):
+                c[g] = now
+            else:
+                peak = moved
     return tuple(c)
 
 
