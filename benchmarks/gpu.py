@@ -280,7 +280,7 @@ def render(r: dict) -> str:
         f"- Machine: `{r.get('nvidia_smi') or 'nvidia-smi not available'}` (nvidia-smi: name, "
         f"memory, driver); JAX device kind `{r['device_kind']}` (platform `{r['platform']}`).",
         f"- Software: jax {r['jax']}, jaxlib {r['jaxlib']}, Python {r['python']}.",
-        f"- Workload: flax linen GPT (`models/gpt.py`), vocab {VOCAB}, seq {r['seq_len']}, "
+        f"- Workload: flax linen GPT (`autopar/models/gpt.py`), vocab {VOCAB}, seq {r['seq_len']}, "
         f"batch {r['batch']}, {r['dtype']} compute with fp32 parameters, `optax.adamw`; one GPU "
         "as a 1 x 1 mesh. Each method starts from the same initial state and batch, with the "
         "state donated; each step is ended by `jax.block_until_ready` on the new state and the "

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/memory.py                 # -> benchmarks/results/memory.md
     .venv/bin/python benchmarks/memory.py --out /tmp/m.md
 
-Every model of `models/` (MLP, GPT, MoE, Wide-ResNet, BERT, lm1b, Gemma-like NNX; small
+Every model of `autopar/models/` (MLP, GPT, MoE, Wide-ResNet, BERT, lm1b, Gemma-like NNX; small
 configs) as a training step, planned by `ShardParallel` on 8 simulated CPU devices as a 1 x 8
 and a 2 x 4 mesh, plus the GPT with full rematerialization and a GPT (vocabulary 512, width
 128, state donated) under `Zero3Parallel` on 2 x 4. Per case: the plan's predicted peak

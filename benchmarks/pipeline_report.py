@@ -71,8 +71,9 @@ def section(res: dict) -> str:
     # --- planning ---
     if res["plan"]:
         out += ["### Planning time (64 GPUs planned from a 2-core CPU)", "",
-                f"GPT (`models/gpt.py`): hidden {PLAN_CFG['hidden']}, {PLAN_CFG['num_heads']} "
-                f"heads, seq {PLAN_CFG['seq_len']}, vocab {PLAN_CFG['vocab_size']}, "
+                f"GPT (`autopar/models/gpt.py`): hidden {PLAN_CFG['hidden']}, "
+                f"{PLAN_CFG['num_heads']} heads, seq {PLAN_CFG['seq_len']}, "
+                f"vocab {PLAN_CFG['vocab_size']}, "
                 f"`TrainState` + `optax.adam`, step with `autopar.value_and_grad`; state from "
                 f"`jax.eval_shape` (nothing allocated). `autopar.plan(..., cluster="
                 f"ClusterSpec.preset(\"{PRESET}\", num_hosts=H), method=PipeshardParallel("

@@ -348,8 +348,9 @@ def _write(results, args, started_utc, total_s) -> str:
            f"Source: `{rev}`.", "",
            "### Machine", ""] + _machine(results) + [
            "", "### Workload", "",
-           f"flax linen GPT (`models/gpt.py`): hidden {HIDDEN}, {HEADS} heads, vocab {VOCAB}, "
-           f"seq_len {args.seq_len}, global batch {BATCH}; `TrainState` with `optax.adamw`; "
+           f"flax linen GPT (`autopar/models/gpt.py`): hidden {HIDDEN}, {HEADS} heads, "
+           f"vocab {VOCAB}, seq_len {args.seq_len}, global batch {BATCH}; `TrainState` with "
+           f"`optax.adamw`; "
            f"mesh {MESH_SHAPE[0]} x {MESH_SHAPE[1]} {AXIS_NAMES}. The step is "
            f"`autopar.parallelize(train_step, mesh=mesh, batch_argnums=(1,), donate_argnums=(0,))`"
            f" with the default method (`ShardParallel`, the full ILP) and with "
