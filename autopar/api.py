@@ -145,10 +145,8 @@ class ParallelizedFunction:
         mesh, method = self.mesh, self._front.method(args, self._method, self.mesh)
         if passes.pipelined(method):
             return self._pipeline_entry(args, mesh, method)
-        retrace = functools.partial(trace, self._fun, args, static_argnums=self._static,
-                                    batch_argnums=self._batch,
-                                    donate_argnums=self._front.donated(args))
-        graph = retrace()
+        graph = trace(self._fun, args, static_argnums=self._static, batch_argnums=self._batch,
+                      donate_argnums=self._front.donated(args))
         passes.check_batch(graph, self._batch)
         searched = []
 
@@ -159,7 +157,7 @@ class ParallelizedFunction:
 
         def search():        # compiled and checked against the budget where it binds
             v = verified_plan(method, lambda m: plan_step(
-                graph, retrace, functools.partial(plan_with, m=m), m),
+                graph, functools.partial(plan_with, m=m), m),
                 lambda p, g: self._built(args, p, g, mesh))
             searched.append(dataclasses.replace(v, plan=with_runner_ups(
                 v.plan, method, functools.partial(plan_with, v.graph))))
@@ -168,7 +166,7 @@ class ParallelizedFunction:
             plan_ = passes.matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
-        graph = searched[0].graph if searched else traced_for(plan_, graph, retrace)
+        graph = searched[0].graph if searched else traced_for(plan_, graph)
         entry = (searched[0].built if searched and searched[0].built is not None else
                  _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh)))
         entry.plan = plan_

@@ -139,14 +139,13 @@ def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, st
             mesh_shape=tuple(mesh_shape), method=pipe, static_argnums=static_argnums,
             batch_argnums=batch_argnums, donate_argnums=donate_argnums,
             stage_method=stage_method)[0])
-    retrace = functools.partial(trace, fun, args, static_argnums=static_argnums,
-                                batch_argnums=batch_argnums, donate_argnums=donate_argnums)
-    graph = retrace()
+    graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
+                  donate_argnums=donate_argnums)
     check_batch(graph, batch_argnums)
 
     def plan_with(g, m):
         return plan_graph(g, cluster, mesh_shape, axis_names, m, tuple(range(cluster.num_devices)))
-    plan_, graph = plan_step(graph, retrace, functools.partial(plan_with, m=method), method)
+    plan_, graph = plan_step(graph, functools.partial(plan_with, m=method), method)
     return stamped(with_runner_ups(plan_, method, functools.partial(plan_with, graph)))
 
 

@@ -187,9 +187,8 @@ def _aliased_donation(fun, args, static_argnums, donate_argnums, x) -> InvalidAr
 class _Builder:
     """Accumulates tensors and nodes while walking (nested) jaxprs."""
 
-    def __init__(self, keep_grad: bool = False, expand: Callable | None = None):
+    def __init__(self, keep_grad: bool = False):
         self.keep_grad = keep_grad      # keep `autopar.value_and_grad` as one node (pipelines)
-        self.expand = expand or _expand_marker   # what the marker expands to otherwise
         self.tensors: list[Tensor] = []
         self.nodes: list[Node] = []
         self.const_values: dict[int, Any] = {}
@@ -230,7 +229,7 @@ class _Builder:
             check_primitive(name, eqn, outer_source)
             body_param = _compat.INLINE_BODY_PARAM.get(name)
             if name == VALUE_AND_GRAD and not self.keep_grad:
-                body = jax.make_jaxpr(functools.partial(self.expand, **eqn.params))(
+                body = jax.make_jaxpr(functools.partial(_expand_marker, **eqn.params))(
                     *(v.aval for v in eqn.invars))
             elif body_param is not None:
                 body = eqn.params[body_param]
@@ -297,14 +296,13 @@ class _Builder:
 @progress.timed("trace", lambda g: f"{len(g.nodes)} operators, {len(g.tensors)} tensors")
 def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
           batch_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
-          keep_grad: bool = False, expand: Callable | None = None) -> OpGraph:
+          keep_grad: bool = False) -> OpGraph:
     """Trace `fun(*args)` into an `OpGraph`.
 
     `args` may hold concrete arrays or `jax.ShapeDtypeStruct`s. Static arguments are closed
     over; the graph's inputs are the leaves of the remaining arguments, in order. With
     `keep_grad`, an `autopar.value_and_grad` stays one node (its loss jaxpr in `eqn.params`)
-    instead of being expanded into forward and backward operators; `expand` replaces what it
-    expands to (`inter_op.remat.remat_expand`: its loss rematerialized).
+    instead of being expanded into forward and backward operators.
     """
     start = time.perf_counter()
     args = tuple(args)
@@ -338,7 +336,7 @@ def trace(fun: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] =
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
-    b = _Builder(keep_grad, expand)
+    b = _Builder(keep_grad)
     env: dict = {}
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         env[v] = b.const(c, v.aval)

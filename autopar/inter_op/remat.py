@@ -4,8 +4,8 @@ the matmul outputs and recompute the cheap elementwise work (`selective`, JAX's
 
 A choice is applied to a loss's forward `OpGraph`: the nodes of a rematerialized layer get a
 `RematRegion` with the choice's policy, so that whatever differentiates the graph (a pipeline
-stage's `jax.vjp`, or the single-mesh step's `autopar.value_and_grad` expanded by
-`remat_expand`) runs them under `jax.checkpoint`. Tracing that gradient gives a graph whose
+stage's `jax.vjp`) runs them under `jax.checkpoint`. (A single-mesh step is rewritten
+instead: `step_remat`.) Tracing that gradient gives a graph whose
 residuals, recomputation and barriers are the real ones: the ILP prices their memory and
 FLOPs like any other operator, and lowering emits what XLA keeps (the barrier of issue 7). A
 user's own `jax.checkpoint` is kept as given: its nodes are never re-wrapped.
@@ -16,11 +16,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
-import jax.extend.core as jcore
 
 from autopar.core.enums import Remat
 from autopar.core.errors import InvalidArgumentError
@@ -76,50 +74,8 @@ def run_forward(forward: OpGraph, *args):
     return [env[t] for t in forward.outputs]
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LossRemat:
-    """A single-mesh step's rematerialization: the loss (the `autopar.value_and_grad` marker's
-    jaxpr) cut into layers at `boundaries` (node indices of its forward graph) and a concrete
-    choice per layer."""
-    boundaries: tuple[int, ...]
-    choices: tuple[Remat, ...]
-
-    def to_json(self) -> dict:
-        return {"layer_boundaries": list(self.boundaries),
-                "layers": [c.value for c in self.choices]}
-
-    @classmethod
-    def from_json(cls, d: dict) -> LossRemat:
-        return cls(boundaries=tuple(int(b) for b in d["layer_boundaries"]),
-                   choices=tuple(Remat.of(c) for c in d["layers"]))
-
-
-def loss_forward(jaxpr: jcore.ClosedJaxpr) -> OpGraph:
-    """The forward graph of a marker's loss jaxpr (as `split_step` traces it)."""
-    from autopar.frontend.tracer import trace
-    return trace(jcore.jaxpr_as_fun(jaxpr),
-                 [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jaxpr.in_avals])
-
-
-def remat_expand(remat: LossRemat):
-    """An `expand` for `trace(..., expand=...)`: the marker's value and gradient with the
-    loss's layers rematerialized as `remat` says."""
-    from autopar.frontend.grad import value_and_grad_of
-
-    def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool):
-        forward = loss_forward(jaxpr)
-        if remat.boundaries[-1] != len(forward.nodes):
-            raise InvalidArgumentError(
-                f"the remat plan cuts a loss of {remat.boundaries[-1]} operators but this "
-                f"loss has {len(forward.nodes)}: the plan was made for another step. Fix: "
-                "re-plan.")
-        fwd = with_remat(forward, remat.boundaries, remat.choices)
-        return value_and_grad_of(functools.partial(run_forward, fwd), flat_args, num_diff)
-    return expand
-
-
 def candidates(num_layers: int) -> list[tuple[Remat, ...]]:
-    """The single-mesh search's remat plans, from the least recomputation to the most:
+    """The remat plans a search tries, from the least recomputation to the most:
     selective on the first k layers (k = 1..L), then full on the first k with the rest
     selective. Memory falls (about) monotonically along the list, so the search bisects it
     for the first plan that fits."""

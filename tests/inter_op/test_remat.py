@@ -12,11 +12,9 @@ from autopar.core.graph import RematRegion
 from autopar.frontend.tracer import trace
 from autopar.inter_op.remat import (
     CONCRETE,
-    LossRemat,
     candidates,
     choices_of,
     policy_of,
-    remat_expand,
     run_forward,
     with_remat,
 )
@@ -89,22 +87,10 @@ def test_rematerialized_forward_gives_the_same_gradient_behind_a_barrier(choice)
     assert "optimization_barrier" not in plain
 
 
-def test_candidates_and_loss_remat_record():
+def test_candidates_from_least_recomputation_to_most():
     cands = candidates(2)
     assert cands[0] == (Remat.SELECTIVE, Remat.NONE) and cands[-1] == (Remat.FULL,) * 2
     assert len(cands) == 4 and len(set(cands)) == 4
-    r = LossRemat(boundaries=(0, 4, 9), choices=(Remat.FULL, Remat.NONE))
-    assert LossRemat.from_json(r.to_json()) == r
-
-
-def test_remat_expand_checks_the_loss_it_was_made_for():
-    def step(ws, x):
-        loss, grads = autopar.value_and_grad(_mlp_loss)(ws, x)
-        return loss, grads
-    _, (ws, x) = _forward()
-    bad = LossRemat(boundaries=(0, 3), choices=(Remat.FULL,))
-    with pytest.raises(autopar.InvalidArgumentError, match="re-plan"):
-        trace(step, (ws, x), expand=remat_expand(bad))
 
 
 # --- pipelines: each stage's remat is the search's (or the user's) choice -------------------

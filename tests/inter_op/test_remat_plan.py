@@ -3,11 +3,14 @@ budget is re-traced with the loss's layers under `jax.checkpoint`, recomputing a
 fits; the plan records the choice, replays it, and trains like jax.jit."""
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import autopar
 from autopar.frontend.tracer import trace
-from autopar.inter_op.remat_plan import loss_layers
+from autopar.inter_op.remat_plan import step_layers
+from autopar.inter_op.step_remat import forward_nodes
 from autopar.models.gpt import GPTConfig
 from support.steps import (
     assert_equivalent,
@@ -125,37 +128,55 @@ def test_full_remat_everywhere_on_request(case):
                       smooth=True)
 
 
-def test_a_step_without_the_marker_says_how_to_enable_remat():
-    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())   # jax.value_and_grad
-    with pytest.raises(autopar.UnsupportedError, match="autopar.value_and_grad"):
-        autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
-            remat="full")).get_plan(state, batches[0])
-    with pytest.raises(autopar.InfeasiblePlanError, match="autopar.value_and_grad"):
-        autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
-            memory_budget_bytes=1000)).get_plan(state, batches[0])
+def test_a_stock_jax_value_and_grad_step_recomputes_and_trains_like_jax_jit():
+    """No autopar marker: jax.value_and_grad's backward pass is found in the trace, and
+    remat='full' recomputes each layer there (behind a barrier tied to its cotangent)."""
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), num_layers=4)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(remat="full"))
+    plan = par.get_plan(state, batches[0])
+    assert set(plan.remat["layers"]) == {"full"}
+    assert "optimization_barrier" in par.lower(state, batches[0]).as_text()
+    assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
+                      compare_params=True, rtol=2e-5, smooth=True)
+
+
+def test_a_step_without_a_gradient_says_there_is_nothing_to_recompute():
+    def evaluate(params, x):
+        return jnp.tanh(x @ params["w"]).sum()
+    params, x = {"w": jnp.ones((8, 8))}, jnp.ones((16, 8))
+    with pytest.raises(autopar.UnsupportedError, match="takes no gradient"):
+        autopar.parallelize(evaluate, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
+            remat="full")).get_plan(params, x)
+    with pytest.raises(autopar.InfeasiblePlanError):
+        autopar.parallelize(evaluate, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
+            memory_budget_bytes=100)).get_plan(params, x)
 
 
 @pytest.mark.parametrize("blocks,layers", [(2, 4), (5, 5)])
-def test_loss_layers_follow_repeated_blocks(blocks, layers):
+def test_step_layers_follow_repeated_blocks(blocks, layers):
     """One layer per block when a block repeats 4+ times, else DEFAULT_LAYERS (4) layers."""
     config = GPTConfig(vocab_size=64, seq_len=8, num_layers=blocks, hidden=16, num_heads=2)
     step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=4,
-                                     value_and_grad=autopar.value_and_grad, gpt_config=config)
-    bounds = loss_layers(trace(step, (state, batches[0]), batch_argnums=(1,), keep_grad=True))
+                                     gpt_config=config)
+    graph = trace(step, (state, batches[0]), batch_argnums=(1,))
+    bounds = step_layers(graph)
     assert len(bounds) - 1 == layers and list(bounds) == sorted(set(bounds))
+    assert bounds[-1] == len(forward_nodes(graph))
 
 
-def test_loss_layers_of_a_step_without_the_marker():
-    plain, plain_state, plain_batches = make_case("mlp", "linen", sgd_momentum_clip())
-    assert loss_layers(trace(plain, (plain_state, plain_batches[0]), keep_grad=True)) is None
+def test_step_layers_of_a_step_without_a_gradient():
+    graph = trace(lambda w, x: jnp.tanh(x @ w), (jnp.ones((4, 4)), jnp.ones((2, 4))))
+    assert step_layers(graph) is None
 
 
 # --- users' styles: NNX modules in place, a scanned layer stack ---------------------------
 
-def test_nnx_in_place_step_recomputes_and_matches_nnx_jit():
+@pytest.mark.parametrize("stock", [True, False], ids=["nnx.value_and_grad", "autopar"])
+def test_nnx_in_place_step_recomputes_and_matches_nnx_jit(stock):
     """An NNX model updated in place (`nnx.Optimizer`), the gradient by
-    `autopar.value_and_grad(loss)(model, batch)`: remat='full' checkpoints its layers and the
-    step still equals nnx.jit's (with nnx.value_and_grad)."""
+    `nnx.value_and_grad(loss)(model, batch)` (or autopar's): remat='full' recomputes its layers
+    and the step still equals nnx.jit's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -186,12 +207,13 @@ def test_nnx_in_place_step_recomputes_and_matches_nnx_jit():
         model = Stack(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
 
+    vg = nnx.value_and_grad if stock else autopar.value_and_grad
     key = jax.random.key(5)
     batches = [{"x": jax.random.normal(jax.random.fold_in(key, i), (16, 16)),
                 "y": jax.random.normal(jax.random.fold_in(key, 9 + i), (16, 4))}
                for i in range(3)]
     ref, got = objects(), objects()
-    par = autopar.parallelize(make_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
+    par = autopar.parallelize(make_step(vg), mesh=mesh_of((2, 4)),
                               batch_argnums=(2,), method=autopar.ShardParallel(remat="full"))
     plan = par.get_plan(*got, batches[0])
     assert set(plan.remat["layers"]) == {"full"}
@@ -205,9 +227,9 @@ def test_nnx_in_place_step_recomputes_and_matches_nnx_jit():
 
 
 def test_scanned_stack_recomputes_and_matches_jax_jit():
-    """A `lax.scan` over stacked layers is one of the loss's layers; under remat='full' its
-    body is checkpointed too (the backward recomputes one iteration at a time); it trains
-    like jax.jit."""
+    """A `lax.scan` over stacked layers (jax.value_and_grad): the scan stays as traced (its
+    residuals kept; wrap its body in jax.checkpoint to recompute it), the layers around it
+    are recomputed under remat='full', and the step trains like jax.jit."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -230,7 +252,7 @@ def test_scanned_stack_recomputes_and_matches_jax_jit():
          "ws": jax.random.normal(k[1], (4, 32, 32)) * 0.2,
          "w_out": jax.random.normal(k[2], (32, 4)) * 0.3}
     batch = {"x": jax.random.normal(k[3], (32, 8)), "y": jax.random.normal(k[4], (32, 4))}
-    par = autopar.parallelize(make_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
+    par = autopar.parallelize(make_step(jax.value_and_grad), mesh=mesh_of((2, 4)),
                               method=autopar.ShardParallel(remat="full"))
     plan = par.get_plan(p, batch)
     assert plan.remat and set(plan.remat["layers"]) == {"full"}

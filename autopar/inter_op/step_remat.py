@@ -1,0 +1,360 @@
+"""Rematerialization as a rewrite of the traced step: works on any gradient the step takes
+(`jax.value_and_grad`, `jax.grad`, `nnx.value_and_grad`, `eqx.filter_value_and_grad`,
+`autopar.value_and_grad`), since it reads only the graph JAX traced.
+
+The backward pass is the nodes JAX made by transposing the linearized forward (their name
+stacks start `transpose(`); the forward is the nodes before it that the backward reads from,
+transitively; the residuals are the forward's values the backward reads. The forward is cut
+into layers (`forward_layers`); a layer that is rematerialized keeps only its saved values
+(its inputs; with `selective` also its matmul and convolution results, as JAX's
+`dots_saveable`) and recomputes the rest of its residuals in the backward pass, right before
+the first backward node that reads one of them.
+
+The recomputation reads its saved values through one `optimization_barrier`, and that barrier
+also takes a value the backward pass has just made (a cotangent of the node it feeds), so XLA
+can neither merge the recomputation with the forward (common-subexpression elimination) nor
+run it early (a scheduler that ignores memory would otherwise hoist it into the forward pass,
+keeping everything alive as if nothing were recomputed). The graph the ILP prices is the
+program XLA runs, so the plan's predicted peak is what XLA compiles.
+
+Loops (`scan`, `while`, `cond`) are not cut: a loop's results count as saved values, and its
+body is neither recomputed nor rewritten (wrap a scanned block in `jax.checkpoint` / `nn.remat`
+to recompute it).
+
+Example:
+    >>> bounds = forward_layers(graph, num_layers=4)
+    >>> graph2 = rematerialize(graph, StepRemat(boundaries=bounds, choices=(Remat.FULL,) * 4))
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from autopar.core import _compat
+from autopar.core.enums import Remat
+from autopar.core.errors import InvalidArgumentError
+from autopar.core.graph import Node, OpGraph, Tensor, TensorKind
+from autopar.frontend.loops import PSEUDO_PRIMITIVES
+from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
+
+SAVED_BY_SELECTIVE = ("dot_general", "conv_general_dilated")
+
+
+def is_backward(node: Node) -> bool:
+    """A node of a backward pass: JAX made it by transposing a linearized forward."""
+    return "transpose(" in node.name_stack
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepRemat:
+    """A step's rematerialization: its forward (`forward_nodes`) cut into layers at
+    `boundaries` (positions in that list, first 0, last its length) and a concrete choice per
+    layer."""
+    boundaries: tuple[int, ...]
+    choices: tuple[Remat, ...]
+
+    def to_json(self) -> dict:
+        return {"layer_boundaries": list(self.boundaries),
+                "layers": [c.value for c in self.choices]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepRemat:
+        return cls(boundaries=tuple(int(b) for b in d["layer_boundaries"]),
+                   choices=tuple(Remat.of(c) for c in d["layers"]))
+
+
+def _in_loops(graph: OpGraph) -> np.ndarray:
+    inside = np.zeros(len(graph.nodes), dtype=bool)
+    for r in graph.regions:
+        inside[r.start:r.stop] = True
+    return inside
+
+
+def _backward_span(graph: OpGraph) -> tuple[int, int] | None:
+    """(first, last + 1) node ids of the backward pass, or None when the step takes no
+    gradient."""
+    ids = [n.id for n in graph.nodes if is_backward(n)]
+    return (ids[0], ids[-1] + 1) if ids else None
+
+
+def forward_nodes(graph: OpGraph) -> tuple[int, ...]:
+    """Ids of the step's forward nodes that a rematerialization may recompute, in order: the
+    nodes before the backward pass that it reads from, transitively, outside loops, without
+    side effects, not already a user's `jax.checkpoint`."""
+    span = _backward_span(graph)
+    if span is None:
+        return ()
+    first, stop = span
+    loops = _in_loops(graph)
+    needed = np.zeros(len(graph.nodes), dtype=bool)
+    todo = [t for n in graph.nodes[first:stop] for t in n.inputs]
+    while todo:
+        t = graph.tensors[todo.pop()]
+        p = t.producer
+        if t.kind != TensorKind.INTERMEDIATE or p >= first or needed[p]:
+            continue
+        needed[p] = True
+        todo.extend(graph.nodes[p].inputs)
+    return tuple(i for i in range(first) if needed[i] and _recomputable(graph.nodes[i],
+                                                                          loops[i]))
+
+
+def _recomputable(node: Node, in_loop: bool) -> bool:
+    return not (in_loop or node.primitive in PSEUDO_PRIMITIVES or node.barrier is not None
+                or node.remat is not None or getattr(node.eqn, "effects", None)
+                or is_backward(node))
+
+
+def forward_layers(graph: OpGraph, num_layers: int) -> tuple[int, ...] | None:
+    """Where each of about `num_layers` layers of the forward starts (positions in
+    `forward_nodes(graph)`), plus its length: contiguous layers of about equal FLOPs, cut
+    where few bytes cross (as pipeline layers are). None when the step takes no gradient."""
+    fwd = forward_nodes(graph)
+    if not fwd:
+        return None
+    index = {nid: i for i, nid in enumerate(fwd)}
+    readers = graph.consumers()
+    defined, last, sizes = [], [], []
+    for node in (graph.nodes[i] for i in fwd):
+        for t in node.outputs:
+            defined.append(index[node.id])
+            last.append(max((index[c] for c in readers[t] if c in index), default=-1))
+            sizes.append(graph.tensors[t].nbytes)
+    cut = cut_bytes_from_liveness(defined, last, sizes, len(fwd))
+    flops = np.array([graph.nodes[i].flops for i in fwd], dtype=float)
+    units = cluster_layers(flops, cut, max(1, min(num_layers, len(fwd))))
+    return tuple(int(b) for b in units.boundaries)
+
+
+@dataclasses.dataclass(slots=True)
+class _New:
+    """A node to insert: `like`'s equation on `inputs`, its results the tensors `outputs`."""
+    like: Node
+    inputs: list[int]
+    outputs: list[int]
+    name_stack: str
+    barrier: int | None = None
+
+
+class _Rewrite:
+    """The tensors, constants and nodes a rewrite adds to `graph`."""
+
+    def __init__(self, graph: OpGraph):
+        self.graph = graph
+        self.tensors = list(graph.tensors)
+        self.const_values = dict(graph.const_values)
+        self.inserts: dict[int, list[_New]] = {}           # before node id -> new nodes
+        self.swaps: list[tuple[int, dict[int, int]]] = []  # (from node id, old -> new tensor)
+
+    def tensor(self, like: Tensor | None = None, aval=None, kind=TensorKind.INTERMEDIATE) -> int:
+        tid = len(self.tensors)
+        if like is None:
+            like = Tensor(id=tid, shape=tuple(int(d) for d in aval.shape),
+                          dtype=np.dtype(aval.dtype).name, kind=kind)
+            self.tensors.append(like)
+        else:       # a new value like `like` (which may be an input)
+            self.tensors.append(Tensor(id=tid, shape=like.shape, dtype=like.dtype,
+                                       kind=TensorKind.INTERMEDIATE))
+        return tid
+
+    def splice(self, fun, inputs: list[int], site: Node, name_stack: str) -> tuple[list[_New],
+                                                                                list[int]]:
+        """Nodes computing `fun` on tensors `inputs` (its equations, lax only), and its
+        results' tensors."""
+        avals = [jax.ShapeDtypeStruct(self.tensors[t].shape, np.dtype(self.tensors[t].dtype))
+                 for t in inputs]
+        closed = jax.make_jaxpr(fun)(*avals)
+        env = dict(zip(closed.jaxpr.invars, inputs))
+        for v, c in zip(closed.jaxpr.constvars, closed.consts):
+            env[v] = self.const(c, v.aval)
+
+        def read(atom):
+            return self.const(atom.val, atom.aval) if isinstance(atom, _compat.Literal) \
+                else env[atom]
+        new = []
+        for eqn in closed.jaxpr.eqns:
+            outs = [self.tensor(aval=v.aval) for v in eqn.outvars]
+            new.append(_New(like=dataclasses.replace(site, primitive=eqn.primitive.name,
+                                                     flops=0.0, eqn=eqn),
+                            inputs=[read(v) for v in eqn.invars], outputs=outs,
+                            name_stack=name_stack))
+            env.update(zip(eqn.outvars, outs))
+        return new, [read(v) for v in closed.jaxpr.outvars]
+
+    def const(self, value, aval) -> int:
+        tid = self.tensor(aval=aval, kind=TensorKind.CONST)
+        self.const_values[tid] = value
+        return tid
+
+
+def rematerialize(graph: OpGraph, remat: StepRemat) -> OpGraph:
+    """`graph` with each layer whose choice is not `none` recomputed in the backward pass from
+    its saved values (see the module docstring).
+
+    Raises:
+      InvalidArgumentError: `remat` was made for a step with another forward.
+    """
+    fwd = forward_nodes(graph)
+    if not remat.boundaries or remat.boundaries[-1] != len(fwd) or \
+            len(remat.choices) != len(remat.boundaries) - 1:
+        raise InvalidArgumentError(
+            f"the rematerialization cuts a forward pass of {remat.boundaries[-1:]} operators "
+            f"into {len(remat.choices)} layers, but this step's forward pass has {len(fwd)} "
+            "operators: it was made for another step. Fix: re-plan.")
+    first, stop = _backward_span(graph)
+    readers = graph.consumers()
+    outer_start = list(range(len(graph.nodes)))
+    for r in graph.regions:
+        for i in range(r.start, r.stop):
+            outer_start[i] = min(outer_start[i], r.start)
+    rw = _Rewrite(graph)
+    for layer, choice in enumerate(remat.choices):
+        choice = Remat.of(choice)
+        if choice == Remat.AUTO:
+            raise InvalidArgumentError("rematerialize needs concrete choices, not 'auto'.")
+        nodes = [graph.nodes[i] for i in fwd[remat.boundaries[layer]:remat.boundaries[layer + 1]]]
+        ids = {n.id for n in nodes}
+        made = {t: n for n in nodes for t in n.outputs}
+        saved = {t for t, n in made.items()
+                 if any(c < first and c not in ids for c in readers[t])
+                 or (choice == Remat.SELECTIVE and n.primitive in SAVED_BY_SELECTIVE)}
+        residuals = [t for t in made if t not in saved
+                     and any(first <= c < stop for c in readers[t])]
+        if choice == Remat.NONE or not residuals:
+            continue
+        todo, again = list(residuals), set()
+        while todo:
+            t = todo.pop()
+            if t in made and t not in saved and made[t].id not in again:
+                again.add(made[t].id)
+                todo.extend(made[t].inputs)
+        at = outer_start[min(c for t in residuals for c in readers[t] if first <= c < stop)]
+        _recompute(rw, [n for n in nodes if n.id in again], residuals, first, at, -(layer + 1))
+    return _rebuilt(rw, stop)
+
+
+def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first: int, at: int,
+               group: int) -> None:
+    """Insert before node `at` the nodes `recompute` on barred copies of what they read,
+    the activations also tied to a value the backward made; the backward from `at` on reads
+    the recomputed `residuals`."""
+    graph, site = rw.graph, recompute[0]
+    inside = {t for n in recompute for t in n.outputs}
+    reads = [t for t in dict.fromkeys(t for n in recompute for t in n.inputs)
+             if t not in inside and _barrable(graph.tensors[t])]
+    tie, routed = _tie(graph, first, at)
+    barred = {t: rw.tensor(graph.tensors[t]) for t in (*reads, *([tie] if tie is not None
+                                                                   else []))}
+    name = f"remat({site.name_stack})"
+    new = [_New(like=_barrier_like(graph, t, site), inputs=[t], outputs=[barred[t]],
+                name_stack=name, barrier=group) for t in barred]
+    env = dict(barred)
+    acts = [t for t in reads if graph.tensors[t].kind == TensorKind.INTERMEDIATE
+            and np.issubdtype(np.dtype(graph.tensors[t].dtype), np.floating)]
+    if tie is not None and acts:
+        tied_nodes, tied = rw.splice(_tied, [barred[tie], *(barred[t] for t in acts)], site,
+                                     name)
+        new += tied_nodes
+        env.update(zip(acts, tied))
+    for n in recompute:
+        outs = [rw.tensor(graph.tensors[t]) for t in n.outputs]
+        new.append(_New(like=n, inputs=[env.get(t, t) for t in n.inputs], outputs=outs,
+                        name_stack=f"remat({n.name_stack})"))
+        env.update(zip(n.outputs, outs))
+    rw.inserts.setdefault(at, []).extend(new)
+    rw.swaps.append((at, {t: env[t] for t in residuals}))
+    if routed:
+        rw.swaps.append((-at - 1, {tie: barred[tie]}))      # node `at` alone reads it barred
+
+
+def _tied(cotangent, *activations):
+    """`activations` unchanged, bit for bit, yet computed from `cotangent`: each minus
+    0 * |c| (+0.0; c a finite element of the cotangent, else 0), which XLA cannot fold away,
+    so nothing computed from them runs before the cotangent exists. XLA:CPU drops
+    optimization barriers before it schedules; this dependency stays."""
+    c = jax.lax.reshape(jax.lax.slice(cotangent, (0,) * cotangent.ndim,
+                                      (1,) * cotangent.ndim), ())
+    c = jax.lax.select(jax.lax.is_finite(c), c, jax.lax.full_like(c, 0))
+    zero = jax.lax.mul(jax.lax.abs(c), jax.lax.full_like(c, 0))
+    return tuple(jax.lax.sub(a, jax.lax.broadcast_in_dim(
+        jax.lax.convert_element_type(zero, a.dtype), a.shape, ())) for a in activations)
+
+
+def _tie(graph: OpGraph, first: int, at: int) -> tuple[int | None, bool]:
+    """(a floating value the backward pass makes just before node `at`, whether `at` reads
+    it): the recomputation waits for it."""
+    def ok(t):
+        return np.issubdtype(np.dtype(graph.tensors[t].dtype), np.floating) and \
+            graph.tensors[t].kind == TensorKind.INTERMEDIATE
+    node = graph.nodes[at]
+    if node.primitive not in PSEUDO_PRIMITIVES and node.barrier is None:
+        for t in node.inputs:
+            if ok(t) and first <= graph.tensors[t].producer < at:
+                return t, True
+    for n in reversed(graph.nodes[first:at]):
+        if n.outputs and n.primitive not in PSEUDO_PRIMITIVES and ok(n.outputs[0]):
+            return n.outputs[0], False
+    return None, False
+
+
+def _barrier_like(graph: OpGraph, t: int, site: Node) -> Node:
+    """A one-operand barrier node for tensor `t`, attributed to `site`'s line."""
+    tensor = graph.tensors[t]
+    aval = jax.ShapeDtypeStruct(tensor.shape, np.dtype(tensor.dtype))
+    return dataclasses.replace(site, primitive="optimization_barrier", flops=0.0,
+                               eqn=_compat.barrier_eqn(aval, site.eqn.source_info))
+
+
+def _barrable(tensor: Tensor) -> bool:
+    """A value that can pass through a barrier (numbers, not keys or tokens)."""
+    return tensor.kind != TensorKind.CONST and tensor.dtype not in ("key", "token")
+
+
+def _rebuilt(rw: _Rewrite, stop: int) -> OpGraph:
+    """The graph with `rw.inserts[i]` placed before node i, renumbered; the backward nodes
+    from node `at` on read `rw.swaps`' new tensors (an entry at -at - 1: node `at` alone)."""
+    graph, tensors, inserts, swaps = rw.graph, rw.tensors, rw.inserts, rw.swaps
+    order: list[Node | _New] = []
+    new_id: dict[int, int] = {}
+    for node in graph.nodes:
+        order.extend(inserts.get(node.id, ()))
+        new_id[node.id] = len(order)
+        order.append(node)
+    new_id[len(graph.nodes)] = len(order)
+    out_nodes = []
+    for pos, item in enumerate(order):
+        if isinstance(item, _New):
+            like = item.like
+            node = dataclasses.replace(like, id=pos, inputs=tuple(item.inputs),
+                                       outputs=tuple(item.outputs), name_stack=item.name_stack,
+                                       barrier=item.barrier, remat=None)
+        else:
+            inputs = item.inputs
+            for at, swap in swaps:
+                if (at >= 0 and at <= item.id < stop) or at == -item.id - 1:
+                    inputs = tuple(swap.get(t, t) for t in inputs)
+            node = dataclasses.replace(item, id=pos, inputs=inputs, outputs=item.outputs)
+        out_nodes.append(node)
+        for t in node.outputs:
+            tensors[t] = dataclasses.replace(tensors[t], producer=pos)
+    regions = tuple(_renumbered(r, new_id, swaps, stop) for r in graph.regions)
+    markers = tuple(dataclasses.replace(m, position=new_id[m.position])
+                    for m in graph.stage_markers)
+    return dataclasses.replace(graph, nodes=tuple(out_nodes), tensors=tuple(tensors),
+                               const_values=rw.const_values, regions=regions,
+                               stage_markers=markers)
+
+
+def _renumbered(region, new_id: dict[int, int], swaps, stop: int):
+    outer = region.outer_inputs
+    for at, swap in swaps:
+        if at >= 0 and at <= region.start < stop:
+            outer = tuple(swap.get(t, t) for t in outer)
+    return dataclasses.replace(
+        region, start=new_id[region.start], stop=new_id[region.stop - 1] + 1,
+        outer_inputs=outer,
+        entry_nodes=tuple(new_id[e] if e >= 0 else e for e in region.entry_nodes),
+        exit_nodes=tuple(new_id[e] for e in region.exit_nodes),
+        body_nodes=tuple((new_id[a], new_id[b - 1] + 1) for a, b in region.body_nodes))
