@@ -90,9 +90,10 @@ class ShardParallel:
         little as fits: "selective" keeps matmul outputs and recomputes the elementwise work
         (`jax.checkpoint_policies.dots_saveable`), "full" keeps only each layer's input. "none"
         never recomputes (the plan and its `InfeasiblePlanError` as without the search);
-        "selective" / "full" apply to every layer. On one mesh autopar rematerializes only
-        the loss of an `autopar.value_and_grad` / `autopar.grad` (with `jax.grad` it cannot
-        see where the loss is); the user's own `jax.checkpoint` is always kept as written.
+        "selective" / "full" apply to every layer. On one mesh any gradient will do
+        (`jax.value_and_grad`, `jax.grad`, `nnx.value_and_grad`, `autopar.value_and_grad`):
+        autopar finds the backward pass in the traced step (`inter_op.step_remat`); a loop's
+        body is not recomputed; the user's own `jax.checkpoint` is always kept as written.
         The plan records the choice per layer (`dump` shows it).
 
     Example:

@@ -92,16 +92,21 @@ def test_shard_parallel_recomputes_to_fit_70_percent_of_its_least_memory():
     assert r["replay_barrier"] and r["replay_remat"]
 
 
-def test_verified_memory_refuses_a_remat_plan_xla_compiles_over_the_budget(case):
-    """On real devices the plan is compiled and checked (memory_check): XLA:CPU's default
-    scheduler runs this remat plan in about as much memory as without recomputation, so at
-    85% of the least the check re-plans and then says what XLA compiled it to."""
+def test_a_remat_plan_at_the_edge_of_its_budget_is_compiled_and_never_over_it(case):
+    """At 85% of the least memory, even recomputing every layer leaves the plan at the very
+    edge of the budget (this 2-block LM keeps its attention scores); the plan is compiled
+    and checked (memory_check): either XLA's peak fits the budget, or the error says what
+    XLA compiled it to. Never a plan silently over its budget."""
     step, state, batches, _ = case
     budget = int(0.85 * _least(step, state, batches[0]))
-    with pytest.raises(autopar.InfeasiblePlanError, match="XLA compiled it to") as e:
-        autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
+    try:
+        plan = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=autopar.ShardParallel(
             memory_budget_bytes=budget)).get_plan(state, batches[0])
-    assert e.value.needed_bytes > budget and e.value.budget_bytes == budget
+    except autopar.InfeasiblePlanError as e:
+        assert "XLA compiled it to" in str(e)
+        assert e.needed_bytes > budget and e.budget_bytes == budget
+    else:
+        assert plan.remat and plan.measured["compiled_bytes"] <= budget
 
 
 def test_fitting_plans_keep_todays_behaviour(case):
