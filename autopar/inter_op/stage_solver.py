@@ -8,7 +8,6 @@ layer once per rematerialization.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
@@ -26,7 +25,6 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op.batch import ilp_scope
 from autopar.inter_op.parallel import PlanPool
 from autopar.inter_op.pipeline import LossGraph, StageSlice
-from autopar.inter_op.remat import with_remat
 from autopar.inter_op.stage_costs import latency, static_bytes
 from autopar.inter_op.stage_solve import (
     forward_batch_dims,
@@ -36,6 +34,7 @@ from autopar.inter_op.stage_solve import (
     stage_problem,
     trace_stage,
 )
+from autopar.inter_op.step_remat import StepRemat, forward_layers, rematerialize
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -93,13 +92,12 @@ class StageSolver:
     """Solves stage ILPs: each (training graph, submesh, logical shape) is built once (with
     every memory point, so it can be solved at any budget) and its solutions are cached by
     budget. A stage's training graph depends on its rematerialization (`remat`, every
-    method below): its layers run under `jax.checkpoint` with that choice's policy."""
+    method below): its layers are recomputed in its backward pass (`step_remat`)."""
 
     def __init__(self, loss: LossGraph, cluster: ClusterSpec, method: ShardParallel,
                  boundaries: tuple[int, ...]):
         self.loss, self.cluster, self.method = loss, cluster, method
         self.boundaries = boundaries
-        self.losses: dict[Remat, LossGraph] = {Remat.NONE: loss}
         self.cache: dict = {}
         self.problems: dict = {}
         self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
@@ -115,13 +113,19 @@ class StageSolver:
         self._shards: dict = {}       # (tensor shape, view) -> the most pieces it splits into
 
     def graph(self, sl: StageSlice, remat: Remat = Remat.NONE) -> tuple[OpGraph, str]:
+        """The stage's training graph; with `remat`, each of its layers recomputed in its
+        backward pass (`step_remat`, as a single-mesh step is)."""
         key = (sl.start, sl.stop, remat)
         if key not in self.graphs:
-            if remat not in self.losses:
-                layers = len(self.boundaries) - 1
-                self.losses[remat] = dataclasses.replace(self.loss, forward=with_remat(
-                    self.loss.forward, self.boundaries, (remat,) * layers))
-            g = trace_stage(self.losses[remat], sl)
+            g = self.graphs[(sl.start, sl.stop, Remat.NONE)][0] \
+                if remat != Remat.NONE and (sl.start, sl.stop, Remat.NONE) in self.graphs \
+                else trace_stage(self.loss, sl)
+            if remat != Remat.NONE:
+                layers = sum(sl.start <= b < sl.stop for b in self.boundaries)
+                bounds = forward_layers(g, max(1, layers))
+                if bounds is not None:
+                    g = rematerialize(g, StepRemat(boundaries=bounds, choices=(remat,) * (
+                        len(bounds) - 1)), forward_apart=True)
             self.graphs[key] = (g, graph_fingerprint(g))
         return self.graphs[key]
 

@@ -189,9 +189,12 @@ class _Rewrite:
         return tid
 
 
-def rematerialize(graph: OpGraph, remat: StepRemat) -> OpGraph:
+def rematerialize(graph: OpGraph, remat: StepRemat, *, forward_apart: bool = False) -> OpGraph:
     """`graph` with each layer whose choice is not `none` recomputed in the backward pass from
-    its saved values (see the module docstring).
+    its saved values (see the module docstring). A layer's value that a forward node outside
+    the layer reads is saved, not recomputed: XLA may run that node late, in the backward,
+    keeping the value anyway. With `forward_apart` (a pipeline stage, whose forward runs as
+    its own executable) only a read by another layer's recomputable nodes saves it.
 
     Raises:
       InvalidArgumentError: `remat` was made for a step with another forward.
@@ -210,6 +213,7 @@ def rematerialize(graph: OpGraph, remat: StepRemat) -> OpGraph:
         for i in range(r.start, r.stop):
             outer_start[i] = min(outer_start[i], r.start)
     rw = _Rewrite(graph)
+    recomputable = set(fwd)
     for layer, choice in enumerate(remat.choices):
         choice = Remat.of(choice)
         if choice == Remat.AUTO:
@@ -217,8 +221,9 @@ def rematerialize(graph: OpGraph, remat: StepRemat) -> OpGraph:
         nodes = [graph.nodes[i] for i in fwd[remat.boundaries[layer]:remat.boundaries[layer + 1]]]
         ids = {n.id for n in nodes}
         made = {t: n for n in nodes for t in n.outputs}
-        saved = {t for t, n in made.items()
-                 if any(c < first and c not in ids for c in readers[t])
+        saved = {t for t, n in made.items()       # kept anyway: another part reads it
+                 if any(c not in ids and (c in recomputable or (c < first and not forward_apart))
+                        for c in readers[t])
                  or (choice == Remat.SELECTIVE and n.primitive in SAVED_BY_SELECTIVE)}
         residuals = [t for t in made if t not in saved
                      and any(first <= c < stop for c in readers[t])]
