@@ -35,7 +35,7 @@ import numpy as np
 from autopar.core import _compat
 from autopar.core.enums import Remat
 from autopar.core.errors import InvalidArgumentError
-from autopar.core.graph import Node, OpGraph, Tensor, TensorKind
+from autopar.core.graph import InputRole, Node, OpGraph, Tensor, TensorKind
 from autopar.frontend.loops import PSEUDO_PRIMITIVES
 from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
 
@@ -256,8 +256,7 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
     new = [_New(like=_barrier_like(graph, t, site), inputs=[t], outputs=[barred[t]],
                 name_stack=name, barrier=group) for t in barred]
     env = dict(barred)
-    acts = [t for t in reads if graph.tensors[t].kind == TensorKind.INTERMEDIATE
-            and np.issubdtype(np.dtype(graph.tensors[t].dtype), np.floating)]
+    acts = [t for t in reads if _activation(graph.tensors[t])]
     if tie is not None and acts:
         tied_nodes, tied = rw.splice(_tied, [barred[tie], *(barred[t] for t in acts)], site,
                                      name)
@@ -310,6 +309,13 @@ def _barrier_like(graph: OpGraph, t: int, site: Node) -> Node:
     aval = jax.ShapeDtypeStruct(tensor.shape, np.dtype(tensor.dtype))
     return dataclasses.replace(site, primitive="optimization_barrier", flops=0.0,
                                eqn=_compat.barrier_eqn(aval, site.eqn.source_info))
+
+
+def _activation(tensor: Tensor) -> bool:
+    """A floating value computed from the batch (tied to the cotangent; parameters are not:
+    a copy of a weight would cost its bytes)."""
+    return np.issubdtype(np.dtype(tensor.dtype), np.floating) and (
+        tensor.kind == TensorKind.INTERMEDIATE or tensor.role == InputRole.BATCH)
 
 
 def _barrable(tensor: Tensor) -> bool:
