@@ -5,7 +5,7 @@ layers in the backward pass (`step_remat`) and plan it again, recomputing as lit
 Any gradient the step takes will do: `jax.value_and_grad`, `jax.grad`, `nnx.value_and_grad`,
 `eqx.filter_value_and_grad` or `autopar.value_and_grad` (the rewrite reads the backward pass
 JAX traced). The forward is cut into as many layers as the model repeats blocks (else
-`DEFAULT_LAYERS`); `remat.candidates` orders the per-layer choices from the least
+`DEFAULT_LAYERS`); `step_remat.candidates` orders the per-layer choices from the least
 recomputation to the most; memory falls along it, so bisection finds the first that fits in
 about log2(2L) + 1 ILP solves. The plan keeps the fingerprint of the step as the user wrote it
 (a saved plan matches the same call) and records the choice and the fingerprint of the
@@ -27,8 +27,7 @@ from autopar.core.errors import InfeasiblePlanError, PlanMismatchError, Unsuppor
 from autopar.core.graph import OpGraph
 from autopar.core.options import ShardParallel
 from autopar.core.plan import ParallelPlan, graph_fingerprint
-from autopar.inter_op.remat import candidates
-from autopar.inter_op.step_remat import StepRemat, forward_layers, rematerialize
+from autopar.inter_op.step_remat import StepRemat, candidates, forward_layers, rematerialize
 from autopar.intra_op.layers import find_family
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,6 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
-from autopar.inter_op.remat import choices_of
 from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.stage_costs import (
     boundary_costs,
@@ -56,6 +55,7 @@ from autopar.inter_op.stage_solver import (
     StageSolver,
     opt_ratio_of,
 )
+from autopar.inter_op.step_remat import choices_of
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,25 @@ from autopar.frontend.loops import PSEUDO_PRIMITIVES
 from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
 
 SAVED_BY_SELECTIVE = ("dot_general", "conv_general_dilated")
+CONCRETE = (Remat.NONE, Remat.SELECTIVE, Remat.FULL)   # cheapest recomputation first
+
+
+def choices_of(remat: Remat) -> tuple[Remat, ...]:
+    """The concrete choices a method's `remat` lets a search take."""
+    return CONCRETE if remat == Remat.AUTO else (remat,)
+
+
+def candidates(num_layers: int) -> list[tuple[Remat, ...]]:
+    """The remat plans a search tries, from the least recomputation to the most:
+    selective on the first k layers (k = 1..L), then full on the first k with the rest
+    selective. Memory falls (about) monotonically along the list, so the search bisects it
+    for the first plan that fits."""
+    out = []
+    for k in range(1, num_layers + 1):
+        out.append((Remat.SELECTIVE,) * k + (Remat.NONE,) * (num_layers - k))
+    for k in range(1, num_layers + 1):
+        out.append((Remat.FULL,) * k + (Remat.SELECTIVE,) * (num_layers - k))
+    return out
 
 
 def is_backward(node: Node) -> bool:
@@ -148,16 +167,16 @@ class _Rewrite:
         self.inserts: dict[int, list[_New]] = {}           # before node id -> new nodes
         self.swaps: list[tuple[int, dict[int, int]]] = []  # (from node id, old -> new tensor)
 
-    def tensor(self, like: Tensor | None = None, aval=None, kind=TensorKind.INTERMEDIATE) -> int:
-        tid = len(self.tensors)
-        if like is None:
-            like = Tensor(id=tid, shape=tuple(int(d) for d in aval.shape),
-                          dtype=np.dtype(aval.dtype).name, kind=kind)
-            self.tensors.append(like)
-        else:       # a new value like `like` (which may be an input)
-            self.tensors.append(Tensor(id=tid, shape=like.shape, dtype=like.dtype,
-                                       kind=TensorKind.INTERMEDIATE))
-        return tid
+    def copy(self, like: Tensor) -> int:
+        """A new value with `like`'s shape and dtype (`like` may be an input)."""
+        return self._add(like.shape, like.dtype, TensorKind.INTERMEDIATE)
+
+    def new(self, aval, kind=TensorKind.INTERMEDIATE) -> int:
+        return self._add(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name, kind)
+
+    def _add(self, shape: tuple[int, ...], dtype: str, kind: TensorKind) -> int:
+        self.tensors.append(Tensor(id=len(self.tensors), shape=shape, dtype=dtype, kind=kind))
+        return len(self.tensors) - 1
 
     def splice(self, fun, inputs: list[int], site: Node, name_stack: str) -> tuple[list[_New],
                                                                                 list[int]]:
@@ -175,7 +194,7 @@ class _Rewrite:
                 else env[atom]
         new = []
         for eqn in closed.jaxpr.eqns:
-            outs = [self.tensor(aval=v.aval) for v in eqn.outvars]
+            outs = [self.new(v.aval) for v in eqn.outvars]
             new.append(_New(like=dataclasses.replace(site, primitive=eqn.primitive.name,
                                                      flops=0.0, eqn=eqn),
                             inputs=[read(v) for v in eqn.invars], outputs=outs,
@@ -184,7 +203,7 @@ class _Rewrite:
         return new, [read(v) for v in closed.jaxpr.outvars]
 
     def const(self, value, aval) -> int:
-        tid = self.tensor(aval=aval, kind=TensorKind.CONST)
+        tid = self.new(aval, TensorKind.CONST)
         self.const_values[tid] = value
         return tid
 
@@ -250,7 +269,7 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
     reads = [t for t in dict.fromkeys(t for n in recompute for t in n.inputs)
              if t not in inside and _barrable(graph.tensors[t])]
     tie, routed = _tie(graph, first, at)
-    barred = {t: rw.tensor(graph.tensors[t]) for t in (*reads, *([tie] if tie is not None
+    barred = {t: rw.copy(graph.tensors[t]) for t in (*reads, *([tie] if tie is not None
                                                                    else []))}
     name = f"remat({site.name_stack})"
     new = [_New(like=_barrier_like(graph, t, site), inputs=[t], outputs=[barred[t]],
@@ -263,7 +282,7 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
         new += tied_nodes
         env.update(zip(acts, tied))
     for n in recompute:
-        outs = [rw.tensor(graph.tensors[t]) for t in n.outputs]
+        outs = [rw.copy(graph.tensors[t]) for t in n.outputs]
         new.append(_New(like=n, inputs=[env.get(t, t) for t in n.inputs], outputs=outs,
                         name_stack=f"remat({n.name_stack})"))
         env.update(zip(n.outputs, outs))

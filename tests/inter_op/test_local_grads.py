@@ -11,7 +11,7 @@ from autopar.frontend.tracer import trace
 from autopar.inter_op.local_grads import find_local_grads, partial_spec
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.models.mlp import mse_loss
-from support.steps import mesh_of, mlp_adam_state
+from support.steps import mesh_of, mlp_adam_state, two_stages_2x2
 
 
 def _local(fun, *args):
@@ -98,12 +98,7 @@ def test_accumulation_reduces_gradients_once_per_step(method):
 
 def test_pipeline_stages_accumulate_locally():
     state, batch = _mlp_state(layers=4)
-    method = autopar.PipeshardParallel(
-        num_microbatches=4, batch_axis="data",
-        layer_option=autopar.AutoLayerOption(num_layers=2),
-        stage_option=autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
-                                               submesh_shapes=((1, 4), (1, 4)),
-                                               logical_shapes=((2, 2), (2, 2))))
+    method = two_stages_2x2(num_microbatches=4, batch_axis="data")
     par = autopar.parallelize(_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
                               method=method)
     program = par.get_compiled(state, batch)

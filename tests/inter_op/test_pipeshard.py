@@ -25,6 +25,7 @@ from support.steps import (
     mlp_train_state,
     run_steps,
     sgd_momentum_clip,
+    two_stages_2x2,
 )
 
 GPT_MARKED = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4,
@@ -95,12 +96,7 @@ def test_sharding_rules_pin_every_stage():
     """Megatron's column/row split, pinned through `sharding_rules` in both stages of a 2-stage
     pipeline whose stages run on (2, 2) logical meshes, matches single-device training."""
     from autopar.models.gpt import megatron_rules
-    method = autopar.PipeshardParallel(
-        num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=2),
-        stage_option=autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
-                                               submesh_shapes=((1, 4), (1, 4)),
-                                               logical_shapes=((2, 2), (2, 2))),
-        sharding_rules=megatron_rules())
+    method = two_stages_2x2(sharding_rules=megatron_rules())
     par, state, batches = _check("gpt", "linen", method, num_layers=2)
     plan = par.get_plan(state, batches[0])
     specs = {(t.path.removeprefix("state.params['params']"), t.stage): t.spec for t in plan.inputs

@@ -12,7 +12,15 @@ import autopar
 from autopar.core.enums import Remat
 from autopar.frontend.interpret import interpret
 from autopar.frontend.tracer import trace
-from autopar.inter_op.step_remat import StepRemat, forward_layers, forward_nodes, rematerialize
+from autopar.inter_op.step_remat import (
+    CONCRETE,
+    StepRemat,
+    candidates,
+    choices_of,
+    forward_layers,
+    forward_nodes,
+    rematerialize,
+)
 from autopar.models.gpt import GPTConfig, NnxGPT, gpt_loss
 from support.steps import assert_equivalent, make_case, mesh_of, run_steps
 
@@ -75,6 +83,25 @@ def test_selective_keeps_the_matmuls_and_recomputes_the_rest():
     sel = rematerialize(graph, StepRemat(boundaries=bounds, choices=(Remat.SELECTIVE,) * 2))
     redone = [n.primitive for n in sel.nodes if n.name_stack.startswith("remat(")]
     assert "tanh" in redone and "dot_general" not in redone   # gelu (tanh form) again
+
+
+def test_remat_values_and_errors():
+    assert Remat.of("full") is Remat.FULL and Remat("selective") is Remat.SELECTIVE
+    with pytest.raises(autopar.InvalidArgumentError, match="remat='fast'.*'auto'"):
+        Remat.of("fast")
+    with pytest.raises(autopar.InvalidArgumentError, match="ShardParallel.remat"):
+        autopar.ShardParallel(remat="partial")
+    assert autopar.PipeshardParallel(remat="none").remat is Remat.NONE
+    assert choices_of(Remat.AUTO) == CONCRETE and choices_of(Remat.FULL) == (Remat.FULL,)
+    with pytest.raises(autopar.InvalidArgumentError, match="one per stage"):
+        autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)), submesh_shapes=((1, 4), (1, 4)),
+                                  logical_shapes=((1, 4), (1, 4)), remat=("full",))
+
+
+def test_candidates_from_least_recomputation_to_most():
+    cands = candidates(2)
+    assert cands[0] == (Remat.SELECTIVE, Remat.NONE) and cands[-1] == (Remat.FULL,) * 2
+    assert len(cands) == 4 and len(set(cands)) == 4
 
 
 # --- acceptance (issue 24): the attention LM at 70% of its least memory ------------------

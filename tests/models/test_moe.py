@@ -20,7 +20,7 @@ from autopar.models import (
     moe_param_count,
     top2_gating,
 )
-from support.steps import num_params
+from support.steps import init_params, num_params
 
 top2_gating = jax.jit(top2_gating, static_argnums=1)  # eager: hundreds of tiny dispatches
 
@@ -33,9 +33,7 @@ TINY = MoEConfig(vocab_size=32, seq_len=8, num_layers=2, hidden=16, num_heads=2,
 def tiny():
     """(params, batch of 8) for TINY; an RBG key keeps the jitted init fast on CPU."""
     batch = make_moe_batch(jax.random.key(0), 8, TINY)
-    init = jax.jit(MoE(TINY).init)
-    params = init(jax.random.key(1, impl="unsafe_rbg"), batch["tokens"])["params"]
-    return params, batch
+    return init_params(MoE(TINY), batch["tokens"]), batch
 
 
 @functools.cache

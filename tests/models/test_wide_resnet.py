@@ -19,7 +19,7 @@ from autopar.models import (
     wide_resnet_flops_per_example,
     wide_resnet_param_count,
 )
-from support.steps import num_params
+from support.steps import init_params, num_params
 
 # WRN-10-1 on 8x8 images: one block per stage, channels 4 -> 4, 8, 16.
 TINY = WideResNetConfig(image_size=8, num_classes=10, depth=10, width=1, base_channels=4,
@@ -30,9 +30,7 @@ TINY = WideResNetConfig(image_size=8, num_classes=10, depth=10, width=1, base_ch
 def tiny():
     """(params, batch of 8) for TINY; an RBG key keeps the jitted init fast on CPU."""
     batch = make_image_batch(jax.random.key(0), 8, TINY)
-    init = jax.jit(WideResNet(TINY).init)
-    params = init(jax.random.key(1, impl="unsafe_rbg"), batch["images"])["params"]
-    return params, batch
+    return init_params(WideResNet(TINY), batch["images"]), batch
 
 
 @functools.cache

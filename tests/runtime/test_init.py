@@ -17,7 +17,14 @@ from flax.training import train_state
 import autopar
 from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch, megatron_rules
 from autopar.runtime.init import abstract_state, compile_init
-from support.steps import TINY_GPT, assert_equivalent, mesh_of, run_steps, sgd_momentum_clip
+from support.steps import (
+    TINY_GPT,
+    assert_equivalent,
+    mesh_of,
+    run_steps,
+    sgd_momentum_clip,
+    two_stages_2x2,
+)
 
 KEY = jax.random.key(0)
 
@@ -133,12 +140,7 @@ def test_shard_parallel_init_trains_like_jit_without_replanning(megatron):
 def test_pipeline_init_creates_each_stage_leaf_on_its_submesh():
     create_state, train_step, batches = gpt_case(TINY_GPT, sgd_momentum_clip(),
                                                  value_and_grad=autopar.value_and_grad)
-    method = autopar.PipeshardParallel(
-        num_microbatches=2, layer_option=autopar.AutoLayerOption(num_layers=2),
-        stage_option=autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
-                                               submesh_shapes=((1, 4), (1, 4)),
-                                               logical_shapes=((2, 2), (2, 2))),
-        sharding_rules=megatron_rules())
+    method = two_stages_2x2(sharding_rules=megatron_rules())
     step = autopar.parallelize(train_step, mesh=mesh_of((2, 4)), method=method)
     init = compile_init(create_state, step, batches[0], create_args=(KEY,))
     meshes = [p.mesh for p in init.parts]

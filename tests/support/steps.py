@@ -121,6 +121,21 @@ def mesh_of(shape):
     return jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:n])
 
 
+def two_stages_2x2(**kw) -> autopar.PipeshardParallel:
+    """A 2-stage pipeline of 2 layers on the 2x4 mesh, each stage on a (1, 4) submesh seen as
+    a (2, 2) logical mesh, 2 microbatches unless `kw` says otherwise."""
+    return autopar.PipeshardParallel(**{
+        "num_microbatches": 2, "layer_option": autopar.AutoLayerOption(num_layers=2),
+        "stage_option": autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)),
+                                                  submesh_shapes=((1, 4), (1, 4)),
+                                                  logical_shapes=((2, 2), (2, 2))), **kw})
+
+
+def init_params(model, x):
+    """`model.init(...)["params"]` for input `x`, jitted with an RBG key (fast on CPU)."""
+    return jax.jit(model.init)(jax.random.key(1, impl="unsafe_rbg"), x)["params"]
+
+
 def num_params(tree) -> int:
     """Elements in all leaves of a parameter tree."""
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))

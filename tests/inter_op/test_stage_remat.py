@@ -1,97 +1,9 @@
-"""Rematerialization choices applied to a loss's forward graph (`inter_op.remat`): which nodes
-run under `jax.checkpoint`, with which policy, and the gradients they give; and pipelines
-whose stages recompute (the DP's choice, a manual choice, the error without it)."""
-import jax
-import jax.numpy as jnp
-import numpy as np
+"""Pipelines whose stages recompute (`step_remat` on each stage's training graph): the DP's
+choice, a manual choice, the error without it."""
 import pytest
 
 import autopar
-from autopar.core.enums import Remat
-from autopar.core.graph import RematRegion
-from autopar.frontend.tracer import trace
-from autopar.inter_op.remat import (
-    CONCRETE,
-    candidates,
-    choices_of,
-    policy_of,
-    run_forward,
-    with_remat,
-)
 from support.steps import assert_equivalent, long_lm_case, mesh_of, run_steps
-
-
-def _mlp_loss(ws, x):
-    for w in ws:
-        x = jnp.tanh(x @ w)
-    return (x ** 2).mean()
-
-
-def _forward():
-    ws = [jnp.full((8, 8), 0.1 * (i + 1)) for i in range(3)]
-    x = jnp.ones((4, 8))
-    return trace(_mlp_loss, (ws, x)), (ws, x)
-
-
-def test_remat_values_and_errors():
-    assert Remat.of("full") is Remat.FULL and Remat("selective") is Remat.SELECTIVE
-    with pytest.raises(autopar.InvalidArgumentError, match="remat='fast'.*'auto'"):
-        Remat.of("fast")
-    with pytest.raises(autopar.InvalidArgumentError, match="ShardParallel.remat"):
-        autopar.ShardParallel(remat="partial")
-    assert autopar.PipeshardParallel(remat="none").remat is Remat.NONE
-    assert choices_of(Remat.AUTO) == CONCRETE and choices_of(Remat.FULL) == (Remat.FULL,)
-    assert policy_of(Remat.SELECTIVE) is jax.checkpoint_policies.dots_saveable
-    assert policy_of(Remat.FULL) is None
-    with pytest.raises(autopar.InvalidArgumentError, match="one per stage"):
-        autopar.ManualStageOption(layer_spans=((0, 0), (1, 1)), submesh_shapes=((1, 4), (1, 4)),
-                                  logical_shapes=((1, 4), (1, 4)), remat=("full",))
-
-
-def test_with_remat_marks_each_layer_and_keeps_the_users_regions():
-    forward, _ = _forward()
-    n = len(forward.nodes)
-    bounds = (0, n // 2, n)
-    out = with_remat(forward, bounds, (Remat.FULL, Remat.NONE))
-    assert all(node.remat is not None and node.remat.policy is None
-               for node in out.nodes[:n // 2])
-    assert all(node.remat is None for node in out.nodes[n // 2:])
-    assert forward.nodes[0].remat is None                  # the input graph is unchanged
-    user = RematRegion(id=0, policy="mine", prevent_cse=False)
-    import dataclasses
-    mine = dataclasses.replace(forward, nodes=(dataclasses.replace(forward.nodes[0], remat=user),
-                                               *forward.nodes[1:]))
-    again = with_remat(mine, bounds, (Remat.SELECTIVE, Remat.SELECTIVE))
-    assert again.nodes[0].remat is user                    # the user's checkpoint as written
-    assert again.nodes[1].remat.policy is jax.checkpoint_policies.dots_saveable
-    with pytest.raises(autopar.InvalidArgumentError, match="one per"):
-        with_remat(forward, bounds, (Remat.FULL,))
-    with pytest.raises(autopar.InvalidArgumentError, match="concrete"):
-        with_remat(forward, bounds, (Remat.AUTO, Remat.NONE))
-
-
-@pytest.mark.parametrize("choice", [Remat.SELECTIVE, Remat.FULL])
-def test_rematerialized_forward_gives_the_same_gradient_behind_a_barrier(choice):
-    forward, (ws, x) = _forward()
-    n = len(forward.nodes)
-    fwd = with_remat(forward, (0, n), (choice,))
-    flat = [*ws, x]
-    loss_of = lambda f: lambda *a: run_forward(f, *a)[0]
-    ref = jax.grad(loss_of(forward), argnums=(0, 1, 2))(*flat)
-    got = jax.grad(loss_of(fwd), argnums=(0, 1, 2))(*flat)
-    for a, b in zip(ref, got):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    text = jax.jit(jax.grad(loss_of(fwd))).lower(*flat).as_text()
-    assert "optimization_barrier" in text                  # XLA keeps the recomputation
-    plain = jax.jit(jax.grad(loss_of(forward))).lower(*flat).as_text()
-    assert "optimization_barrier" not in plain
-
-
-def test_candidates_from_least_recomputation_to_most():
-    cands = candidates(2)
-    assert cands[0] == (Remat.SELECTIVE, Remat.NONE) and cands[-1] == (Remat.FULL,) * 2
-    assert len(cands) == 4 and len(set(cands)) == 4
-
 
 # --- pipelines: each stage's remat is the search's (or the user's) choice -------------------
 
