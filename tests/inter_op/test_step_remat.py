@@ -203,3 +203,93 @@ def test_two_stage_pipeline_lm_at_70_percent_compiles_within_budget_first_try():
         assert abs(stage.peak_memory_bytes - compiled) <= 0.10 * compiled
     assert_equivalent(run_steps(jax.jit(step), state, batches), run_steps(par, state, batches),
                       compare_params=True, rtol=2e-5, smooth=True)
+
+
+# --- users' styles: a scanned stack under the user's remat with a numpy table, jax.grad; NNX
+# --- in place with dropout -----------------------------------------------------------------
+
+def test_scanned_user_remat_stack_with_numpy_table_and_jax_grad_recomputes_like_jit():
+    """`nn.scan(nn.remat(Block))` stays as the user wrote it (its own barrier), the dense
+    layers after it are recomputed (autopar's barriers), and Adam's steps equal jax.jit's."""
+    import flax.linen as nn
+
+    table = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(32)(h)) + h, None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(32)(x) + table[:x.shape[1]].mean(0)
+            h, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                           split_rngs={"params": True}, length=3)()(h, None)
+            for i in range(4):
+                h = nn.gelu(nn.Dense(32, name=f"post_{i}")(h))
+            return nn.Dense(4)(h)
+
+    net, tx = Net(), optax.adam(1e-2)
+    params = net.init(jax.random.key(0), jnp.ones((16, 8)))
+
+    def step(params, opt, batch):
+        g = jax.grad(lambda p: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+        updates, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    key = jax.random.key(1)
+    batches = [{"x": jax.random.normal(jax.random.fold_in(key, i), (16, 8)),
+                "y": jax.random.normal(jax.random.fold_in(key, 10 + i), (16, 4))}
+               for i in range(2)]
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(2,),
+                              method=autopar.ShardParallel(remat="full"))
+    got = ref = (params, tx.init(params))
+    assert set(par.get_plan(*got, batches[0]).remat["layers"]) == {"full"}
+    mine = jax.jit(step).lower(*ref, batches[0]).as_text().count("optimization_barrier")
+    assert par.lower(*got, batches[0]).as_text().count("optimization_barrier") > mine >= 1
+    for batch in batches:
+        ref, got = jax.jit(step)(*ref, batch), par(*got, batch)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def test_nnx_in_place_with_dropout_recomputes_like_nnx_jit():
+    """nnx.value_and_grad on a model with `nnx.Dropout` (its rng stream advanced in place):
+    the recomputed layers draw the same masks, and the steps equal nnx.jit's."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(4)])
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.head = nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = self.drop(nnx.relu(layer(x)))
+            return self.head(x)
+
+    def objects():
+        model = Net(nnx.Rngs(0, dropout=1))
+        return model, nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(
+            lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    key = jax.random.key(2)
+    batches = [{"x": jax.random.normal(jax.random.fold_in(key, i), (16, 32)),
+                "y": jax.random.normal(jax.random.fold_in(key, 10 + i), (16, 4))}
+               for i in range(2)]
+    ref, got = objects(), objects()
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(2,),
+                              method=autopar.ShardParallel(remat="full"))
+    assert set(par.get_plan(*got, batches[0]).remat["layers"]) == {"full"}
+    for batch in batches:
+        np.testing.assert_allclose(par(*got, batch), nnx.jit(step)(*ref, batch), rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(ref[0], nnx.Param)),
+                    jax.tree.leaves(nnx.state(got[0], nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
