@@ -4,18 +4,20 @@ layers in the backward pass (`step_remat`) and plan it again, recomputing as lit
 
 Any gradient the step takes will do: `jax.value_and_grad`, `jax.grad`, `nnx.value_and_grad`,
 `eqx.filter_value_and_grad` or `autopar.value_and_grad` (the rewrite reads the backward pass
-JAX traced). The forward is cut into as many layers as the model repeats blocks (else
-`DEFAULT_LAYERS`); `step_remat.candidates` orders the per-layer choices from the least
-recomputation to the most; memory falls along it, so bisection finds the first that fits in
-about log2(2L) + 1 ILP solves. The plan keeps the fingerprint of the step as the user wrote it
-(a saved plan matches the same call) and records the choice and the fingerprint of the
-rewritten step (`ParallelPlan.remat`), which `traced_for` re-creates for lowering.
+JAX traced). The forward is cut at the user's `mark_stage_boundary` calls, else into as many
+layers as the model repeats blocks (else `DEFAULT_LAYERS`); `step_remat.candidates` orders the
+per-layer choices from the least recomputation to the most; memory falls along it, so bisection
+finds the first that fits in about log2(2L) + 1 ILP solves. The plan keeps the fingerprint of
+the step as the user wrote it (a saved plan matches the same call) and records the choice and
+the fingerprint of the rewritten step (`ParallelPlan.remat`), which `traced_for` re-creates for
+lowering.
 
 Example:
     >>> plan, graph = plan_step(graph, plan_of, method)
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -27,7 +29,13 @@ from autopar.core.errors import InfeasiblePlanError, PlanMismatchError, Unsuppor
 from autopar.core.graph import OpGraph
 from autopar.core.options import ShardParallel
 from autopar.core.plan import ParallelPlan, graph_fingerprint
-from autopar.inter_op.step_remat import StepRemat, candidates, forward_layers, rematerialize
+from autopar.inter_op.step_remat import (
+    StepRemat,
+    candidates,
+    forward_layers,
+    forward_nodes,
+    rematerialize,
+)
 from autopar.intra_op.layers import find_family
 
 log = logging.getLogger(__name__)
@@ -39,8 +47,16 @@ PlanOf = Callable[[OpGraph], ParallelPlan]
 
 def step_layers(graph: OpGraph) -> tuple[int, ...] | None:
     """The layer boundaries of the step's forward pass (positions in
-    `step_remat.forward_nodes`): one layer per repeated block, else `DEFAULT_LAYERS`; None when
-    the step takes no gradient."""
+    `step_remat.forward_nodes`): at the user's `mark_stage_boundary` calls where there are
+    some, else one layer per repeated block, else `DEFAULT_LAYERS`; None when the step takes
+    no gradient."""
+    fwd = forward_nodes(graph)
+    if not fwd:
+        return None
+    marked = sorted({bisect.bisect_left(fwd, m.position) for m in graph.stage_markers
+                     if not m.backward} - {0, len(fwd)})
+    if marked:
+        return (0, *marked, len(fwd))
     family = find_family(graph)
     return forward_layers(graph, family[1] if family else DEFAULT_LAYERS)
 

@@ -268,3 +268,24 @@ def test_scanned_stack_recomputes_and_matches_jax_jit():
         np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_step_layers_follow_the_users_stage_markers():
+    """`autopar.mark_stage_boundary` between blocks cuts the forward there (3 markers, 4
+    layers), whatever the gradient (jax.value_and_grad here)."""
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for i, w in enumerate(ws):
+                h = jnp.tanh(h @ w)
+                if i < len(ws) - 1:
+                    h = autopar.mark_stage_boundary(h)
+            return jnp.mean(h ** 2)
+        return jax.value_and_grad(loss)(ws)
+    ws = [jnp.full((8, 8), 0.1) for _ in range(4)]
+    graph = trace(step, (ws, jnp.ones((4, 8))))
+    bounds = step_layers(graph)
+    assert len(bounds) == 5 and bounds[-1] == len(forward_nodes(graph))
+    fwd = forward_nodes(graph)
+    starts = [graph.nodes[fwd[b]] for b in bounds[1:-1]]
+    assert all(n.primitive == "dot_general" for n in starts)        # each layer opens on h @ w
