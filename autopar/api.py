@@ -157,7 +157,8 @@ class ParallelizedFunction:
 
         def search():        # compiled and checked against the budget where it binds
             v = verified_plan(method, lambda m: plan_step(
-                graph, functools.partial(plan_with, m=m), m),
+                graph, functools.partial(plan_with, m=m), m,
+                tied=self.cluster.hoists_recomputation()),
                 lambda p, g: self._built(args, p, g, mesh))
             searched.append(dataclasses.replace(v, plan=with_runner_ups(
                 v.plan, method, functools.partial(plan_with, v.graph))))

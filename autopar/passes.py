@@ -145,7 +145,8 @@ def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, st
 
     def plan_with(g, m):
         return plan_graph(g, cluster, mesh_shape, axis_names, m, tuple(range(cluster.num_devices)))
-    plan_, graph = plan_step(graph, functools.partial(plan_with, m=method), method)
+    plan_, graph = plan_step(graph, functools.partial(plan_with, m=method), method,
+                             tied=cluster.hoists_recomputation())
     return stamped(with_runner_ups(plan_, method, functools.partial(plan_with, graph)))
 
 

@@ -69,11 +69,12 @@ def _no_gradient(method: ShardParallel) -> UnsupportedError:
         "nnx.value_and_grad or autopar.value_and_grad).")
 
 
-def plan_step(graph: OpGraph, plan_of: PlanOf,
-              method: ShardParallel) -> tuple[ParallelPlan, OpGraph]:
+def plan_step(graph: OpGraph, plan_of: PlanOf, method: ShardParallel, *,
+              tied: bool = True) -> tuple[ParallelPlan, OpGraph]:
     """(plan, the graph it was made for): `plan_of(graph)` when it fits or `method.remat` is
     "none"; otherwise the step rewritten (`step_remat.rematerialize`) with the least
-    recomputation that fits.
+    recomputation that fits; `tied`: `StepRemat.tied` (the cluster's
+    `hoists_recomputation()`).
 
     Raises:
       InfeasiblePlanError: nothing fits, even recomputing every layer from its input (its
@@ -100,7 +101,7 @@ def plan_step(graph: OpGraph, plan_of: PlanOf,
 
     def attempt(i: int):
         if i not in tried:
-            remat = StepRemat(boundaries=bounds, choices=cands[i])
+            remat = StepRemat(boundaries=bounds, choices=cands[i], tied=tied)
             g = rematerialize(graph, remat)
             try:
                 tried[i] = (_recorded(plan_of(g), graph, g, remat), g)

@@ -124,8 +124,9 @@ class StageSolver:
                 layers = sum(sl.start <= b < sl.stop for b in self.boundaries)
                 bounds = forward_layers(g, max(1, layers))
                 if bounds is not None:
-                    g = rematerialize(g, StepRemat(boundaries=bounds, choices=(remat,) * (
-                        len(bounds) - 1)), forward_apart=True)
+                    g = rematerialize(g, StepRemat(
+                        boundaries=bounds, choices=(remat,) * (len(bounds) - 1),
+                        tied=self.cluster.hoists_recomputation()), forward_apart=True)
             self.graphs[key] = (g, graph_fingerprint(g))
         return self.graphs[key]
 
