@@ -86,7 +86,7 @@ def _lm1b():
 
 def _resnet():
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from layer_models import cnn_case
+    from support.layer_models import cnn_case
     step, state, batches = cnn_case(batch_size=64, image_size=32, channels=(32, 64, 128))
     return _functional(step, (state, batches[0]), (1,))
 
