@@ -194,13 +194,11 @@ class ClusterSpec:
     def hoists_recomputation(self) -> bool:
         """Whether XLA on this backend may run a recomputation before the backward pass needs
         it, undoing what it saves: XLA:CPU removes optimization barriers before it schedules,
-        and its default (concurrency-optimized) scheduler then moves recomputed values into
-        the forward pass. Its memory-minimizing scheduler (XLA_FLAGS
-        `--xla_cpu_enable_concurrency_optimized_scheduler=false`) does not, nor do GPU and
-        TPU, which schedule with the barriers in place (`inter_op.step_remat` ties the
-        recomputation to the backward where this is True)."""
-        return self.device_kind == "cpu" and "--xla_cpu_enable_concurrency_optimized_" \
-            "scheduler=false" not in os.environ.get("XLA_FLAGS", "")
+        so its schedulers may move recomputed values into the forward pass (its default,
+        concurrency-optimized one does: the issue-24 LM compiled as if nothing were
+        recomputed). GPU and TPU schedule with the barriers in place. Where this is True,
+        `inter_op.step_remat` ties the recomputation to the backward by arithmetic."""
+        return self.device_kind == "cpu"
 
     def __post_init__(self) -> None:
         _check_algorithms("ClusterSpec", self.collective_algorithms)

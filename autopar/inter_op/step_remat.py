@@ -17,8 +17,10 @@ on GPU and TPU, run it early. XLA:CPU removes barriers before it schedules, and 
 scheduler would then hoist the recomputation into the forward pass, keeping everything alive
 as if nothing were recomputed; there (`ClusterSpec.hoists_recomputation`, `StepRemat.tied`)
 each activation the recomputation reads is also tied to that value by arithmetic XLA cannot
-fold away (`_tied`). Elsewhere the ties would only cost copies: XLA:CPU's memory-minimizing
-scheduler compiles a 2-block GPT's full recomputation to 8.0 MB without them, 11.9 MB with.
+fold away (`_tied`). The ties have a price: under XLA:CPU's memory-minimizing scheduler a
+2-block GPT's full recomputation compiles to 11.9 MB with them, 8.0 MB without (7.4 MB
+predicted); but without them that scheduler runs the 8-block LM of issue 15 1-6% over its
+prediction and over its budget, and the default scheduler undoes the recomputation entirely.
 
 Loops (`scan`, `while`, `cond`) are not cut: a loop's results count as saved values, and its
 body is neither recomputed nor rewritten (wrap a scanned block in `jax.checkpoint` / `nn.remat`
