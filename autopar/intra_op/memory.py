@@ -390,11 +390,31 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> froze
     return frozenset(hosted)
 
 
-def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
+def copy_buffers(graph: OpGraph, events: Schedule, reshards, mesh_shape,
+                 ) -> list[tuple[int, int, float]]:
+    """The buffers of resharded copies as (born, freed after, bytes per device): `reshards`
+    gives (tensor, consuming node, wanted spec) for every operand a plan moves to another
+    layout (`predict.implied_reshards`). XLA makes one copy per (tensor, layout) (its CSE
+    merges the same collective on the same value) and keeps it from its first consumer to its
+    last: a forward activation gathered for a matmul and for that matmul's gradient in the
+    backward is one buffer live across the whole forward-to-backward span."""
+    pos = events.model.pos
+    spans: dict[tuple, list[int]] = {}
+    for tid, node, want in reshards:
+        spans.setdefault((tid, want), []).append(pos[node])
+    return [(min(at), max(at), graph.tensors[tid].nbytes / num_shards(want, mesh_shape))
+            for (tid, want), at in spans.items()]
+
+
+def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None,
+                         reshards=()) -> float:
     """The peak per device XLA's buffer assignment reaches (`memory_analysis()`: arguments +
     outputs + temp - aliased): `peak_bytes` without the temporaries that live in result
-    buffers before the results are written (`hosted_temporaries`). What a plan reports
-    (`Plan.peak_memory_bytes`); at most `peak_bytes`, which the ILP bounds.
+    buffers before the results are written (`hosted_temporaries`), plus the resharded copies
+    `reshards` (tensor, consuming node, wanted spec) hold (`copy_buffers`). What a plan
+    reports (`Plan.peak_memory_bytes`). The ILP's memory points (`peak_bytes`) count no
+    copies: a copy's bytes depend on the shardings of two groups (an edge's), which the
+    per-group memory rows cannot express.
 
     Example:
         >>> bound = peak_bytes(graph, specs, (2, 4))                    # doctest: +SKIP
@@ -403,7 +423,8 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> 
     """
     events = schedule(graph)
     per = tensor_bytes(graph, events.model, specs, mesh_shape)
-    extra = collective_extra(graph, events, collective)
+    extra = collective_extra(graph, events, collective) + copy_buffers(
+        graph, events, reshards, mesh_shape)
     hosted = hosted_temporaries(graph, events, per, extra)
     for t in hosted:
         if not isinstance(t, tuple):

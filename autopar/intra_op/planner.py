@@ -14,6 +14,7 @@ from autopar.core.plan import (
     graph_fingerprint,
 )
 from autopar.core.primitives import HEAVY_OPERATORS
+from autopar.frontend.interpret import RESULT
 from autopar.frontend.labels import operator_labels
 from autopar.intra_op import ShardingAssignment
 from autopar.intra_op.memory import predicted_peak_bytes
@@ -70,11 +71,13 @@ def build_plan(graph: OpGraph, assignment: ShardingAssignment, *, method: str, c
     specs = assignment.tensor_specs
     in_specs = [specs[t] for t in graph.inputs]
     # The ILP bounds `assignment.peak_memory_bytes`; XLA also reuses result buffers.
+    implied = implied_reshards(graph, assignment)
     peak = predicted_peak_bytes(graph, specs, assignment.mesh_shape,
-                                assignment.node_collective_bytes or None)
+                                assignment.node_collective_bytes or None,
+                                [(r.tensor, r.node, r.dst) for r in implied if r.node != RESULT])
     operators = operator_plans(graph, assignment)
     collectives = predict_collectives(graph, assignment, cost)
-    reshards = tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, assignment))
+    reshards = tuple((r.node, r.operand, r.dst) for r in implied)
     fallbacks = tuple(FallbackPlan(node=f.node, primitive=f.primitive, source=f.source,
                                    reason=f.reason, replicated_bytes=f.replicated_bytes)
                       for f in assignment.fallbacks)

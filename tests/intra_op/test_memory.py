@@ -173,3 +173,57 @@ def test_gradient_collective_buffers_under_zero3():
     assert predicted == pytest.approx(without + 2 * partial, rel=0.25)
     assert 0.85 <= predicted / compiled <= 1.15, (predicted, compiled)
     assert without / compiled < 0.85, (without, compiled)
+
+
+def test_resharded_copies_count_once_from_first_to_last_consumer():
+    """A tensor moved to one layout for two consumers is one copy, live from the first to
+    the last (XLA's CSE merges the two collectives); another layout is another copy."""
+    from autopar.intra_op.memory import copy_buffers
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())
+    graph = autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False).get_graph(
+        state, batches[0])
+    events = schedule(graph)
+    consumers = graph.consumers()
+    tid = next(t.id for t in graph.tensors if t.rank == 2 and len(consumers[t.id]) >= 2)
+    first, last = sorted(consumers[tid], key=lambda n: events.model.pos[n])[::len(
+        consumers[tid]) - 1]
+    rows, cols = ((0,), ()), ((), (1,))
+    copies = copy_buffers(graph, events, [(tid, first, rows), (tid, last, rows),
+                                          (tid, last, cols)], (2, 4))
+    nbytes = graph.tensors[tid].nbytes
+    assert sorted(copies) == sorted([
+        (events.model.pos[first], events.model.pos[last], nbytes / 2),
+        (events.model.pos[last], events.model.pos[last], nbytes / 4)])
+
+
+_WRN = textwrap.dedent("""
+    import json
+    import jax, optax
+    from flax.training import train_state
+    import autopar
+    from autopar.models import wide_resnet as wrn
+    from autopar.verify.memory_check import compiled_bytes
+    from support.steps import mesh_of
+    cfg = wrn.WideResNetConfig(image_size=16, depth=10, width=2, base_channels=16)
+    batch = wrn.make_image_batch(jax.random.key(1), 16, cfg)
+    net = wrn.WideResNet(cfg)
+    state = train_state.TrainState.create(apply_fn=net.apply, tx=optax.adam(1e-3),
+                                          params=net.init(jax.random.key(0), batch["images"]))
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: wrn.classification_loss(
+            state.apply_fn(p, batch["images"]), batch["labels"]))(state.params)
+        return state.apply_gradients(grads=grads), loss
+    par = autopar.parallelize(step, mesh=mesh_of((1, 8)), plan_cache=False)
+    plan = par.get_plan(state, batch)
+    print(json.dumps([len(plan.reshards), plan.peak_memory_bytes,
+                      compiled_bytes(par.get_compiled(state, batch))]))
+""")
+
+
+def test_wide_resnet_prediction_counts_the_copies_kept_for_the_backward():
+    """Wide-ResNet on 1x8 reshards activations that the backward reads again: XLA keeps the
+    copies from the forward to the backward (0.81 of compiled when they were not counted);
+    with them the prediction is within 10% under the memory-minimizing scheduler."""
+    reshards, predicted, compiled = run_under_memory_scheduler(_WRN, timeout_s=600)
+    assert reshards > 0
+    assert 0.9 <= predicted / compiled <= 1.1, (predicted, compiled)
