@@ -6,11 +6,12 @@ The planner predicts the peak per device (`intra_op.memory`); XLA's scheduler an
 assignment decide the real one. When the prediction is within `BINDING` of the budget,
 `verified_plan` compiles the lowered step (the executable is kept: the first call reuses it)
 and reads arguments + outputs + temp - aliased. A plan predicted within `HEADROOM` of the
-budget is first re-planned at (1 - HEADROOM) of it, when something fits there: the memory
-model is within a few percent of XLA, not exact (measured within 5% on the recomputation
-plans of an attention LM under both of XLA:CPU's schedulers), so a plan at the very edge of the
-budget would often compile just over it. If the compiled plan exceeds the budget, it re-plans with
-the ILP's budget scaled down by budget / compiled (at most `ROUNDS` times, each logged) and
+budget is first re-planned below (1 - HEADROOM) of it, before anything is compiled, when
+something fits there (`_with_headroom`): the memory model is within a few percent of XLA, not
+exact (measured within 5% on the recomputation plans of an attention LM under both of
+XLA:CPU's schedulers), so a plan at the very edge of the budget would often compile just over
+it. If the compiled plan exceeds the budget, it re-plans with the search budget that made it
+scaled down by budget / compiled (at most `ROUNDS` times, each logged) and
 raises `InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
 records what XLA compiled to (`ParallelPlan.measured["compiled_bytes"]`; `autopar.dump` shows
 it next to the prediction).
@@ -116,6 +117,30 @@ def replan_until_it_fits(planned, budget: float, measure: Callable, replan: Call
         budget_bytes=int(budget))
 
 
+def _with_headroom(method, plan_at, plan, graph, budget: float):
+    """(plan, graph, the search budget that made it): a plan predicted above (1 - HEADROOM)
+    of `budget` re-planned, at most `ROUNDS` times, at a search budget scaled by target /
+    predicted (the first time at most the target itself), before anything is compiled. The
+    prediction counts what the search's memory rows do not (resharded copies), so a plan
+    the search made for its budget can be predicted above it; where a re-plan finds nothing,
+    the last plan is kept (its compile check decides)."""
+    target, ilp_budget = (1 - HEADROOM) * budget, budget
+    for _ in range(ROUNDS):
+        if plan.peak_memory_bytes <= target:
+            break
+        scaled = min(ilp_budget * target / plan.peak_memory_bytes,
+                     target if ilp_budget == budget else ilp_budget)
+        try:
+            plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=int(scaled)))
+        except InfeasiblePlanError:
+            log.info("autopar: nothing fits a search budget of %s bytes; the plan predicted at "
+                     "%s is compiled and checked", f"{scaled:,.0f}",
+                     f"{plan.peak_memory_bytes:,.0f}")
+            break
+        ilp_budget = scaled
+    return plan, graph, ilp_budget
+
+
 def verified_plan(method: ShardParallel,
                   plan_at: Callable[[ShardParallel], tuple[ParallelPlan, OpGraph]],
                   compile_plan: Callable[[ParallelPlan, OpGraph], tuple[Any, Any]],
@@ -131,14 +156,7 @@ def verified_plan(method: ShardParallel,
     if not binding(plan):
         return Verified(plan, graph)
     budget = float(plan.memory_budget_bytes)
-    if plan.peak_memory_bytes > (1 - HEADROOM) * budget:
-        try:
-            plan, graph = plan_at(dataclasses.replace(
-                method, memory_budget_bytes=int((1 - HEADROOM) * budget)))
-        except InfeasiblePlanError:
-            log.info("autopar: nothing fits %.0f%% of the budget; the plan at the edge of it "
-                     "is compiled and checked", 100 * (1 - HEADROOM))
-    ilp_budget = budget
+    plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget)
 
     def measure(planned, round_):
         nonlocal ilp_budget

@@ -128,14 +128,9 @@ def _grad_only(loss_fn):
     return lambda p: (jnp.zeros(()), jax.grad(loss_fn)(p))
 
 
-_OPEN = ("issue 24, open: the memory model is 3-8% under XLA:CPU's compile for this variant, "
-         "so the plan at 95% of the budget still compiles over it and is re-planned")
-
-
 @pytest.mark.slow   # minutes on 2 cores: make test-slow
-@pytest.mark.parametrize("vg", [
-    jax.value_and_grad, pytest.param(_grad_only, marks=pytest.mark.xfail(reason=_OPEN)),
-    autopar.value_and_grad], ids=["jax.value_and_grad", "jax.grad", "autopar.value_and_grad"])
+@pytest.mark.parametrize("vg", [jax.value_and_grad, _grad_only, autopar.value_and_grad],
+                         ids=["jax.value_and_grad", "jax.grad", "autopar.value_and_grad"])
 def test_lm_at_70_percent_compiles_within_budget_first_try(vg):
     step, state, batches = make_case("gpt", "linen", optax.sgd(0.1), batch_size=16,
                                      gpt_config=_LM, value_and_grad=vg)
@@ -149,7 +144,6 @@ def test_lm_at_70_percent_compiles_within_budget_first_try(vg):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason=_OPEN)
 def test_nnx_lm_in_place_at_70_percent_compiles_within_budget_first_try():
     from flax import nnx
 

@@ -119,3 +119,27 @@ def test_plan_under_a_binding_budget_compiles_within_it_and_trains_like_jit(monk
     assert plan.measured["compiled_bytes"] == got and len(compiles) >= 1
     assert compiles[-1] is par.get_compiled(state, batches[0])      # not compiled twice
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, smooth=True)
+
+
+def test_plan_predicted_near_its_budget_is_replanned_before_compiling(base):
+    """A plan predicted above (1 - HEADROOM) of its budget (here: 60 bytes of copies the
+    search's memory rows do not see) is re-planned at a search budget scaled by target /
+    predicted, before any compile; a compile over the budget then scales the search budget
+    that made the compiled plan, not the user's."""
+    plan, graph = base
+    calls, compiled = [], iter([1010, 960])
+    target = (1 - memory_check.HEADROOM) * 1000
+
+    def plan_at(method):
+        calls.append(method.memory_budget_bytes)
+        return dataclasses.replace(plan, peak_memory_bytes=method.memory_budget_bytes - 20
+                                   + 60, memory_budget_bytes=method.memory_budget_bytes), graph
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000), plan_at,
+                         lambda p, g: (p, _executable(next(compiled))))
+    assert calls[0] == 1000
+    assert calls[1] == int(1000 * target / 1040)          # scaled by target / predicted
+    assert calls[2] == int(calls[1] * target / (calls[1] + 40))
+    assert calls[2] + 40 <= target < calls[1] + 40       # then predicted within the target
+    assert calls[3] == pytest.approx(calls[2] * 1000 / 1010, abs=1)   # compiled over: scaled
+    assert len(calls) == 4
+    assert made.plan.measured == {"compiled_bytes": 960, "memory_check_rounds": 1}
