@@ -106,8 +106,10 @@ def expanded_tensors(graph: OpGraph) -> list[bool]:
 
 class _Builder:
     def __init__(self, graph: OpGraph, ctx: RuleContext,
-                 input_options: Callable[[int], list[Spec]]):
+                 input_options: Callable[[int], list[Spec]],
+                 unpinned: frozenset[int] = frozenset()):
         self.g, self.ctx = graph, ctx
+        self.unpinned = unpinned
         self.input_options = input_options
         n_t = len(graph.tensors)
         self.tensor_group = [-1] * n_t
@@ -224,7 +226,7 @@ class _Builder:
         `sharding_rules` pin): an elementwise update of its size follows it, so the update
         runs on the shard instead of gathering the pinned operand."""
         specs = self.tensor_specs[tid]
-        return len(specs) == 1 and any(specs[0])
+        return len(specs) == 1 and any(specs[0]) and tid not in self.unpinned
 
     def _objective(self, node, s: Strategy) -> float:
         return s.compute_s + s.comm_s
@@ -432,7 +434,8 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
               output_targets: dict[OutputPos, TensorId], budget: float | None,
               allowed: Callable[..., bool] | None = None,
               output_pins: dict[OutputPos, Spec] | None = None,
-              hints: dict[TensorId, Spec] | None = None) -> Built:
+              hints: dict[TensorId, Spec] | None = None,
+              unpinned: frozenset[int] = frozenset()) -> Built:
     """Build the ILP. `output_targets` maps a flat output position to the tensor id of the
     input it replaces next step (a loop-carried state; `OpGraph.carried_tensors`): the output
     is charged for moving into that input's sharding. `allowed(tid, spec, wanted)`: the
@@ -440,9 +443,10 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     them are not offered. `output_pins` fixes the sharding of results (`out_shardings`): the
     result is charged for moving into it (a pin overrides a carried output's target).
     `hints`: shardings the user prefers (`annotations="hint"`): every other option of the
-    value pays moving it there."""
+    value pays moving it there. `unpinned`: pinned tensors that an elementwise update of their
+    size need not follow (`constraints.state_of_statistics`)."""
     output_pins = output_pins or {}
-    b = _Builder(graph, ctx, input_options)
+    b = _Builder(graph, ctx, input_options, unpinned)
     b.add_sources()
     cheap = cheap_source_tensors(graph)
     for node in graph.nodes:

@@ -14,10 +14,14 @@ from collections.abc import Callable, Sequence
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole, OpGraph, TensorKind
 from autopar.core.options import MethodKind, ShardParallel
+from autopar.core.primitives import REDUCTIONS
 from autopar.core.spec import Spec, enumerate_specs, is_valid, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.intra_op.build import default_input_options
+from autopar.intra_op.phases import tail_nodes
+
+ZERO = (MethodKind.ZERO2, MethodKind.ZERO3)
 
 
 def batch_spec(shape: Sequence[int], mesh_shape: Sequence[int], path: str, method: str,
@@ -119,14 +123,16 @@ def batch_axes(method: ShardParallel, mesh_shape: Sequence[int],
 
 def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
                        axis_names: Sequence[str] = (), sources: dict[int, int] | None = None,
-                       ) -> Callable[..., bool] | None:
+                       whole: frozenset[int] = frozenset()) -> Callable[..., bool] | None:
     """`allowed(tid, spec, wanted=False)`: whether tensor `tid` may take sharding `spec` under
     `method`, or with `wanted`, be read in `spec` by an operator (None: every sharding may).
 
     With batch axes A (see `batch_axes`), a tensor whose batch dimension d (see `batch_dims`;
     `sources` seeds it, default the batch inputs' leading dimensions) divides by A's size
     keeps A on d: exactly A and nothing else under DataParallel and ZeRO, A first under
-    ShardParallel (other axes are the ILP's). DataParallel replicates every other tensor."""
+    ShardParallel (other axes are the ILP's). DataParallel replicates every other tensor;
+    `whole`: tensors kept whole where their operator can (ZeRO's statistics of the update,
+    `whole_statistics`)."""
     axes = batch_axes(method, mesh_shape, axis_names)
     if axes is None:
         return None
@@ -137,6 +143,8 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
 
     def allowed(tid: int, spec: Spec, wanted: bool = False) -> bool:
         d = dims[tid]
+        if tid in whole and not wanted and any(spec):
+            return False
         if d is None or graph.tensors[tid].shape[d] % n:
             # an operator may take a slice of a replicated value: that moves nothing
             return wanted or not (replicate_rest and any(spec))
@@ -144,6 +152,67 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
             return spec[d] == axes and not any(s for i, s in enumerate(spec) if i != d)
         return spec[d][:len(axes)] == axes
     return allowed
+
+
+def _statistic_reductions(graph: OpGraph, tail, dims) -> list[int]:
+    """Reductions of the update (the tail) over a value with no batch dimension: a statistic
+    of a whole gradient or parameter (Adafactor's factored means, its update clipping, a
+    global norm)."""
+    return [n.id for n in graph.nodes if n.id in tail and n.primitive in REDUCTIONS
+            and n.inputs and dims[n.inputs[0]] is None and graph.tensors[n.inputs[0]].size > 1]
+
+
+def whole_statistics(graph: OpGraph, dims=None) -> frozenset[int]:
+    """The values of the update (the tail, `phases.tail_nodes`) connected to a statistic of a
+    whole gradient or parameter (`_statistic_reductions`), through values without a batch
+    dimension, backward to the summed gradient and forward to the new parameters and state;
+    the step's arguments excepted. ZeRO keeps them whole on every device: computed from the
+    summed gradient, a statistic needs no collective, while on shards each is an all-reduce
+    that waits for the gradient's and that XLA:CPU cannot combine with it (an Adafactor MLP:
+    25 all-reduces, 1 when whole). Only where the backend's reduce-scatter is an all-reduce
+    and a slice anyway (`LogicalMesh.reduce_scatter_is_all_reduce`): with a real one, the
+    gradient stays split and the statistics' independent all-reduces are combined."""
+    dims = batch_dims(graph) if dims is None else dims
+    tail, consumers = tail_nodes(graph), graph.consumers()
+    inputs = set(graph.inputs)
+    seen: set[int] = set()
+    stack = _statistic_reductions(graph, tail, dims)
+    while stack:
+        v = stack.pop()
+        if v in seen or v not in tail:
+            continue
+        seen.add(v)
+        node = graph.nodes[v]
+        stack += [graph.tensors[t].producer for t in node.inputs
+                  if graph.tensors[t].producer is not None and dims[t] is None]
+        stack += [c for o in node.outputs for c in consumers[o]]
+    return frozenset(o for v in seen for o in graph.nodes[v].outputs if o not in inputs)
+
+
+def state_of_statistics(graph: OpGraph, dims=None) -> frozenset[int]:
+    """Optimizer-state leaves, and what the update computes from them, whose update reaches a
+    statistic (`whole_statistics`): their elementwise update follows the whole gradient, not
+    the state's ZeRO shard (`build_ilp(unpinned=...)`)."""
+    dims = batch_dims(graph) if dims is None else dims
+    tail, consumers = tail_nodes(graph), graph.consumers()
+    reductions = set(_statistic_reductions(graph, tail, dims))
+    out: set[int] = set()
+    for s in graph.inputs:
+        if graph.tensors[s].role != InputRole.OPT_STATE or graph.tensors[s].size <= 1:
+            continue
+        seen, stack, hit = set(), [s], False
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for c in consumers[t]:
+                if c in tail:
+                    hit |= c in reductions
+                    stack += graph.nodes[c].outputs
+        if hit:
+            out |= seen
+    return frozenset(out)
 
 
 def method_input_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],
@@ -180,15 +249,39 @@ def _kind_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[in
     # parameter of that shape (its moments are updated with it).
     stacks = {graph.tensors[t].shape for t in stacked_tensors(graph)
               if graph.tensors[t].kind == TensorKind.INPUT}
+    statistics = _state_statistics(graph)
 
     def options(tid: int) -> list[Spec]:
         t = graph.tensors[tid]
         whole = int(t.shape in stacks)
         if t.role == InputRole.BATCH:
             return [batch_spec(t.shape, mesh_shape, t.path, label, axes)]
-        if t.role == InputRole.OPT_STATE and kind in (MethodKind.ZERO2, MethodKind.ZERO3):
+        if t.role == InputRole.OPT_STATE and kind in ZERO and tid not in statistics:
             return [zero_spec(t.shape, mesh_shape, whole)]
         if t.role == InputRole.PARAM and kind == MethodKind.ZERO3:
             return [zero_spec(t.shape, mesh_shape, whole)]
         return [replicated(t.rank)]
     return options
+
+
+def _state_statistics(graph: OpGraph) -> frozenset[int]:
+    """Optimizer-state leaves that are statistics of a parameter rather than copies of its
+    shape: the leaf's path ends with a parameter's path (after its argument's name, e.g.
+    `['params']['Dense_0']['kernel']`) and its shape differs (Adafactor's factored row and
+    column means, (rows,) and (cols,) of a (rows, cols) kernel). ZeRO keeps them whole: they
+    hold rows + cols numbers, and split they would be gathered to scale the update."""
+    params = []
+    for t in graph.inputs:
+        p = graph.tensors[t]
+        if p.role == InputRole.PARAM and p.path and "[" in p.path:
+            params.append((p.path[p.path.index("["):], p.shape))
+    out = set()
+    for t in graph.inputs:
+        s = graph.tensors[t]
+        if s.role != InputRole.OPT_STATE or not s.path:
+            continue
+        match = max(((len(suffix), shape) for suffix, shape in params
+                     if s.path.endswith(suffix)), default=None)
+        if match is not None and match[1] != s.shape:
+            out.add(t)
+    return frozenset(out)

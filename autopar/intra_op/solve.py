@@ -19,8 +19,15 @@ from autopar.core.spec import Spec
 from autopar.cost.cluster import LogicalMesh
 from autopar.cost.model import CostModel
 from autopar.intra_op.annotations import annotation_specs, both, pin_rule
+from autopar.intra_op.batch_dims import batch_dims
 from autopar.intra_op.build import Built, Fallback, build_ilp, option_bytes
-from autopar.intra_op.constraints import method_input_options, method_tensor_rule
+from autopar.intra_op.constraints import (
+    ZERO,
+    method_input_options,
+    method_tensor_rule,
+    state_of_statistics,
+    whole_statistics,
+)
 from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
@@ -159,7 +166,15 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     budget = float(method.memory_budget_bytes or mesh.memory_bytes)
     t0 = time.perf_counter()
     ctx = RuleContext(graph=graph, cost=cost, deferred=deferred_nodes(graph))
-    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources)
+    # ZeRO where a reduce-scatter is an all-reduce and a slice (XLA:CPU): the update's
+    # statistics whole, computed from the summed gradient, where their operator can (unmet
+    # where it follows a state leaf pinned to its shard: not reported). With a real
+    # reduce-scatter the gradient stays split and the statistics' all-reduces are combined.
+    zero_whole = method.kind in ZERO and mesh.reduce_scatter_is_all_reduce
+    whole = whole_statistics(graph, batch_dims(graph, batch_sources)) \
+        if zero_whole else frozenset()
+    allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources,
+                                 whole)
     marked = {} if method.annotations == Annotations.IGNORE else annotation_specs(
         graph, mesh.axis_names, mesh.shape, strict=input_paths is None)
     if method.annotations == Annotations.PIN:
@@ -169,9 +184,11 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                                                      mesh.axis_names, input_paths),
                       output_targets, budget if points_above is None else float(points_above),
                       allowed, output_pins,
-                      hints=marked if method.annotations == Annotations.HINT else None)
-    if built.unmet_pins:
-        _warn_unmet(graph, method, built.unmet_pins,
+                      hints=marked if method.annotations == Annotations.HINT else None,
+                      unpinned=state_of_statistics(graph) if zero_whole else frozenset())
+    unmet = tuple(t for t in built.unmet_pins if t not in whole)
+    if unmet:
+        _warn_unmet(graph, method, unmet,
                     annotated=bool(marked) and method.annotations == Annotations.PIN)
     built.problem = dataclasses.replace(built.problem, memory_budget_bytes=budget)
     return IntraOpProblem(graph=graph, mesh=mesh, method=method, built=built,

@@ -236,3 +236,36 @@ def test_zero_spec_keeps_a_layer_stack_dimension_whole():
     assert zero_spec((48, 32), (2, 4)) == ((0, 1), ())            # the largest dim
     assert zero_spec((48, 32), (2, 4), whole=1) == ((), (0, 1))   # a stack: not its layers
     assert zero_spec((48, 3), (2, 4), whole=1) == ((), ())        # nothing else divides
+
+
+@pytest.mark.parametrize("tx_name", ["adafactor", "adamw-clip"])
+def test_zero2_statistics_of_the_update_cost_no_collective(tx_name, recwarn):
+    """ZeRO-2 with an update that takes statistics of whole gradients (Adafactor's factored
+    second moments and update clipping; a global-norm clip): on XLA:CPU, whose reduce-scatter
+    is an all-reduce and a slice, the statistics are computed from the summed gradient, so
+    the step compiles one gradient all-reduce (25 all-reduces before, each statistic on
+    shards an all-reduce behind the gradient's that XLA could not combine), the factored
+    moments stay whole (no gather), and the step equals jax.jit's."""
+    from support.steps import make_case
+    tx = {"adafactor": optax.adafactor(1e-3),
+          "adamw-clip": optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))}[tx_name]
+    step, state, batches = make_case("mlp", "linen", tx, batch_size=32, hidden=256,
+                                     num_layers=6)
+    par = autopar.parallelize(step, mesh=mesh_of((1, 8)), method=autopar.Zero2Parallel(),
+                              batch_argnums=(1,))
+    found = summary(collectives(par.get_compiled(state, batches[0]).as_text()))
+    reductions = found.get("all-reduce", (0, 0))[0] + found.get("reduce-scatter", (0, 0))[0]
+    assert 1 <= reductions <= 3, found
+    plan = par.get_plan(state, batches[0])
+    moments = [t for t in plan.inputs if t.role == "opt_state" and np.prod(t.shape) >= 256
+               and "v_row" not in t.path and "v_col" not in t.path]
+    assert moments and all(any(t.spec) for t in moments)           # the state is still ZeRO's
+    if tx_name == "adafactor":
+        factored = [t for t in plan.inputs if t.role == "opt_state" and "v_row" in t.path]
+        assert factored and not any(any(t.spec) for t in factored)
+        assert found.get("all-gather", (0, 0))[0] <= 12, found      # parameters and biases
+    assert not [w for w in recwarn if "could not pin" in str(w.message)]
+    ref, got = jax.jit(step)(state, batches[0]), par(state, batches[0])
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(ref[2]), jax.tree_util.tree_leaves(got[2])):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
