@@ -25,6 +25,11 @@ def used_axes(spec: Spec) -> tuple[int, ...]:
     return tuple(a for dim in spec for a in dim)
 
 
+def normalize(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
+    """`spec` without mesh axes of size 1 (they split nothing)."""
+    return tuple(tuple(a for a in dim if mesh_shape[a] > 1) for dim in spec)
+
+
 def num_shards(spec: Spec, mesh_shape: Sequence[int]) -> int:
     """How many distinct pieces the tensor is cut into."""
     return math.prod(mesh_shape[a] for a in used_axes(spec))

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from autopar.core.graph import OpGraph, TensorKind, cheap_source_tensors
-from autopar.core.spec import num_shards
+from autopar.core.spec import normalize, num_shards
 from autopar.cost.cluster import FusionStyle
 from autopar.frontend.loops import stacks_born_early
 from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind, single_output_kernels
@@ -388,6 +388,28 @@ def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> froze
                 hosted.append(t)
                 break
     return frozenset(hosted)
+
+
+def moves(graph: OpGraph, tid: int, spec, want, mesh_shape, constant=frozenset()) -> bool:
+    """Whether reading tensor `tid` (laid out as `spec`) in layout `want` moves data: not for
+    a scalar, a constant or a value computed from constants alone (`constant`: XLA
+    materializes it in whatever layout a consumer wants), nor between spellings of one
+    layout (mesh axes of size 1)."""
+    t = graph.tensors[tid]
+    return (want is not None and t.rank > 0 and tid not in constant
+            and t.kind != TensorKind.CONST
+            and normalize(spec, mesh_shape) != normalize(want, mesh_shape))
+
+
+def moved_operands(graph: OpGraph, specs, node_in_specs, mesh_shape, constant=frozenset()):
+    """(tensor, node, operand position, wanted spec) for every operand a plan reads in another
+    layout than its own (`moves`), where node `node_in_specs[node]` gives the operand specs
+    the node's strategy wants."""
+    for node in graph.nodes:
+        wanted = node_in_specs[node.id] if node_in_specs else ()
+        for pos, tid in enumerate(node.inputs[:len(wanted)]):
+            if moves(graph, tid, specs[tid], wanted[pos], mesh_shape, constant):
+                yield tid, node.id, pos, wanted[pos]
 
 
 def copy_buffers(graph: OpGraph, events: Schedule, reshards, mesh_shape,

@@ -33,12 +33,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.core._format import format_bytes
-from autopar.core.graph import OpGraph, TensorKind
+from autopar.core.graph import OpGraph
 from autopar.core.plan import CollectivePlan
-from autopar.core.spec import Spec, num_shards
+from autopar.core.spec import Spec, normalize, num_shards
 from autopar.cost.hlo import KINDS as COLLECTIVE_KINDS
 from autopar.cost.hlo import Collective
 from autopar.frontend.interpret import RESULT
+from autopar.intra_op.memory import moved_operands, moves
 from autopar.intra_op.solve import ShardingAssignment
 
 COMBINED_KINDS = ("all-reduce", "all-gather")   # XLA's combiners merge independent ones
@@ -67,11 +68,6 @@ class Reshard:
     operand: int
     src: Spec
     dst: Spec
-
-
-def normalize(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
-    """`spec` without mesh axes of size 1 (they split nothing)."""
-    return tuple(tuple(a for a in dim if mesh_shape[a] > 1) for dim in spec)
 
 
 def _prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -183,26 +179,14 @@ def implied_reshards(graph: OpGraph, assignment: ShardingAssignment) -> tuple[Re
     in whatever layout a consumer wants. So are dead nodes (`live_nodes`)."""
     specs, shape = assignment.tensor_specs, assignment.mesh_shape
     live = live_nodes(graph)
-    skip = set(assignment.constant_tensors) | {t.id for t in graph.tensors
-                                               if t.kind == TensorKind.CONST}
-    out: list[Reshard] = []
-
-    def check(tid, node, operand, want):
-        if want is None or tid in skip or graph.tensors[tid].rank == 0:
-            return
-        if normalize(specs[tid], shape) != normalize(want, shape):
-            out.append(Reshard(tensor=tid, node=node, operand=operand, src=specs[tid],
-                               dst=want))
-
-    for node in graph.nodes:
-        if node.id not in live:
-            continue
-        wanted = assignment.node_in_specs[node.id] if assignment.node_in_specs else ()
-        for pos, tid in enumerate(node.inputs):
-            if pos < len(wanted):
-                check(tid, node.id, pos, wanted[pos])
+    out = [Reshard(tensor=tid, node=node, operand=pos, src=specs[tid], dst=want)
+           for tid, node, pos, want in moved_operands(
+               graph, specs, assignment.node_in_specs, shape, assignment.constant_tensors)
+           if node in live]
     for pos, tid in enumerate(graph.outputs):
-        check(tid, RESULT, pos, assignment.output_specs[pos])
+        want = assignment.output_specs[pos]
+        if moves(graph, tid, specs[tid], want, shape, assignment.constant_tensors):
+            out.append(Reshard(tensor=tid, node=RESULT, operand=pos, src=specs[tid], dst=want))
     return tuple(out)
 
 

@@ -38,7 +38,7 @@ from autopar.intra_op.ilp import (
     with_extra_bytes,
 )
 from autopar.intra_op.layers import find_family, group_keys, tie, tied_problem
-from autopar.intra_op.memory import peak_bytes
+from autopar.intra_op.memory import moved_operands, peak_bytes, predicted_peak_bytes
 from autopar.intra_op.phases import deferred_nodes
 from autopar.intra_op.rules import RuleContext
 
@@ -215,6 +215,18 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
             " ..." if len(unmet) > 4 else "")
 
 
+def _predicted(graph: OpGraph, built, choice, mesh_shape) -> float:
+    """`memory.predicted_peak_bytes` of the plan that picks `choice`, its resharded copies
+    included (what the plan would report)."""
+    specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
+    strat = [built.node_strategies[n][choice[g]] if g >= 0 else None
+             for n, g in enumerate(built.node_group)]
+    in_specs = [s.in_specs if s is not None else () for s in strat]
+    copies = [(t, n, want) for t, n, _, want in moved_operands(
+        graph, specs, in_specs, mesh_shape, built.constant_tensors)]
+    return predicted_peak_bytes(graph, specs, mesh_shape, collective_bytes(strat), copies)
+
+
 def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
     """The least peak bytes per device any plan of the problem needs (a min-peak MIP; exact
     where the problem was built with `points_above=0`), with `held` counted as `solve_built`
@@ -247,12 +259,13 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             problem, memory_budget_bytes=budget))
     sol, reuse = _solve(graph, built, p.method, budget)
     if sol.status == SolveStatus.INFEASIBLE:
-        needed = choice_peak(graph, built, sol.choice, mesh.shape)
+        needed = max(choice_peak(graph, built, sol.choice, mesh.shape),
+                     _predicted(graph, built, sol.choice, mesh.shape))
         raise InfeasiblePlanError(
             f"memory: no sharding of this step fits {budget:,.0f} bytes per device on mesh "
             f"{mesh.shape}; the plan with the least memory needs {needed:,.0f} bytes per "
-            f"device. Fix: raise memory_budget_bytes, use more devices, a smaller batch, or "
-            f"a sharded method (Zero3Parallel).",
+            f"device (its resharded copies included). Fix: raise memory_budget_bytes, use "
+            f"more devices, a smaller batch, or a sharded method (Zero3Parallel).",
             needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
