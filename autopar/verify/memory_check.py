@@ -130,6 +130,10 @@ def _with_headroom(method, plan_at, plan, graph, budget: float):
             break
         scaled = min(ilp_budget * target / plan.peak_memory_bytes,
                      target if ilp_budget == budget else ilp_budget)
+        log.info("autopar: the plan is predicted at %s bytes per device, above %.0f%% of the "
+                 "budget %s; re-planning at a search budget of %s before compiling",
+                 f"{plan.peak_memory_bytes:,.0f}", 100 * (1 - HEADROOM), f"{budget:,.0f}",
+                 f"{scaled:,.0f}")
         try:
             plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=int(scaled)))
         except InfeasiblePlanError:
