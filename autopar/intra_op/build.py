@@ -444,7 +444,7 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     result is charged for moving into it (a pin overrides a carried output's target).
     `hints`: shardings the user prefers (`annotations="hint"`): every other option of the
     value pays moving it there. `unpinned`: pinned tensors that an elementwise update of their
-    size need not follow (`constraints.state_of_statistics`)."""
+    size need not follow (`constraints.update_statistics`)."""
     output_pins = output_pins or {}
     b = _Builder(graph, ctx, input_options, unpinned)
     b.add_sources()

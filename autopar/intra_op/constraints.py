@@ -132,7 +132,7 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
     keeps A on d: exactly A and nothing else under DataParallel and ZeRO, A first under
     ShardParallel (other axes are the ILP's). DataParallel replicates every other tensor;
     `whole`: tensors kept whole where their operator can (ZeRO's statistics of the update,
-    `whole_statistics`)."""
+    `update_statistics`)."""
     axes = batch_axes(method, mesh_shape, axis_names)
     if axes is None:
         return None
@@ -154,29 +154,37 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
     return allowed
 
 
-def _statistic_reductions(graph: OpGraph, tail, dims) -> list[int]:
+def _statistic_reductions(graph: OpGraph, tail, dims) -> set[int]:
     """Reductions of the update (the tail) over a value with no batch dimension: a statistic
     of a whole gradient or parameter (Adafactor's factored means, its update clipping, a
     global norm)."""
-    return [n.id for n in graph.nodes if n.id in tail and n.primitive in REDUCTIONS
-            and n.inputs and dims[n.inputs[0]] is None and graph.tensors[n.inputs[0]].size > 1]
+    return {n.id for n in graph.nodes if n.id in tail and n.primitive in REDUCTIONS
+            and n.inputs and dims[n.inputs[0]] is None and graph.tensors[n.inputs[0]].size > 1}
 
 
-def whole_statistics(graph: OpGraph, dims=None) -> frozenset[int]:
-    """The values of the update (the tail, `phases.tail_nodes`) connected to a statistic of a
-    whole gradient or parameter (`_statistic_reductions`), through values without a batch
-    dimension, backward to the summed gradient and forward to the new parameters and state;
-    the step's arguments excepted. ZeRO keeps them whole on every device: computed from the
-    summed gradient, a statistic needs no collective, while on shards each is an all-reduce
-    that waits for the gradient's and that XLA:CPU cannot combine with it (an Adafactor MLP:
-    25 all-reduces, 1 when whole). Only where the backend's reduce-scatter is an all-reduce
-    and a slice anyway (`LogicalMesh.reduce_scatter_is_all_reduce`): with a real one, the
-    gradient stays split and the statistics' independent all-reduces are combined."""
+def update_statistics(graph: OpGraph, dims=None) -> tuple[frozenset[int], frozenset[int]]:
+    """(whole, unpinned) for the statistics of whole gradients or parameters the update takes
+    (`_statistic_reductions`: Adafactor's factored means and update clipping, a global norm).
+
+    `whole`: the values of the update (the tail, `phases.tail_nodes`) connected to such a
+    statistic through values without a batch dimension, backward to the summed gradient and
+    forward to the new parameters and state; the step's arguments excepted. ZeRO keeps them
+    whole on every device: computed from the summed gradient, a statistic needs no
+    collective, while on shards each is an all-reduce that waits for the gradient's and that
+    XLA:CPU cannot combine with it (an Adafactor MLP: 25 all-reduces, 1 when whole). Only
+    where the backend's reduce-scatter is an all-reduce and a slice anyway
+    (`LogicalMesh.reduce_scatter_is_all_reduce`): with a real one, the gradient stays split
+    and the statistics' independent all-reduces are combined.
+
+    `unpinned`: optimizer-state leaves whose update reaches such a statistic, and what the
+    update computes from them: their elementwise update follows the whole gradient, not the
+    state's ZeRO shard (`build_ilp(unpinned=...)`)."""
     dims = batch_dims(graph) if dims is None else dims
     tail, consumers = tail_nodes(graph), graph.consumers()
+    reductions = _statistic_reductions(graph, tail, dims)
     inputs = set(graph.inputs)
     seen: set[int] = set()
-    stack = _statistic_reductions(graph, tail, dims)
+    stack = list(reductions)
     while stack:
         v = stack.pop()
         if v in seen or v not in tail:
@@ -186,33 +194,24 @@ def whole_statistics(graph: OpGraph, dims=None) -> frozenset[int]:
         stack += [graph.tensors[t].producer for t in node.inputs
                   if graph.tensors[t].producer is not None and dims[t] is None]
         stack += [c for o in node.outputs for c in consumers[o]]
-    return frozenset(o for v in seen for o in graph.nodes[v].outputs if o not in inputs)
-
-
-def state_of_statistics(graph: OpGraph, dims=None) -> frozenset[int]:
-    """Optimizer-state leaves, and what the update computes from them, whose update reaches a
-    statistic (`whole_statistics`): their elementwise update follows the whole gradient, not
-    the state's ZeRO shard (`build_ilp(unpinned=...)`)."""
-    dims = batch_dims(graph) if dims is None else dims
-    tail, consumers = tail_nodes(graph), graph.consumers()
-    reductions = set(_statistic_reductions(graph, tail, dims))
-    out: set[int] = set()
+    whole = frozenset(o for v in seen for o in graph.nodes[v].outputs if o not in inputs)
+    unpinned: set[int] = set()
     for s in graph.inputs:
         if graph.tensors[s].role != InputRole.OPT_STATE or graph.tensors[s].size <= 1:
             continue
-        seen, stack, hit = set(), [s], False
+        cone, stack, hit = set(), [s], False
         while stack:
             t = stack.pop()
-            if t in seen:
+            if t in cone:
                 continue
-            seen.add(t)
+            cone.add(t)
             for c in consumers[t]:
                 if c in tail:
                     hit |= c in reductions
                     stack += graph.nodes[c].outputs
         if hit:
-            out |= seen
-    return frozenset(out)
+            unpinned |= cone
+    return whole, frozenset(unpinned)
 
 
 def method_input_options(graph: OpGraph, method: ShardParallel, mesh_shape: Sequence[int],

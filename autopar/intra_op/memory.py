@@ -404,8 +404,11 @@ def moves(graph: OpGraph, tid: int, spec, want, mesh_shape, constant=frozenset()
 def moved_operands(graph: OpGraph, specs, node_in_specs, mesh_shape, constant=frozenset()):
     """(tensor, node, operand position, wanted spec) for every operand a plan reads in another
     layout than its own (`moves`), where node `node_in_specs[node]` gives the operand specs
-    the node's strategy wants."""
+    the node's strategy wants; dead nodes (`dead_nodes`: XLA removes them) are left out."""
+    dead = dead_nodes(graph)
     for node in graph.nodes:
+        if node.id in dead:
+            continue
         wanted = node_in_specs[node.id] if node_in_specs else ()
         for pos, tid in enumerate(node.inputs[:len(wanted)]):
             if moves(graph, tid, specs[tid], wanted[pos], mesh_shape, constant):

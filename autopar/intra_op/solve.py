@@ -25,8 +25,7 @@ from autopar.intra_op.constraints import (
     ZERO,
     method_input_options,
     method_tensor_rule,
-    state_of_statistics,
-    whole_statistics,
+    update_statistics,
 )
 from autopar.intra_op.ilp import (
     IlpSolution,
@@ -100,12 +99,19 @@ def collective_bytes(strategies) -> tuple[tuple[float, float], ...]:
                  for s in strategies)
 
 
+def _chosen(built, choice) -> tuple[list, list]:
+    """(spec per tensor, strategy per node or None) of the plan that picks `choice[g]` in
+    every ILP group `g`."""
+    specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
+    strat = [built.node_strategies[n][choice[g]] if g >= 0 else None
+             for n, g in enumerate(built.node_group)]
+    return specs, strat
+
+
 def choice_peak(graph: OpGraph, built, choice, mesh_shape) -> float:
     """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`."""
-    specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
-    return peak_memory(graph, specs, mesh_shape, collective_bytes(
-        built.node_strategies[n][choice[g]] if g >= 0 else None
-        for n, g in enumerate(built.node_group)))
+    specs, strat = _chosen(built, choice)
+    return peak_memory(graph, specs, mesh_shape, collective_bytes(strat))
 
 
 def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:
@@ -171,8 +177,8 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     # where it follows a state leaf pinned to its shard: not reported). With a real
     # reduce-scatter the gradient stays split and the statistics' all-reduces are combined.
     zero_whole = method.kind in ZERO and mesh.reduce_scatter_is_all_reduce
-    whole = whole_statistics(graph, batch_dims(graph, batch_sources)) \
-        if zero_whole else frozenset()
+    whole, unpinned = update_statistics(graph, batch_dims(graph, batch_sources)) \
+        if zero_whole else (frozenset(), frozenset())
     allowed = method_tensor_rule(graph, method, mesh.shape, mesh.axis_names, batch_sources,
                                  whole)
     marked = {} if method.annotations == Annotations.IGNORE else annotation_specs(
@@ -185,7 +191,7 @@ def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
                       output_targets, budget if points_above is None else float(points_above),
                       allowed, output_pins,
                       hints=marked if method.annotations == Annotations.HINT else None,
-                      unpinned=state_of_statistics(graph) if zero_whole else frozenset())
+                      unpinned=unpinned)
     unmet = tuple(t for t in built.unmet_pins if t not in whole)
     if unmet:
         _warn_unmet(graph, method, unmet,
@@ -218,9 +224,7 @@ def _warn_unmet(graph: OpGraph, method: ShardParallel, unmet: tuple[int, ...],
 def _predicted(graph: OpGraph, built, choice, mesh_shape) -> float:
     """`memory.predicted_peak_bytes` of the plan that picks `choice`, its resharded copies
     included (what the plan would report)."""
-    specs = [built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group)]
-    strat = [built.node_strategies[n][choice[g]] if g >= 0 else None
-             for n, g in enumerate(built.node_group)]
+    specs, strat = _chosen(built, choice)
     in_specs = [s.in_specs if s is not None else () for s in strat]
     copies = [(t, n, want) for t, n, _, want in moved_operands(
         graph, specs, in_specs, mesh_shape, built.constant_tensors)]

@@ -128,8 +128,7 @@ def _with_headroom(method, plan_at, plan, graph, budget: float):
     for _ in range(ROUNDS):
         if plan.peak_memory_bytes <= target:
             break
-        scaled = min(ilp_budget * target / plan.peak_memory_bytes,
-                     target if ilp_budget == budget else ilp_budget)
+        scaled = min(ilp_budget * target / plan.peak_memory_bytes, target)
         log.info("autopar: the plan is predicted at %s bytes per device, above %.0f%% of the "
                  "budget %s; re-planning at a search budget of %s before compiling",
                  f"{plan.peak_memory_bytes:,.0f}", 100 * (1 - HEADROOM), f"{budget:,.0f}",

@@ -73,8 +73,8 @@ class OPTDecoder(nn.Module):
 
 
 def _case(act: str):
-    """(jax.jit step, autopar step, hand-written jit with the plan's shardings, params,
-    optimizer state, batch of seed s)."""
+    """(jax.jit step, autopar step, hand-written jit with the plan's shardings, `run(fn, s)`:
+    a step's outputs on the parameters and the batch of seed s)."""
     model, tx = OPTDecoder(act=act), optax.adamw(1e-3)
     ids = jax.random.randint(jax.random.key(1), (16, 64), 0, 512)
     params = model.init(jax.random.key(0), ids[:1])["params"]
@@ -99,7 +99,7 @@ def _case(act: str):
     outs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax.eval_shape(step, *args)),
                                         par.get_compiled(*args).output_shardings)
     hand = jax.jit(step, in_shardings=tuple(par.input_shardings(*args)), out_shardings=outs)
-    return jax.jit(step), par, hand, params, opt_state, data
+    return jax.jit(step), par, hand, lambda fn, s: fn(params, opt_state, *data(s))
 
 
 def _rel(a, b) -> float:
@@ -110,23 +110,18 @@ def _rel(a, b) -> float:
 
 
 def test_relu_decoder_2x4_gradient_equals_jit():
-    ref_fn, par, _, params, opt_state, data = _case("relu")
+    ref_fn, par, _, run = _case("relu")
     for seed in range(3):
-        batch, key = data(seed)
-        ref = ref_fn(params, opt_state, batch, key)
-        assert _rel(ref[3], par(params, opt_state, batch, key)[3]) < 1e-5, seed
+        assert _rel(run(ref_fn, seed)[3], run(par, seed)[3]) < 1e-5, seed
 
 
 @pytest.mark.slow   # three compiles and 24 steps: make test-slow
 def test_a_2x4_difference_is_one_relu_unit_and_a_hand_written_jit_shows_it():
-    ref_fn, par, hand, params, opt_state, data = _case("relu")
+    ref_fn, par, hand, run = _case("relu")
     flipped = None
     for seed in range(8):
-        batch, key = data(seed)
-        ref = ref_fn(params, opt_state, batch, key)
-        got = par(params, opt_state, batch, key)
-        assert _rel(ref[3], got[3]) < 1e-5, seed                # autopar's plan
-        by_hand = hand(params, opt_state, batch, key)
+        ref, by_hand = run(ref_fn, seed), run(hand, seed)
+        assert _rel(ref[3], run(par, seed)[3]) < 1e-5, seed     # autopar's plan
         assert float(by_hand[2]) == pytest.approx(float(ref[2]), rel=1e-6)   # same forward
         if flipped is None and _rel(ref[3], by_hand[3]) > 1e-4:
             flipped = (ref[3], by_hand[3])
@@ -144,9 +139,8 @@ def test_a_2x4_difference_is_one_relu_unit_and_a_hand_written_jit_shows_it():
 
 @pytest.mark.slow
 def test_gelu_decoder_agrees_under_every_layout():
-    ref_fn, par, hand, params, opt_state, data = _case("gelu")
+    ref_fn, par, hand, run = _case("gelu")
     for seed in range(8):
-        batch, key = data(seed)
-        ref = ref_fn(params, opt_state, batch, key)
-        assert _rel(ref[3], hand(params, opt_state, batch, key)[3]) < 3e-6, seed
-        assert _rel(ref[3], par(params, opt_state, batch, key)[3]) < 1e-5, seed
+        ref = run(ref_fn, seed)
+        assert _rel(ref[3], run(hand, seed)[3]) < 3e-6, seed
+        assert _rel(ref[3], run(par, seed)[3]) < 1e-5, seed
