@@ -29,6 +29,12 @@ EXACT_MAX_BINARIES = 500
 DIVE_MAX_STEPS = 32       # LP re-solves of the dive that finds the MIP's start
 DIVE_SHARE = 0.25         # of the time limit the dive may take
 _INTEGRAL_TOL = 1e-9
+# HiGHS restarts its root (presolve again, cuts again) when reduced-cost fixing deactivates a
+# share of the integer columns; on the memory-bound stage ILPs it restarted 3-4 times, each
+# time redoing the root's cuts and sub-MIPs. Without restarts: the 70 distinct ILPs of
+# tests/inter_op/test_stages.py's budget test 12.1 -> 5.1 s, GPT-39B stage ILPs about 2x
+# (benchmarks/results/ilp.md).
+MIP_ALLOW_RESTART = False
 _MIP_ABS_GAP = 1e-10
 
 
@@ -204,7 +210,8 @@ def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
     import highspy
     h = _quiet_highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
-                        ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP)):
+                        ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP),
+                        ("mip_allow_restart", MIP_ALLOW_RESTART)):
         h.setOptionValue(name, value)
     n, m = mip.cost.size, mip.row_lower.size
     order = np.lexsort((mip.rows, mip.cols))

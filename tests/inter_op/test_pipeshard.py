@@ -416,8 +416,11 @@ def _run_with(step, state, batches, *extra):
     return state, outs
 
 
-@pytest.mark.parametrize("method", [autopar.ShardParallel(num_microbatches=4), _method(2, F, 4)],
-                         ids=["accumulation", "pipeshard"])
+# Accumulation is slow here: make test runs the LM1B under it in
+# test_lm1b_with_dropout_runs_under_gradient_accumulation.
+@pytest.mark.parametrize("method", [
+    pytest.param(autopar.ShardParallel(num_microbatches=4), marks=pytest.mark.slow),
+    _method(2, F, 4)], ids=["accumulation", "pipeshard"])
 def test_lm1b_padded_loss_and_logits_aux_match_single_device(method):
     """The padded token loss is weighted by each microbatch's token count (the mean of the
     microbatches' ratios would be off: checked below; a microbatch without tokens adds

@@ -92,6 +92,9 @@ def test_shard_parallel_recomputes_to_fit_70_percent_of_its_least_memory():
     assert r["replay_barrier"] and r["replay_remat"]
 
 
+# Slow: the compile check at the edge; make test has it in test_step_remat's acceptance and
+# tests/verify/test_memory_check.py.
+@pytest.mark.slow
 def test_a_remat_plan_at_the_edge_of_its_budget_is_compiled_and_never_over_it(case):
     """At 85% of the least memory, even recomputing every layer leaves the plan at the very
     edge of the budget (this 2-block LM keeps its attention scores); the plan is compiled

@@ -185,7 +185,7 @@ def test_stage_peaks_count_the_schedule_and_respect_the_budget(loss, bounds, clu
             assert st.peak_bytes > st.solution.peak_memory_bytes   # + accumulator, in flight
     gpipe, one_f = peaks[autopar.Schedule.GPIPE], peaks[autopar.Schedule.ONE_F_ONE_B]
     assert all(g > f for g, f in zip(gpipe, one_f))
-    for fraction in (0.99, 0.9, 0.7, 0.5):
+    for fraction in (0.9, 0.5):
         budget = int(max(gpipe) * fraction)
         try:
             res = choose_stages(loss, bounds, cluster, DEVICES, method(

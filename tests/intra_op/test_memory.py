@@ -83,6 +83,8 @@ _BAND = textwrap.dedent("""
 """)
 
 
+# Slow: make test checks the default scheduler's band; this subprocess runs in test-slow.
+@pytest.mark.slow
 def test_prediction_within_15_percent_under_the_memory_scheduler():
     """An MLP on 1x8 and 2x4 and two GPTs (seq 128) on 2x4: predicted peak within 15% of the
     compiled executable's, under XLA:CPU's memory-minimizing scheduler (GPU/TPU schedule for

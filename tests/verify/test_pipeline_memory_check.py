@@ -99,6 +99,8 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, smooth=True)
 
 
+# Slow: compiles the pipeline 2-4 times; the re-plan loop is tested on stand-ins below.
+@pytest.mark.slow
 def test_budget_below_the_compiled_peak_replans_naming_bytes(gpt, caplog):
     """A budget the prediction fits but the compiled peak does not (the tiny GPT's stage 0
     compiles to ~3% over its prediction): re-planned at a scaled budget, logged with the stage
