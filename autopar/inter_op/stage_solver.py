@@ -161,15 +161,19 @@ class StageSolver:
                       sl.stop, remat.value, submesh, shape, time.perf_counter() - t0)
         return self.problems[key], key
 
-    def least_of(self, prob, key) -> float:
-        """The least peak bytes per device of one microbatch of any plan of `prob` (cached)."""
-        if (key, "least") not in self.cache:
+    def least_of(self, prob, key, in_flight: int | None = None, opt_ratio: float = 0.0,
+                 ) -> float:
+        """The least peak bytes per device of any plan of `prob` (cached): of one microbatch,
+        or with `in_flight` the pipeline's peak as `fitting` counts it (`least_bytes`)."""
+        at = (key, "least") if in_flight is None else (key, "least", in_flight, opt_ratio)
+        if at not in self.cache:
             t0 = time.perf_counter()
-            with ilp_scope((key, "least")):
-                self.cache[(key, "least")] = prob.least_bytes()
-            log.debug("least memory of %s: %.4g bytes, %.2f s", key[1:3],
-                      self.cache[(key, "least")], time.perf_counter() - t0)
-        return self.cache[(key, "least")]
+            with ilp_scope(at):
+                self.cache[at] = prob.least_bytes() if in_flight is None else \
+                    prob.least_bytes(in_flight=in_flight, opt_ratio=opt_ratio)
+            log.debug("least memory of %s at %s: %.4g bytes, %.2f s", key[1:3], at[2:],
+                      self.cache[at], time.perf_counter() - t0)
+        return self.cache[at]
 
     def _cannot_fit(self, sl: StageSlice, prob, key, budget: float) -> bool:
         """Whether no plan of `prob` fits `budget` (one microbatch): decided by its least
@@ -238,8 +242,18 @@ class StageSolver:
             return self._mirrored(sl, submesh, shape, remat,
                                   self.fitting(sl, submesh, mirror, in_flight, remat))
         prob, key = self.problem(sl, submesh, shape, remat)
-        return self._cached(sl, (key, "fitting", in_flight, zero), lambda: prob.solve(
-            self.budget, opt_ratio=self._opt_ratio(shape, zero), in_flight=in_flight))
+        at, opt_ratio = (key, "fitting", in_flight, zero), self._opt_ratio(shape, zero)
+        if at not in self.cache:
+            # Where no plan fits, the least-memory MIP (a fraction of a second) says so: the
+            # ILP would run its lazy memory rounds to infeasibility first (3-28 s per stage of
+            # GPT-39B, K=8, M=128).
+            least = self.least_of(prob, key, in_flight, opt_ratio)
+            if least > self.budget:
+                self._need(sl, least)
+                self.cache[at] = None
+                return None
+        return self._cached(sl, at, lambda: prob.solve(
+            self.budget, opt_ratio=opt_ratio, in_flight=in_flight))
 
     def _opt_ratio(self, shape: tuple[int, int], zero: bool) -> float:
         """Optimizer bytes per parameter byte as the ILP counts them (ZeRO: all split)."""
@@ -351,9 +365,9 @@ class StageSolver:
         on `shapes` under `remats` and `zeros`."""
         def view(v, zero):       # without ZeRO, a mirror view's least is its mirror's
             return (None if zero else self.mirror_of(submesh, v)) or v
-        return min(self.problem(sl, submesh, view(v, z), r)[0].least_bytes(
-            in_flight=in_flight, opt_ratio=self._opt_ratio(v, z))
-            for v in shapes for r in remats for z in zeros)
+        return min(self.least_of(*self.problem(sl, submesh, view(v, z), r), in_flight,
+                                 self._opt_ratio(v, z))
+                   for v in shapes for r in remats for z in zeros)
 
 
 def _axis_blind(method: ShardParallel, forward: OpGraph) -> bool:

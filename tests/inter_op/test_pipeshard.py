@@ -294,9 +294,10 @@ def test_plan_that_cannot_fit_memory_says_how_much_it_needs(stage_option):
 # Gradient accumulation: ShardParallel and its data / ZeRO variants with num_microbatches > 1
 # run as a one-stage pipeline on the whole mesh.
 
-@pytest.mark.parametrize("model,api,method", [
+@pytest.mark.parametrize("model,api,method", [     # NNX accumulation: also test_nnx_grad.py
     ("gpt", "linen", autopar.ShardParallel(num_microbatches=4)),
-    ("gpt", "nnx", autopar.ShardParallel(num_microbatches=2)),
+    pytest.param("gpt", "nnx", autopar.ShardParallel(num_microbatches=2),
+                 marks=pytest.mark.slow),
     ("mlp", "linen", autopar.Zero3Parallel(num_microbatches=2)),
     ("mlp", "nnx", autopar.DataParallel(num_microbatches=2))])
 def test_gradient_accumulation_matches_single_device(model, api, method):

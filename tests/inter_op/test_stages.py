@@ -271,28 +271,30 @@ def test_plan_stage_option_replays_the_stages(pipeline_plan):
 class _Rigged:
     """A stage problem whose solutions `rig(solution, shape, budget)` rewrites."""
 
-    def __init__(self, real, shape, rig, least, calls):
+    def __init__(self, real, shape, rig, least, calls, pipeline_least=2e6):
         self.real, self.shape, self.rig, self.least, self.calls = real, shape, rig, least, calls
+        self.pipeline_least = pipeline_least
 
     def __getattr__(self, name):        # anything not rigged: the real problem's
         return getattr(self.real, name)
 
     def least_bytes(self, **held):
-        """One microbatch's least, or (with `in_flight`) the pipeline's: 2 MB here."""
+        """One microbatch's least, or (with `in_flight`) the pipeline's (2 MB by default)."""
         self.calls.append(("least", id(self)) if not held else ("least_fitting", id(self)))
-        return self.least if not held else 2 * 10**6
+        return self.least if not held else self.pipeline_least
 
     def solve(self, budget=None, **held):
         self.calls.append(("fitting", held["in_flight"]) if held else ("solve", budget))
         return self.rig(self.real.solve(None), tuple(self.shape), budget, **held)
 
 
-def _rig_stage_problems(monkeypatch, rig, least=1000.0):
+def _rig_stage_problems(monkeypatch, rig, least=1000.0, pipeline_least=2e6):
     import autopar.inter_op.stage_solver as stages_mod
     real, calls = stages_mod.stage_problem, []
 
     def fake(graph, sl, sub, shape, *args, **kw):
-        return _Rigged(real(graph, sl, sub, shape, *args, **kw), shape, rig, least, calls)
+        return _Rigged(real(graph, sl, sub, shape, *args, **kw), shape, rig, least, calls,
+                       pipeline_least)
     monkeypatch.setattr(stages_mod, "stage_problem", fake)
     # rigged views are not mirror images of each other: every view gets its own problem
     monkeypatch.setattr(stages_mod.StageSolver, "mirror_of", lambda self, sub, shape: None)
@@ -321,8 +323,9 @@ def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster,
     """When no stage assignment of the layers' fastest plans fits, the DP is offered each
     layer's memory-lean plan (the fastest within 5% of its least memory); the chosen stage is
     then solved whole for the fastest plan that fits with its optimizer state and in-flight
-    activations (`fitting`), and the error says so when none does. Each built problem's least
-    memory is computed once."""
+    activations (`fitting`), and the error says so when none does: decided by the stage's
+    least pipeline memory, without a fitting solve. Each built problem's least memory is
+    computed once."""
     import dataclasses
 
     def rigged(fitting_fits):
@@ -338,7 +341,7 @@ def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster,
                                        param_bytes=10.0)
         return rig
 
-    calls = _rig_stage_problems(monkeypatch, rigged(True))
+    calls = _rig_stage_problems(monkeypatch, rigged(True), pipeline_least=1e3)
     res = choose_stages(loss, bounds, cluster, DEVICES[:2], method(
         autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
         memory_budget_bytes=10**6))
@@ -351,12 +354,14 @@ def test_auto_stages_fall_back_to_memory_lean_layer_plans(loss, bounds, cluster,
     assert leasts and len(leasts) == len(set(leasts))        # once per built problem
     assert st.peak_bytes <= 10**6
 
-    _rig_stage_problems(monkeypatch, rigged(False))
+    calls = _rig_stage_problems(monkeypatch, rigged(False))
     with pytest.raises(autopar.InfeasiblePlanError, match="microbatch.*in flight") as e:
         choose_stages(loss, bounds, cluster, DEVICES[:2], method(
             autopar.AutoStageOption(max_stages=1, logical_shapes="flat"),
             memory_budget_bytes=10**6))
     assert e.value.needed_bytes == 2 * 10**6       # the stage's least with its pipeline memory
+    kinds = {kind for kind, _ in calls}
+    assert "least_fitting" in kinds and "fitting" not in kinds   # no ILP ran to infeasibility
 
 
 def test_lean_fallback_skips_solves_it_does_not_need(loss, bounds, cluster, monkeypatch):

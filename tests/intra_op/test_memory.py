@@ -222,6 +222,9 @@ _WRN = textwrap.dedent("""
 """)
 
 
+# Slow (a 30 s compile in a subprocess under the memory scheduler): make test checks the rule
+# on its own (the test above) and in the least-memory error (the test below).
+@pytest.mark.slow
 def test_wide_resnet_prediction_counts_the_copies_kept_for_the_backward():
     """Wide-ResNet on 1x8 reshards activations that the backward reads again: XLA keeps the
     copies from the forward to the backward (0.81 of compiled when they were not counted);

@@ -333,8 +333,8 @@ def cases():
     return get
 
 
-def _slow_if(m, s):      # MoE and Wide-ResNet on 1x8 repeat their 2x4 case: make test-slow
-    return [pytest.mark.slow] if m in ("moe", "wide_resnet") and s == (1, 8) else []
+def _slow_if(m, s):      # GPT, MoE and Wide-ResNet on 1x8 repeat their 2x4 case: make test-slow
+    return [pytest.mark.slow] if m in ("gpt", "moe", "wide_resnet") and s == (1, 8) else []
 
 
 @pytest.mark.parametrize("name,mesh_shape", [

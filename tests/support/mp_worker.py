@@ -6,8 +6,9 @@ MODE "train" (or "train:NAME,NAME" for some of them): the tiny GPT for 3 steps u
 ShardParallel, Zero3Parallel and 2-stage 1F1B and GPipe pipelines on the 2 x 4 (hosts x
 devices) mesh; process 0 writes losses, gradients, final parameters and plan facts to
 OUT/<method>.npz / .json, and every process writes its shards of a checkpoint of the final
-state to OUT/ckpt_<method> and reads it back. MODE "die": process 1 kills itself after one
-step while process 0 keeps stepping (and fetching the loss, which needs process 1).
+state to OUT/ckpt_<method> and reads it back. MODE "die" (an MLP, quick to plan): process 1
+kills itself after one step while process 0 keeps stepping (and fetching the loss, which
+needs process 1).
 """
 import json
 import os
@@ -73,7 +74,7 @@ def train(out: str, name: str, mesh) -> None:
 
 
 def die(out: str, mesh) -> None:
-    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip())
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip())   # quick to plan
     par = autopar.parallelize(step, mesh=mesh)
     for i in range(10_000):
         state, loss, _ = par(state, batches[i % len(batches)])
