@@ -32,18 +32,3 @@ def pytest_terminal_summary(terminalreporter):
     if pages:
         terminalreporter.write_line(f"code blocks of README.md and docs/: {ran} ran, "
                                     f"{skipped} skipped (marked), on {pages} pages")
-
-
-# The modules whose tests take 20-50 s each run first: with two pytest workers (make test), a
-# worker that runs out of tests idles while the other finishes the one it holds, so the long
-# ones go where the other worker still has short ones to share the time with.
-_LONG_FIRST = ("runtime/test_launch.py", "tests/test_docs.py", "tests/test_demo.py",
-               "verify/test_pipeline_memory_check.py", "inter_op/test_stage_remat.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        path = item.nodeid.partition("::")[0]
-        return next((i for i, end in enumerate(_LONG_FIRST) if path.endswith(end)),
-                    len(_LONG_FIRST))
-    items.sort(key=rank)          # stable: every other test keeps its place
