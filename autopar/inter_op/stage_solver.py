@@ -165,24 +165,26 @@ class StageSolver:
                  ) -> float:
         """The least peak bytes per device of any plan of `prob` (cached): of one microbatch,
         or with `in_flight` the pipeline's peak as `fitting` counts it (`least_bytes`)."""
-        at = (key, "least") if in_flight is None else (key, "least", in_flight, opt_ratio)
+        at = (key, "least", in_flight, opt_ratio)
         if at not in self.cache:
             t0 = time.perf_counter()
             with ilp_scope(at):
-                self.cache[at] = prob.least_bytes() if in_flight is None else \
-                    prob.least_bytes(in_flight=in_flight, opt_ratio=opt_ratio)
+                self.cache[at] = prob.least_bytes(in_flight=in_flight, opt_ratio=opt_ratio)
             log.debug("least memory of %s at %s: %.4g bytes, %.2f s", key[1:3], at[2:],
                       self.cache[at], time.perf_counter() - t0)
         return self.cache[at]
 
-    def _cannot_fit(self, sl: StageSlice, prob, key, budget: float) -> bool:
-        """Whether no plan of `prob` fits `budget` (one microbatch): decided by its least
-        memory where some plan could exceed the budget, and recorded; an infeasible ILP
-        costs more than the least-memory one, which says the same."""
+    def _cannot_fit(self, sl: StageSlice, prob, key, budget: float,
+                    in_flight: int | None = None, opt_ratio: float = 0.0) -> bool:
+        """Whether no plan of `prob` fits `budget` (one microbatch, or with `in_flight` the
+        pipeline's peak as `fitting` counts it): decided by its least memory where some plan
+        could exceed the budget, and recorded. An infeasible ILP runs its lazy memory rounds
+        to infeasibility first (3-28 s per stage of GPT-39B, K=8, M=128); the least-memory
+        MIP (a fraction of a second) says the same."""
         points = prob.ilp.built.problem.memory_points
-        if all(p.folded and p.max_bytes <= budget for p in points):
+        if in_flight is None and all(p.folded and p.max_bytes <= budget for p in points):
             return False
-        least = self.least_of(prob, key)
+        least = self.least_of(prob, key, in_flight, opt_ratio)
         if least > budget:
             self._need(sl, least)
             return True
@@ -243,15 +245,10 @@ class StageSolver:
                                   self.fitting(sl, submesh, mirror, in_flight, remat))
         prob, key = self.problem(sl, submesh, shape, remat)
         at, opt_ratio = (key, "fitting", in_flight, zero), self._opt_ratio(shape, zero)
-        if at not in self.cache:
-            # Where no plan fits, the least-memory MIP (a fraction of a second) says so: the
-            # ILP would run its lazy memory rounds to infeasibility first (3-28 s per stage of
-            # GPT-39B, K=8, M=128).
-            least = self.least_of(prob, key, in_flight, opt_ratio)
-            if least > self.budget:
-                self._need(sl, least)
-                self.cache[at] = None
-                return None
+        if at not in self.cache and self._cannot_fit(sl, prob, key, self.budget, in_flight,
+                                                     opt_ratio):
+            self.cache[at] = None
+            return None
         return self._cached(sl, at, lambda: prob.solve(
             self.budget, opt_ratio=opt_ratio, in_flight=in_flight))
 

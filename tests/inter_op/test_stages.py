@@ -278,10 +278,11 @@ class _Rigged:
     def __getattr__(self, name):        # anything not rigged: the real problem's
         return getattr(self.real, name)
 
-    def least_bytes(self, **held):
+    def least_bytes(self, *, in_flight=None, opt_ratio=0.0):
         """One microbatch's least, or (with `in_flight`) the pipeline's (2 MB by default)."""
-        self.calls.append(("least", id(self)) if not held else ("least_fitting", id(self)))
-        return self.least if not held else self.pipeline_least
+        one = in_flight is None
+        self.calls.append(("least" if one else "least_fitting", id(self)))
+        return self.least if one else self.pipeline_least
 
     def solve(self, budget=None, **held):
         self.calls.append(("fitting", held["in_flight"]) if held else ("solve", budget))
