@@ -160,7 +160,8 @@ def _lm1b_step(state, tokens):
 
 
 @pytest.mark.parametrize("method,mesh_shape", [
-    ("shard", (2, 4)), pytest.param("shard", (1, 8), marks=pytest.mark.slow), ("zero3", (2, 4))])
+    ("shard", (2, 4)), pytest.param("shard", (1, 8), marks=pytest.mark.slow),
+    pytest.param("zero3", (2, 4), marks=pytest.mark.slow)])
 def test_closed_over_numpy_table_keeps_carried_outputs_on_their_inputs(method, mesh_shape):
     """Constants are numbered before the inputs: carried outputs must still be tied to their
     own input (issue 13, item 1: this crashed in reshard_s, or silently mis-sharded). ZeRO-3

@@ -82,6 +82,7 @@ def test_gpt_pipeline_matches_single_device(api, stages, schedule, microbatches)
     _check("gpt", api, _method(stages, schedule, microbatches))
 
 
+@pytest.mark.slow      # manual layers: the MLP pipelines; GPT pipelines: the auto-layer cases
 @pytest.mark.parametrize("stages", [4])
 def test_gpt_manual_layers(stages):
     method = _method(stages, F, 4, layers=autopar.ManualLayerOption())
