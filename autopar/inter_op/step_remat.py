@@ -17,10 +17,14 @@ on GPU and TPU, run it early. XLA:CPU removes barriers before it schedules, and 
 scheduler would then hoist the recomputation into the forward pass, keeping everything alive
 as if nothing were recomputed; there (`ClusterSpec.hoists_recomputation`, `StepRemat.tied`)
 each activation the recomputation reads is also tied to that value by arithmetic XLA cannot
-fold away (`_tied`). The ties have a price: under XLA:CPU's memory-minimizing scheduler a
-2-block GPT's full recomputation compiles to 11.9 MB with them, 8.0 MB without (7.4 MB
-predicted); but without them that scheduler runs the 8-block LM of issue 15 1-6% over its
-prediction and over its budget, and the default scheduler undoes the recomputation entirely.
+fold away (`_tied`): a scalar of the cotangent, its largest element, which a device computes
+from its own shard and one all-reduce of 4 bytes. (It used to be the cotangent's first
+element, a slice that XLA's partitioner made by gathering the whole sharded cotangent: a
+2-block GPT's full recomputation on 2x4 compiled to 11.6 MB under XLA:CPU's
+memory-minimizing scheduler, which issued those gathers early and held them, against 7.7 MB
+now, 7.1 MB predicted.) Without ties that scheduler runs the 8-block LM of issue 15 1-6% over
+its prediction and over its budget, and the default scheduler undoes the recomputation
+entirely.
 
 Loops (`scan`, `while`, `cond`) are not cut: a loop's results count as saved values, and its
 body is neither recomputed nor rewritten (wrap a scanned block in `jax.checkpoint` / `nn.remat`
@@ -306,11 +310,12 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
 
 def _tied(cotangent, *activations):
     """`activations` unchanged, bit for bit, yet computed from `cotangent`: each minus
-    0 * |c| (+0.0; c a finite element of the cotangent, else 0), which XLA cannot fold away,
-    so nothing computed from them runs before the cotangent exists. XLA:CPU drops
-    optimization barriers before it schedules; this dependency stays."""
-    c = jax.lax.reshape(jax.lax.slice(cotangent, (0,) * cotangent.ndim,
-                                      (1,) * cotangent.ndim), ())
+    0 * |c| (+0.0; c the cotangent's largest element if finite, else 0), which XLA cannot
+    fold away, so nothing computed from them runs before the cotangent exists. XLA:CPU drops
+    optimization barriers before it schedules; this dependency stays. A reduction, not a
+    slice: each device reduces its own shard and one scalar all-reduce joins them, where a
+    slice of one element made the partitioner gather the whole cotangent."""
+    c = jax.lax.reduce_max(cotangent, tuple(range(cotangent.ndim)))
     c = jax.lax.select(jax.lax.is_finite(c), c, jax.lax.full_like(c, 0))
     zero = jax.lax.mul(jax.lax.abs(c), jax.lax.full_like(c, 0))
     return tuple(jax.lax.sub(a, jax.lax.broadcast_in_dim(
