@@ -224,11 +224,8 @@ class StageSolver:
             return self._mirrored(sl, submesh, shape, remat,
                                   self.solve(sl, submesh, mirror, budget, remat))
         prob, key = self.problem(sl, submesh, shape, remat)
-        if (key, budget) not in self.cache and self._cannot_fit(
-                sl, prob, key, self.budget if budget is None else budget):
-            self.cache[(key, budget)] = None
-            return None
-        return self._cached(sl, (key, budget), lambda: prob.solve(budget))
+        return self._cached(sl, (key, budget), lambda: prob.solve(budget), lambda: (
+            self._cannot_fit(sl, prob, key, self.budget if budget is None else budget)))
 
     def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
                 in_flight: int, remat: Remat = Remat.NONE,
@@ -245,21 +242,23 @@ class StageSolver:
                                   self.fitting(sl, submesh, mirror, in_flight, remat))
         prob, key = self.problem(sl, submesh, shape, remat)
         at, opt_ratio = (key, "fitting", in_flight, zero), self._opt_ratio(shape, zero)
-        if at not in self.cache and self._cannot_fit(sl, prob, key, self.budget, in_flight,
-                                                     opt_ratio):
-            self.cache[at] = None
-            return None
         return self._cached(sl, at, lambda: prob.solve(
-            self.budget, opt_ratio=opt_ratio, in_flight=in_flight))
+            self.budget, opt_ratio=opt_ratio, in_flight=in_flight), lambda: self._cannot_fit(
+                sl, prob, key, self.budget, in_flight, opt_ratio))
 
     def _opt_ratio(self, shape: tuple[int, int], zero: bool) -> float:
         """Optimizer bytes per parameter byte as the ILP counts them (ZeRO: all split)."""
         return self.opt_ratio / shape[0] if zero else self.opt_ratio
 
-    def _cached(self, sl: StageSlice, key, solve) -> StageSolution | None:
+    def _cached(self, sl: StageSlice, key, solve, cannot_fit) -> StageSolution | None:
+        """`solve()` (cached at `key`), or None without solving where `cannot_fit()` says no
+        plan fits (`_cannot_fit`)."""
         if key in self.cache:
             self.num_reused += 1
             return self.cache[key]
+        if cannot_fit():
+            self.cache[key] = None
+            return None
         t0 = time.perf_counter()
         try:
             with ilp_scope(key):      # in a batch (batch.run_jobs), its ILPs go to the pool
