@@ -51,8 +51,7 @@ def _reference():
 
 
 def _check(npz, ref, rtol):
-    _, losses, grads = ref[1:]
-    ref_state = ref[0]
+    ref_state, losses, grads = ref          # jax.jit's run_steps: state, losses, gradients
     for i, loss in enumerate(losses):
         assert abs(npz[f"loss_{i}"] - loss) <= rtol * abs(loss), f"step {i} loss"
         leaves = jax.tree_util.tree_leaves(grads[i])
@@ -65,7 +64,7 @@ def _check(npz, ref, rtol):
 
 
 def _check_run(out, name, rtol, ref):
-    _check(np.load(out / f"{name}.npz"), (ref[0], *ref), rtol)
+    _check(np.load(out / f"{name}.npz"), ref, rtol)
     facts = json.loads((out / f"{name}.json").read_text())
     assert facts["restored_equal"]          # the 2-process checkpoint round trip
     assert facts["num_hosts"] == 2          # the cluster spec sees the process hierarchy
