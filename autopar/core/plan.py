@@ -403,6 +403,7 @@ class IlpStats:
     message: str
     objective_s: float
     layer_reuse: str = ""        # e.g. "12 x block_* solved once (period 2), 1788 ties"
+    peak_bytes: float = 0.0      # the chosen plan's peak as the ILP's memory points count it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -159,16 +159,9 @@ def _grad_only(loss_fn):
     return lambda p: (jnp.zeros(()), jax.grad(loss_fn)(p))
 
 
-_OPEN = ("issue 24, open: with the least memory counting resharded copies (the budget 22.97 MB, "
-         "it was 21.52), the headroom re-plans cannot bring the prediction below 95% (the "
-         "search does not see the copies) and the plan compiles 0.2% over the budget at the "
-         "first try (23,015,252 bytes); it fits after one round")
-
-
 @pytest.mark.slow   # minutes on 2 cores: make test-slow
-@pytest.mark.parametrize("vg", [
-    jax.value_and_grad, pytest.param(_grad_only, marks=pytest.mark.xfail(reason=_OPEN)),
-    autopar.value_and_grad], ids=["jax.value_and_grad", "jax.grad", "autopar.value_and_grad"])
+@pytest.mark.parametrize("vg", [jax.value_and_grad, _grad_only, autopar.value_and_grad],
+                         ids=["jax.value_and_grad", "jax.grad", "autopar.value_and_grad"])
 def test_lm_at_70_percent_compiles_within_budget_first_try(vg):
     step, state, batches = make_case("gpt", "linen", optax.sgd(0.1), batch_size=16,
                                      gpt_config=_LM, value_and_grad=vg)

@@ -143,3 +143,36 @@ def test_plan_predicted_near_its_budget_is_replanned_before_compiling(base):
     assert calls[3] == pytest.approx(calls[2] * 1000 / 1010, abs=1)   # compiled over: scaled
     assert len(calls) == 4
     assert made.plan.measured == {"compiled_bytes": 960, "memory_check_rounds": 1}
+
+
+def _slack_planner(base, calls, fastest: float, copies: float):
+    """plan_at: the search's plan peaks at `fastest` bytes (its memory rows' count) where the
+    budget allows, else at the budget; the prediction adds `copies` the rows do not see."""
+    plan, graph = base
+
+    def plan_at(method):
+        budget = method.memory_budget_bytes
+        calls.append(budget)
+        peak = min(budget, fastest)
+        return dataclasses.replace(plan, peak_memory_bytes=peak + copies,
+                                   memory_budget_bytes=budget,
+                                   ilp={**plan.ilp, "peak_bytes": peak}), graph
+    return plan_at
+
+
+def test_replans_go_below_the_plans_own_search_peak(base):
+    """A plan well inside its search budget comes back unchanged from a cut smaller than that
+    slack: the re-plans cut below the plan's own search peak (`IlpStats.peak_bytes`), by what
+    the prediction exceeds the target before compiling, by budget / compiled after."""
+    calls = []           # search peak 940 + 60 of copies: 50 above the target (950)
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
+                         _slack_planner(base, calls, 940, 60),
+                         lambda p, g: (p, _executable(int(p.peak_memory_bytes))))
+    assert calls == [1000, 890] and made.plan.peak_memory_bytes == 950
+    assert made.plan.measured["memory_check_rounds"] == 0
+    calls, compiled = [], iter([1100, 990])   # predicted 910 (no headroom re-plan), compiled over
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
+                         _slack_planner(base, calls, 900, 10),
+                         lambda p, g: (p, _executable(next(compiled))))
+    assert calls == [1000, int(900 * 1000 / 1100)]
+    assert made.plan.measured == {"compiled_bytes": 990, "memory_check_rounds": 1}
