@@ -128,19 +128,19 @@ def _with_headroom(method, plan_at, plan, graph, budget: float):
     """(plan, graph, the search budget that made it): a plan predicted above (1 - HEADROOM)
     of `budget` re-planned, at most `ROUNDS` times, before anything is compiled, at a search
     budget scaled by target / predicted (the first time at most the target itself) and below
-    the plan's own search peak by what the prediction exceeds the target. The prediction
-    counts what the search's memory rows do not (resharded copies), so a plan the search
-    made for its budget can be predicted above it, and a plan well inside its search budget
-    would come back unchanged from a budget cut less than that slack (the attention LM under
-    `jax.grad` at 70%: three re-plans, the same plan). Where a re-plan finds nothing, the
-    last plan is kept (its compile check decides)."""
+    the plan's own search peak by what the prediction exceeds the target (at most by half).
+    The prediction counts what the search's memory rows do not (resharded copies), so a
+    plan the search made for its budget can be predicted above it, and a plan well inside its
+    search budget would come back unchanged from a budget cut less than that slack (the
+    attention LM under `jax.grad` at 70%: three re-plans, the same plan). Where a re-plan
+    finds nothing, the last plan is kept (its compile check decides)."""
     target, ilp_budget = (1 - HEADROOM) * budget, budget
     for _ in range(ROUNDS):
         if plan.peak_memory_bytes <= target:
             break
-        over = plan.peak_memory_bytes - target
+        peak = search_peak(plan)         # cut by the excess, at most by half
         scaled = min(ilp_budget * target / plan.peak_memory_bytes, target,
-                     search_peak(plan) - over)
+                     max(peak - (plan.peak_memory_bytes - target), peak / 2))
         log.info("autopar: the plan is predicted at %s bytes per device, above %.0f%% of the "
                  "budget %s; re-planning at a search budget of %s before compiling",
                  f"{plan.peak_memory_bytes:,.0f}", 100 * (1 - HEADROOM), f"{budget:,.0f}",

@@ -176,3 +176,7 @@ def test_replans_go_below_the_plans_own_search_peak(base):
                          lambda p, g: (p, _executable(next(compiled))))
     assert calls == [1000, int(900 * 1000 / 1100)]
     assert made.plan.measured == {"compiled_bytes": 990, "memory_check_rounds": 1}
+    calls = []           # copies far above the search peak: each cut at most halves it
+    verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
+                  _slack_planner(base, calls, 100, 2000), lambda p, g: (p, _executable(900)))
+    assert calls == [1000, 50, 23, 10] and min(calls) > 0
