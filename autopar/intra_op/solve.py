@@ -350,7 +350,8 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
     edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
-    peak = peak_memory(graph, specs, mesh.shape, collective_bytes(strat))
+    coll = collective_bytes(strat)
+    peak = peak_memory(graph, specs, mesh.shape, coll)
     out_specs = []
     for pos, tid in enumerate(graph.outputs):
         target = output_targets.get(pos)
@@ -364,7 +365,7 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
         node_comm_s=tuple(s.comm_s for s in strat), output_specs=tuple(out_specs),
         compute_s=float(np.sum([s.compute_s for s in strat])),
         comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
-        peak_memory_bytes=peak, node_collective_bytes=collective_bytes(strat),
+        peak_memory_bytes=peak, node_collective_bytes=coll,
         ilp=dataclasses.replace(stats, peak_bytes=peak),
         fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors,
         node_in_specs=tuple(s.in_specs for s in strat))
