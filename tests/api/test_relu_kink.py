@@ -109,6 +109,7 @@ def _rel(a, b) -> float:
                  / np.sqrt(sum((x ** 2).sum() for x in a)))
 
 
+@pytest.mark.slow   # the next test checks the same plan on seeds 0-7 (this one: 0-2)
 def test_relu_decoder_2x4_gradient_equals_jit():
     ref_fn, par, _, run = _case("relu")
     for seed in range(3):
