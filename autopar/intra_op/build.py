@@ -8,14 +8,11 @@ follow an operand's group and add their outputs to it.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.core._format import format_bytes
-from autopar.core.errors import FallbackWarning
 from autopar.core.graph import (
     InputRole,
     OpGraph,
@@ -27,35 +24,13 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
+from autopar.intra_op.copies import Read, SharedCopy, with_shared_copies
+from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
 from autopar.intra_op.loops import LOOP_LEADER_RULES, exit_strategies, scaled
 from autopar.intra_op.memory import collective_buffers, schedule
 from autopar.intra_op.rules import LEADER_RULES, RuleContext, Strategy, replicated_rule
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fallback:
-    node: int
-    primitive: str
-    source: str
-    reason: str
-    replicated_bytes: int = 0     # whole non-scalar operands and results each device holds
-    largest: str = ""             # the biggest of them, e.g. "operand float32[64, 64] (x['w'])"
-
-
-def warn_fallback(f: Fallback) -> None:
-    """A `FallbackWarning` for a fallback that replicates more than scalars (identical
-    warnings print once per process under Python's default filter)."""
-    if f.replicated_bytes > 0:
-        warnings.warn(
-            f"autopar: node {f.node} '{f.primitive}' at {f.source} is replicated: {f.reason}; "
-            f"every device holds {format_bytes(f.replicated_bytes)} of its operands and "
-            f"results whole{f' (the largest: {f.largest})' if f.largest else ''}. Fix: add a "
-            f"sharding rule for '{f.primitive}' (LEADER_RULES in "
-            f"autopar/intra_op/rules.py or FOLLOW_RULES in follow.py), or restructure the code "
-            f"at that line; see the plan's fallbacks in autopar.dump.",
-            FallbackWarning, stacklevel=2)
 
 
 @dataclass(slots=True)
@@ -73,6 +48,8 @@ class Built:
     constant_tensors: frozenset[int]        # tensors computed from constants alone
     fallbacks: list[Fallback] = field(default_factory=list)
     unmet_pins: tuple[int, ...] = ()        # tensors no option could give the method's sharding
+    shared: IlpProblem | None = None        # `problem` with its shared copies (`copies`)
+    copies: tuple[SharedCopy, ...] = ()     # the copy groups of `shared`, after the plain ones
 
     def signatures(self) -> list[tuple]:
         """Per group, what its options are (tied groups must agree option by option)."""
@@ -125,6 +102,9 @@ class _Builder:
         self.expanded = expanded_tensors(graph)
         self.trips = graph.node_trips()     # runs per step: body operators x trip count
         self._scale = 1                    # the trips of the node being connected
+        self._reader: int | None = None    # the node being connected
+        self.reads: list[Read] = []        # operand reads a copy may serve (`copies`)
+        self.kept: dict[int, np.ndarray] = {}   # group -> the options `restrict` kept
 
     def new_group(self, k: int, owner: tuple[str, int]) -> int:
         self.owners.append(owner)
@@ -157,6 +137,9 @@ class _Builder:
             return
         key = (gu, group)
         self.edges[key] = self.edges.get(key, 0) + mat
+        if self._reader is not None and self._scale == 1:
+            self.reads.append(Read(tensor=tid, group=group, node=self._reader,
+                                   wanted=tuple(wanted)))
 
     # ------------------------------------------------------------------------- tensors
     def add_sources(self) -> None:
@@ -252,10 +235,10 @@ class _Builder:
     def _finish(self, node, g: int, strategies: list[Strategy]) -> None:
         self.node_group[node.id] = g
         self.node_strategies[node.id] = strategies
-        self._scale = self.trips[node.id]      # a body operand is moved every iteration
-        for i, tid in enumerate(node.inputs):
+        self._scale, self._reader = self.trips[node.id], node.id   # a body operand is moved
+        for i, tid in enumerate(node.inputs):                         # every iteration
             self.connect(tid, g, [s.in_specs[i] for s in strategies])
-        self._scale = 1
+        self._scale, self._reader = 1, None
         for j, tid in enumerate(node.outputs):
             self.tensor_group[tid] = g
             self.tensor_specs[tid] = [s.out_specs[j] for s in strategies]
@@ -290,6 +273,7 @@ class _Builder:
                     unmet.add(tid)
             if not mask.all():
                 keep[g] = np.flatnonzero(mask)
+        self.kept = keep
         for g, idx in keep.items():
             self.costs[g], self.diag[g] = self.costs[g][idx], self.diag[g][idx]
         for tid, g in enumerate(self.tensor_group):
@@ -475,10 +459,16 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
                          memory_points=tuple(b.memory_points(budget)),
                          memory_budget_bytes=budget)
+    reads = [r if r.group not in b.kept else Read(
+        tensor=r.tensor, group=r.group, node=r.node,
+        wanted=tuple(r.wanted[i] for i in b.kept[r.group])) for r in b.reads]
+    shared, copies = with_shared_copies(problem, reads, b.tensor_group, b.tensor_specs,
+                                        b.reshard)
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
                  owners=b.owners, fallbacks=b.fallbacks, unmet_pins=tuple(unmet),
+                 shared=shared if copies else None, copies=copies,
                  constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
 
 

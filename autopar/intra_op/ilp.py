@@ -288,13 +288,14 @@ LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points e
 
 
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
-              time_limit_s: float = 60.0) -> IlpSolution:
+              time_limit_s: float = 60.0, hint=None) -> IlpSolution:
     """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
     so far, add the most violated of the rest, and repeat until the plan fits every point;
-    usually the first plan already fits and one solve without memory rows suffices."""
+    usually the first plan already fits and one solve without memory rows suffices. `hint`: a
+    choice to start from (where it fits)."""
     points, budget = problem.memory_points, problem.memory_budget_bytes
     if budget is None or len(points) <= LAZY_MEMORY_POINTS:
-        return _solve_once(problem, backend=backend, time_limit_s=time_limit_s)
+        return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
     active: list[int] = []
     rounds, sol, rows = 0, None, point_rows(points)
@@ -302,7 +303,7 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         sub = replace(problem, memory_points=tuple(points[i] for i in active))
         sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False,
-                          hint=None if sol is None else sol.choice)
+                          hint=hint if sol is None else sol.choice)
         rounds += 1
         if sol.status is SolveStatus.INFEASIBLE:   # a subset is infeasible, so is the whole
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)

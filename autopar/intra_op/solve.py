@@ -27,6 +27,7 @@ from autopar.intra_op.constraints import (
     method_tensor_rule,
     update_statistics,
 )
+from autopar.intra_op.copies import settled
 from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
@@ -54,6 +55,18 @@ def ilp_call(fn: Callable, problem, *args, **kwargs):
     call = ILP_CALL.get()
     return fn(problem, *args, **kwargs) if call is None else call(fn, problem, *args, **kwargs)
 
+
+# The shared ILP (`copies`: a resharded copy that several operators read charged once) is
+# solved after the plain one, from its plan, for at most SHARED_TIME_FACTOR times the plain
+# solve's time (at least SHARED_MIN_S, at most the method's limit); its plan is used only
+# where it is proven optimal.
+SHARED_TIME_FACTOR = 3.0
+SHARED_MIN_S = 1.0
+# Whether `solve_intra_op` solves the shared ILP: the runner-ups pass, which prices rival
+# methods within a share of the search's time, turns it off (their prices still count each
+# shared copy once).
+SHARE_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autopar_share_copies", default=True)
 
 # The level of the "could not pin" message (`_warn_unmet`): the runner-ups pass prices rival
 # methods the user did not ask for, and logs theirs at DEBUG.
@@ -242,13 +255,39 @@ def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> flo
                            time_limit_s=p.method.solver_time_limit_s)[0]
 
 
+def _shared(built, sol: IlpSolution, method: ShardParallel, budget: float) -> IlpSolution:
+    """`sol` (the plain ILP's optimum), or the shared ILP's plan where it proves one faster
+    within its time (`SHARED_TIME_FACTOR`); the message says which."""
+    cap = min(method.solver_time_limit_s,
+              max(SHARED_MIN_S, SHARED_TIME_FACTOR * sol.solve_time_s))
+    shared = dataclasses.replace(built.shared, memory_budget_bytes=budget)
+    start = settled(built.copies, sol.choice)
+    res = ilp_call(solve_ilp, shared, backend=method.solver, time_limit_s=cap, hint=start)
+    n, before = len(built.copies), evaluate(shared, start)
+    took = sol.solve_time_s + res.solve_time_s
+    if res.status != SolveStatus.OPTIMAL:
+        return dataclasses.replace(sol, solve_time_s=took, message=(
+            f"{sol.message}; {n} shared resharded copies: not proven within {cap:.3g} s "
+            f"({res.status.value}), the plan that charges every read kept"))
+    if res.objective < before * (1 - 1e-9):
+        return dataclasses.replace(res, choice=res.choice[:len(built.group_size)],
+                                   solve_time_s=took, message=(
+            f"{sol.message}; {n} shared resharded copies: {before - res.objective:.3g} s "
+            f"faster with them ({res.message})"))
+    return dataclasses.replace(sol, solve_time_s=took, message=(
+        f"{sol.message}; {n} shared resharded copies: the plan stays optimal with them"))
+
+
 def solve_built(p: IntraOpProblem, budget: float | None = None,
                 perturb: tuple[int, float] | None = None,
-                held: dict[int, float] | None = None) -> ShardingAssignment:
+                held: dict[int, float] | None = None,
+                share: bool = False) -> ShardingAssignment:
     """Solve a built ILP at `budget` bytes per device (default: the method's). `held` maps
     tensor ids to a factor: that many more copies of the tensor (as sharded) count at every
     memory point, e.g. a parameter's optimizer state, or the activations of microbatches a
-    pipeline keeps in flight.
+    pipeline keeps in flight. `share`: then solve the shared ILP (`copies`) from the plan
+    (untied problems without `held`, `perturb` or memory rows: the copies' bytes are not in
+    the rows, so a budget that can bind keeps the plan that charges every read).
 
     Raises:
       InfeasiblePlanError: no sharding fits; it says what the least-memory plan needs.
@@ -273,6 +312,9 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
+    if share and built.copies and not held and perturb is None and not reuse \
+            and sol.status == SolveStatus.OPTIMAL and not built.problem.memory_points:
+        sol = _shared(built, sol, p.method, budget)
     if perturb is not None:
         sol = _perturbed(graph, built, sol, mesh.shape, budget, *perturb)
     else:       # between equally fast plans, the one whose inputs take less memory
@@ -285,9 +327,16 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         num_constraints=sol.num_constraints, build_time_s=p.build_time_s,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
-        objective_s=float(evaluate(built.problem, sol.choice)), layer_reuse=reuse)
+        objective_s=float(_objective(built, sol.choice)), layer_reuse=reuse)
     return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats,
                          p.output_pins)
+
+
+def _objective(built, choice) -> float:
+    """The ILP's objective of `choice`, each shared copy moved once (`copies`)."""
+    if built.copies:
+        return evaluate(built.shared, settled(built.copies, choice))
+    return evaluate(built.problem, choice)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],
@@ -315,7 +364,8 @@ def solve_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
     to check the cost model against; see `autopar.sample_plan`). `output_pins` fixes the
     shardings of results (`parallelize(out_shardings=...)`)."""
     return solve_built(build_intra_op(graph, cost, method, carried_outputs, input_paths,
-                                      output_pins=output_pins), perturb=perturb)
+                                      output_pins=output_pins), perturb=perturb,
+                       share=SHARE_COPIES.get())
 
 
 def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: float, seed: int,
@@ -349,7 +399,10 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
-    edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
+    edges, ext = built.edges, choice
+    if built.copies:        # a copy several operators read is moved once (`copies`)
+        edges, ext = built.shared.edges, settled(built.copies, choice)
+    edges = sum(float(e.cost[ext[e.u], ext[e.v]]) for e in edges)
     coll = collective_bytes(strat)
     peak = peak_memory(graph, specs, mesh.shape, coll)
     out_specs = []

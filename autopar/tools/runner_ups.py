@@ -36,7 +36,7 @@ from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.options import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from autopar.core.plan import ParallelPlan
 from autopar.core.plan import alternative_record as record
-from autopar.intra_op.solve import UNMET_PINS_LEVEL
+from autopar.intra_op.solve import SHARE_COPIES, UNMET_PINS_LEVEL
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
                                 f"{MIN_TIME_S:.0f} s)"})
             continue
         quiet = UNMET_PINS_LEVEL.set(logging.DEBUG)     # not the user's method: no warnings
+        alone = SHARE_COPIES.set(False)                 # the plain ILP only (`copies`)
         try:
             got = plan_with(rival)
         except InvalidArgumentError as e:    # the rival's rules do not fit this step (a batch
@@ -111,6 +112,7 @@ def _priced(plan: ParallelPlan, method: ShardParallel,
             continue
         finally:
             UNMET_PINS_LEVEL.reset(quiet)
+            SHARE_COPIES.reset(alone)
         out.append(record(name, "method", got.predicted_step_s, got.peak_memory_bytes, budget,
                           what))
     out.sort(key=lambda a: (a["predicted_step_s"] is None, a["predicted_step_s"] or 0.0))
