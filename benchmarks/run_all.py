@@ -30,7 +30,8 @@ and the measured pipeline step against its ideal schedule time; its options, `--
 `multihost.py` (multihost.md: a cached plan lookup against a fresh search; the step time of 2
 processes x 4 devices next to 1 process x 8), `methods.py` (methods.md: each method's compiled
 collectives next to its plan's), `loops.py` (loops.md: a scanned GPT next to its unrolled
-twin), `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
+twin), `shared_copies.py` (shared_copies.md: the plain ILP's plans next to the shared ILP's),
+`real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
 `memory.py` (memory.md: memory fidelity) and `runner_ups.py` (runner_ups.md: what pricing the
 runner-ups costs), run last. The other reports (`make bench-paper`'s fidelity.md and paper.md,
 gpu.md from a GPU machine, ...) are left as they are.
@@ -55,6 +56,7 @@ import pipeline as pipeline_bench  # benchmarks/pipeline.py (this script's folde
 import pipeline_report
 import real_world as real_world_bench  # benchmarks/real_world.py (this script's folder)
 import runner_ups as runner_ups_bench  # benchmarks/runner_ups.py (this script's folder)
+import shared_copies as shared_copies_bench  # benchmarks/shared_copies.py (this folder)
 from common import (
     AXIS_NAMES,
     MESH_SHAPE,
@@ -509,6 +511,7 @@ def main(argv=None) -> int:
         for key, bench, what in (("multihost", multihost_bench, "multi-host and plan cache"),
                                  ("methods", methods_bench, "method promises"),
                                  ("loops", loops_bench, "loops"),
+                                 ("shared_copies", shared_copies_bench, "shared copies"),
                                  ("real_world", real_world_bench, "real-world steps"),
                                  ("memory", memory_bench, "memory fidelity"),
                                  ("runner_ups", runner_ups_bench, "runner-ups")):

@@ -24,7 +24,7 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
-from autopar.intra_op.copies import Read, SharedCopy, with_shared_copies
+from autopar.intra_op.copies import Read
 from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -48,8 +48,7 @@ class Built:
     constant_tensors: frozenset[int]        # tensors computed from constants alone
     fallbacks: list[Fallback] = field(default_factory=list)
     unmet_pins: tuple[int, ...] = ()        # tensors no option could give the method's sharding
-    shared: IlpProblem | None = None        # `problem` with its shared copies (`copies`)
-    copies: tuple[SharedCopy, ...] = ()     # the copy groups of `shared`, after the plain ones
+    reads: tuple[Read, ...] = ()            # operand reads a shared copy may serve (`copies`)
 
     def signatures(self) -> list[tuple]:
         """Per group, what its options are (tied groups must agree option by option)."""
@@ -459,16 +458,14 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
                          memory_points=tuple(b.memory_points(budget)),
                          memory_budget_bytes=budget)
-    reads = [r if r.group not in b.kept else Read(
+    reads = tuple(r if r.group not in b.kept else Read(
         tensor=r.tensor, group=r.group, node=r.node,
-        wanted=tuple(r.wanted[i] for i in b.kept[r.group])) for r in b.reads]
-    shared, copies = with_shared_copies(problem, reads, b.tensor_group, b.tensor_specs,
-                                        b.reshard)
+        wanted=tuple(r.wanted[i] for i in b.kept[r.group])) for r in b.reads)
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
                  owners=b.owners, fallbacks=b.fallbacks, unmet_pins=tuple(unmet),
-                 shared=shared if copies else None, copies=copies,
+                 reads=reads,
                  constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
 
 

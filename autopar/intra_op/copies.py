@@ -118,6 +118,35 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
     return shared, tuple(copies)
 
 
+def mover(graph, cost) -> Callable[[int, Spec, Spec], float]:
+    """`reshard(tid, src, dst)`: seconds to move tensor `tid` of `graph` between layouts under
+    the `cost.CostModel` `cost` (cached, as the builder's)."""
+    cache: dict = {}
+
+    def reshard(tid: int, src: Spec, dst: Spec | None) -> float:
+        if dst is None or src == dst:
+            return 0.0
+        t = graph.tensors[tid]
+        key = (t.shape, t.itemsize, src, dst)
+        if key not in cache:
+            cache[key] = cost.reshard_s(t.shape, t.itemsize, src, dst)
+        return cache[key]
+    return reshard
+
+
+def duplicate_moves_s(reads, tensor_group: list[int], tensor_specs: list[list[Spec]], choice,
+                      reshard: Callable[[int, Spec, Spec], float]) -> float:
+    """Seconds the plain ILP's edges charge more than once under `choice`: for every (tensor,
+    layout) that n > 1 of `reads` want, (n - 1) moves."""
+    wanted: Counter = Counter()
+    for r in reads:
+        w = r.wanted[int(choice[r.group])]
+        if w is not None:
+            wanted[(r.tensor, w)] += 1
+    return sum((n - 1) * reshard(tid, tensor_specs[tid][int(choice[tensor_group[tid]])], w)
+               for (tid, w), n in wanted.items() if n > 1)
+
+
 def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     """`choice` (one option per plain group) with every copy group after it: present exactly
     where a reader's chosen option wants the copy's layout (the shared ILP's best for it)."""
@@ -126,4 +155,5 @@ def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     return (*(int(i) for i in choice), *extra)
 
 
-__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "ABSENT", "PRESENT"]
+__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover",
+           "duplicate_moves_s", "ABSENT", "PRESENT"]

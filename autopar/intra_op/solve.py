@@ -27,7 +27,7 @@ from autopar.intra_op.constraints import (
     method_tensor_rule,
     update_statistics,
 )
-from autopar.intra_op.copies import settled
+from autopar.intra_op.copies import duplicate_moves_s, mover, settled, with_shared_copies
 from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
@@ -59,8 +59,11 @@ def ilp_call(fn: Callable, problem, *args, **kwargs):
 # The shared ILP (`copies`: a resharded copy that several operators read charged once) is
 # solved after the plain one, from its plan, for at most SHARED_TIME_FACTOR times the plain
 # solve's time (at least SHARED_MIN_S, at most the method's limit); its plan is used only
-# where it is proven optimal.
-SHARED_TIME_FACTOR = 3.0
+# where it is proven optimal. It is tried where it has at most as many copy groups as the
+# plain ILP has groups: beyond that it was never proven within that time, and cost 1.5-3.5 s
+# of planning (benchmarks/results/shared_copies.md: GPTs of 2-3 layers with 737-1078 copies,
+# the OPT-style decoder of tests/api/test_relu_kink.py with 823); MoE layers have fewer.
+SHARED_TIME_FACTOR = 2.0
 SHARED_MIN_S = 1.0
 # Whether `solve_intra_op` solves the shared ILP: the runner-ups pass, which prices rival
 # methods within a share of the search's time, turns it off (their prices still count each
@@ -255,15 +258,26 @@ def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> flo
                            time_limit_s=p.method.solver_time_limit_s)[0]
 
 
-def _shared(built, sol: IlpSolution, method: ShardParallel, budget: float) -> IlpSolution:
-    """`sol` (the plain ILP's optimum), or the shared ILP's plan where it proves one faster
-    within its time (`SHARED_TIME_FACTOR`); the message says which."""
+def _shared(built, sol: IlpSolution, method: ShardParallel, budget: float,
+            reshard) -> IlpSolution:
+    """`sol` (the plain ILP's optimum), or the shared ILP's plan (`copies`, built here) where
+    it proves one faster within its time (`SHARED_TIME_FACTOR`); the message says which.
+    `reshard(tid, src, dst)`: seconds to move (`copies.mover`)."""
+    shared, copies = with_shared_copies(
+        dataclasses.replace(built.problem, memory_budget_bytes=budget), list(built.reads),
+        built.tensor_group, built.tensor_specs, reshard)
+    if not copies:
+        return sol
+    n = len(copies)
+    if n > len(built.group_size):
+        return dataclasses.replace(sol, message=(
+            f"{sol.message}; {n} shared resharded copies, more than the ILP's "
+            f"{len(built.group_size)} groups: the plan that charges every read kept, untried"))
     cap = min(method.solver_time_limit_s,
               max(SHARED_MIN_S, SHARED_TIME_FACTOR * sol.solve_time_s))
-    shared = dataclasses.replace(built.shared, memory_budget_bytes=budget)
-    start = settled(built.copies, sol.choice)
+    start = settled(copies, sol.choice)
     res = ilp_call(solve_ilp, shared, backend=method.solver, time_limit_s=cap, hint=start)
-    n, before = len(built.copies), evaluate(shared, start)
+    before = evaluate(shared, start)
     took = sol.solve_time_s + res.solve_time_s
     if res.status != SolveStatus.OPTIMAL:
         return dataclasses.replace(sol, solve_time_s=took, message=(
@@ -312,9 +326,10 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
-    if share and built.copies and not held and perturb is None and not reuse \
+    reshard = mover(graph, CostModel(mesh=mesh))
+    if share and built.reads and not held and perturb is None and not reuse \
             and sol.status == SolveStatus.OPTIMAL and not built.problem.memory_points:
-        sol = _shared(built, sol, p.method, budget)
+        sol = _shared(built, sol, p.method, budget, reshard)
     if perturb is not None:
         sol = _perturbed(graph, built, sol, mesh.shape, budget, *perturb)
     else:       # between equally fast plans, the one whose inputs take less memory
@@ -327,16 +342,11 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         num_constraints=sol.num_constraints, build_time_s=p.build_time_s,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
-        objective_s=float(_objective(built, sol.choice)), layer_reuse=reuse)
+        objective_s=float(evaluate(built.problem, sol.choice) - duplicate_moves_s(
+            built.reads, built.tensor_group, built.tensor_specs, sol.choice, reshard)),
+        layer_reuse=reuse)
     return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats,
                          p.output_pins)
-
-
-def _objective(built, choice) -> float:
-    """The ILP's objective of `choice`, each shared copy moved once (`copies`)."""
-    if built.copies:
-        return evaluate(built.shared, settled(built.copies, choice))
-    return evaluate(built.problem, choice)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],
@@ -399,10 +409,9 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
-    edges, ext = built.edges, choice
-    if built.copies:        # a copy several operators read is moved once (`copies`)
-        edges, ext = built.shared.edges, settled(built.copies, choice)
-    edges = sum(float(e.cost[ext[e.u], ext[e.v]]) for e in edges)
+    edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
+    edges -= duplicate_moves_s(built.reads, built.tensor_group, built.tensor_specs, choice,
+                               mover(graph, CostModel(mesh=mesh)))   # moved once (`copies`)
     coll = collective_bytes(strat)
     peak = peak_memory(graph, specs, mesh.shape, coll)
     out_specs = []

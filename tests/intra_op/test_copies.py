@@ -5,7 +5,13 @@ import itertools
 
 import numpy as np
 
-from autopar.intra_op.copies import PRESENT, Read, settled, with_shared_copies
+from autopar.intra_op.copies import (
+    PRESENT,
+    Read,
+    duplicate_moves_s,
+    settled,
+    with_shared_copies,
+)
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, brute_force, evaluate, solve_ilp
 
 # Layouts of a 1-D value on 4 devices: whole, split, and a third one; moving costs by pair.
@@ -24,7 +30,7 @@ _MOVE = _mover(MOVE)
 def _model(reader_wants, move=_MOVE, reader_costs=None):
     """A value (group 0, three layouts) read by one node per entry of `reader_wants` (group
     1 + i, option a wanting `reader_wants[i][a]`): the plain ILP (every read charged its move,
-    as the builder makes it) and its shared ILP."""
+    as the builder makes it), its shared ILP, the copies, the layouts and the reads."""
     specs = [WHOLE, SPLIT, OTHER]
     costs = [np.array([0.5, 0.0, 0.2])]
     edges, reads = [], []
@@ -36,7 +42,7 @@ def _model(reader_wants, move=_MOVE, reader_costs=None):
         reads.append(Read(tensor=0, group=1 + i, node=1 + i, wanted=tuple(wanted)))
     plain = IlpProblem(node_costs=tuple(costs), edges=tuple(edges))
     shared, copies = with_shared_copies(plain, reads, [0], [specs], move)
-    return plain, shared, copies, specs
+    return plain, shared, copies, specs, reads
 
 
 def _true_cost(plain, choice, reader_wants, specs, move=_MOVE):
@@ -48,7 +54,7 @@ def _true_cost(plain, choice, reader_wants, specs, move=_MOVE):
 
 def test_a_layout_two_reads_want_gets_one_copy_group_after_the_plain_groups():
     wants = [[WHOLE, SPLIT], [WHOLE, OTHER], [OTHER]]
-    plain, shared, copies, _ = _model(wants)
+    plain, shared, copies, _, _ = _model(wants)
     by_spec = {c.spec: c for c in copies}
     # WHOLE: wanted by two reads and moving into it costs; OTHER likewise; SPLIT by one read.
     assert set(by_spec) == {WHOLE, OTHER}
@@ -64,13 +70,15 @@ def test_the_shared_objective_pays_each_layout_once_for_every_plan():
     """For every choice of the value and its readers, the copy groups as `settled` sets them
     (and the best copy choice) give exactly the cost of moving each wanted layout once."""
     wants = [[WHOLE, SPLIT], [WHOLE, OTHER], [OTHER, WHOLE]]
-    plain, shared, copies, specs = _model(wants)
+    plain, shared, copies, specs, reads = _model(wants)
     for base in itertools.product(*(range(k) for k in plain.num_strategies)):
         best = min(evaluate(shared, (*base, *extra))
                    for extra in itertools.product((0, PRESENT), repeat=len(copies)))
         true = _true_cost(plain, base, wants, specs)
         assert np.isclose(best, true) and np.isclose(evaluate(shared, settled(copies, base)),
                                                      true), base
+        assert np.isclose(evaluate(plain, base) - duplicate_moves_s(
+            reads, [0], [specs], base, _MOVE), true), base     # the plan's accounting
     sol, ref = solve_ilp(shared), brute_force(shared)
     assert np.isclose(sol.objective, ref.objective)
     assert np.isclose(sol.objective, min(
@@ -84,7 +92,7 @@ def test_sharing_finds_the_plan_that_charging_every_read_misses():
     is the best plan when each read pays its own move (0.8 for the split value)."""
     move = _mover({**MOVE, (SPLIT, WHOLE): 0.4})
     wants = [[WHOLE, SPLIT], [WHOLE, SPLIT]]
-    plain, shared, copies, _ = _model(wants, move, reader_costs=[[0.0, 0.35], [0.0, 0.35]])
+    plain, shared, copies, _, _ = _model(wants, move, reader_costs=[[0.0, 0.35], [0.0, 0.35]])
     per_read = solve_ilp(plain)
     assert per_read.choice == (0, 0, 0) and np.isclose(per_read.objective, 0.5)
     sol = solve_ilp(shared, hint=settled(copies, per_read.choice))   # as solve.py starts it
@@ -102,17 +110,18 @@ def test_the_plan_search_uses_the_shared_plan_only_where_it_is_proven(monkeypatc
     from autopar.intra_op.ilp import SolveStatus
 
     move = _mover({**MOVE, (SPLIT, WHOLE): 0.4})
-    plain, shared, copies, _ = _model([[WHOLE, SPLIT], [WHOLE, SPLIT]], move,
-                                      reader_costs=[[0.0, 0.35], [0.0, 0.35]])
-    built = SimpleNamespace(shared=shared, copies=copies, group_size=list(plain.num_strategies))
+    plain, _, _, specs, reads = _model([[WHOLE, SPLIT], [WHOLE, SPLIT]], move,
+                                       reader_costs=[[0.0, 0.35], [0.0, 0.35]])
+    built = SimpleNamespace(problem=plain, reads=reads, tensor_group=[0], tensor_specs=[specs],
+                            group_size=list(plain.num_strategies))
     first = solve_ilp(plain)
-    got = solve._shared(built, first, autopar.ShardParallel(), 1e12)
+    got = solve._shared(built, first, autopar.ShardParallel(), 1e12, move)
     assert got.choice == (1, 0, 0) and "2 shared resharded copies: 0.1 s faster" in got.message
 
     exact = solve.solve_ilp
     monkeypatch.setattr(solve, "solve_ilp", lambda p, **kw: dataclasses.replace(
         exact(p, **kw), status=SolveStatus.FEASIBLE))
-    got = solve._shared(built, first, autopar.ShardParallel(), 1e12)
+    got = solve._shared(built, first, autopar.ShardParallel(), 1e12, move)
     assert got.choice == first.choice and got.status == SolveStatus.OPTIMAL
     assert "not proven within 1 s (feasible), the plan that charges every read kept" \
         in got.message
