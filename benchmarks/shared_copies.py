@@ -7,8 +7,9 @@ of a moved value charged its move; `intra_op.solve.SHARE_COPIES` off) and as aut
 (the shared ILP solved after it, from its plan, and used where it proves a faster one). Per
 plan: the planning time, the ILP's note on the shared copies, the predicted step (both priced
 with each shared copy moved once) and the compiled collectives. Cases: a top-2 MoE layer and
-a 2-layer MoE LM (batch pinned to the mesh axis, SGD) on 1 x 4, and linen GPTs (hidden 256, 8
-heads, vocab 1024, seq 64, batch 16, adamw) of 2 and 3 layers on 2 x 4.
+a 2-layer MoE LM (tests/support/layer_models.py; batch pinned to the mesh axis, SGD) on 1 x 4,
+and linen GPTs (hidden 256, 8 heads, vocab 1024, seq 64, batch 16, adamw) of 2 and 3 layers on
+2 x 4.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 import time
 
 from common import (
+    REPO,
     collective_kinds,
     md_row,
     run_worker,
@@ -27,55 +29,10 @@ from common import (
 )
 
 
-def _moe_layer():
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import linen as nn
-    from flax.training import train_state
-
-    from autopar.models.moe import MoEConfig, MoeMlp
-    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=64, num_heads=4,
-                    num_experts=4, expert_every=1)
-
-    class Layer(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return MoeMlp(cfg)(x)
-    batch = {"x": jax.random.normal(jax.random.key(0), (8, 16, 64)),
-             "y": jax.random.normal(jax.random.key(1), (8, 16, 64))}
-    state = train_state.TrainState.create(
-        apply_fn=Layer().apply, params=Layer().init(jax.random.key(2), batch["x"]),
-        tx=optax.sgd(0.1))
-
-    def step(state, batch):
-        def loss_fn(p):
-            out, aux = state.apply_fn(p, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2) + 0.01 * aux.mean()
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-    return step, (state, batch)
-
-
-def _moe_lm():
-    import jax
-    import optax
-    from flax.training import train_state
-
-    from autopar.models.moe import MoE, MoEConfig, make_moe_batch, moe_loss
-    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=2, hidden=64, num_heads=4,
-                    num_experts=4)
-    batch, model = make_moe_batch(jax.random.key(0), 8, cfg), MoE(cfg)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(2), batch["tokens"]),
-        tx=optax.sgd(0.1))
-
-    def step(state, batch):
-        def loss_fn(p):
-            logits, aux = state.apply_fn(p, batch["tokens"], return_aux=True)
-            return moe_loss(logits, batch["tokens"], aux)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+def _support_case(name):
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from support import layer_models
+    step, state, batch = getattr(layer_models, name)()
     return step, (state, batch)
 
 
@@ -98,7 +55,8 @@ def _gpt(layers):
     return step, (state, batch)
 
 
-CASES = (("MoE layer", _moe_layer, (1, 4), True), ("MoE LM, 2 layers", _moe_lm, (1, 4), True),
+CASES = (("MoE layer", lambda: _support_case("moe_layer_case"), (1, 4), True),
+         ("MoE LM, 2 layers", lambda: _support_case("moe_lm_case"), (1, 4), True),
          ("GPT, 2 layers", lambda: _gpt(2), (2, 4), False),
          ("GPT, 3 layers", lambda: _gpt(3), (2, 4), False))
 

@@ -326,13 +326,14 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
-    reshard = mover(graph, CostModel(mesh=mesh))
+    reshard, plain = mover(graph, CostModel(mesh=mesh)), sol.choice
     if share and built.reads and not held and perturb is None and not reuse \
             and sol.status == SolveStatus.OPTIMAL and not built.problem.memory_points:
         sol = _shared(built, sol, p.method, budget, reshard)
     if perturb is not None:
         sol = _perturbed(graph, built, sol, mesh.shape, budget, *perturb)
-    else:       # between equally fast plans, the one whose inputs take less memory
+    elif sol.choice == plain:   # between equally fast plans, the one whose inputs take less
+        # memory (ties of the plain ILP; a plan of the shared ILP is left as it is)
         ties = {built.tensor_group[t]: option_bytes(graph, built.tensor_specs, t, mesh.shape)
                 for t in graph.inputs if len(built.tensor_specs[t]) > 1}
         sol = dataclasses.replace(sol, choice=polish_ties(built.problem, sol.choice, ties))

@@ -20,6 +20,7 @@ from autopar.models import (
     moe_param_count,
     top2_gating,
 )
+from support.layer_models import moe_layer_case, moe_lm_case
 from support.steps import init_params, num_params
 
 top2_gating = jax.jit(top2_gating, static_argnums=1)  # eager: hundreds of tiny dispatches
@@ -205,35 +206,6 @@ def test_training_reduces_loss(tiny):
 # -- expert parallelism ------------------------------------------------------
 
 
-def _moe_layer_case():
-    from flax import linen as nn
-    from flax.training import train_state
-
-    from autopar.models.moe import MoeMlp
-
-    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=64, num_heads=4,
-                    num_experts=4, expert_every=1)
-
-    class Layer(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return MoeMlp(cfg)(x)
-
-    batch = {"x": jax.random.normal(jax.random.key(0), (8, 16, 64)),
-             "y": jax.random.normal(jax.random.key(1), (8, 16, 64))}
-    state = train_state.TrainState.create(
-        apply_fn=Layer().apply, params=Layer().init(jax.random.key(2), batch["x"]),
-        tx=optax.sgd(0.1))
-
-    def step(state, batch):
-        def loss_fn(p):
-            out, aux = state.apply_fn(p, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2) + 0.01 * aux.mean()
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-    return step, state, batch
-
-
 def _expert_parallel(step, args, mesh_shape, cheap_links):
     """Plan `step` with its batch pinned to the mesh's non-trivial axis; check that the
     experts are split over it, that the compiled collectives are the predicted ones and that
@@ -273,7 +245,7 @@ def test_moe_layer_moves_tokens_to_the_experts_by_all_to_all_only(mesh_shape):
     experts' outputs (one copy, read by the combine and by the combine's gradient:
     `intra_op.copies`) and their gradient; the tokens are data, so the dispatch's gradient
     is not computed (Alpa's layer, whose input has a gradient, has four)."""
-    step, state, batch = _moe_layer_case()
+    step, state, batch = moe_layer_case()
     found, _ = _expert_parallel(step, (state, batch), mesh_shape, cheap_links=False)
     assert set(found) == {"all-to-all", "all-reduce"}, found
     assert found["all-to-all"][0] == 3 and found["all-reduce"][0] == 1, found
@@ -283,7 +255,7 @@ def test_moe_layer_under_cheap_links_gathers_no_activation():
     """Links of near-zero latency: the same all-to-alls, and the plan may keep the router's
     small kernel split (gathered for its use: a 1 KiB all-gather the cost model prices below
     the update it saves), but no activation is gathered."""
-    step, state, batch = _moe_layer_case()
+    step, state, batch = moe_layer_case()
     found, plan = _expert_parallel(step, (state, batch), (1, 4), cheap_links=True)
     assert found["all-to-all"][0] == 3 and found["all-reduce"][0] == 1, found
     gathered = [c for c in plan.collectives if c.kind == "all-gather"]
@@ -298,22 +270,7 @@ def test_moe_lm_is_expert_parallel_with_all_to_alls(mesh_shape):
     for the replicated gradients, nothing else (Alpa's plan). With every read charged its own
     move (the plain ILP alone), the plan was data parallel with the experts replicated, one
     all-reduce of every gradient, predicted 3% slower."""
-    from flax.training import train_state
-
-    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=2, hidden=64, num_heads=4,
-                    num_experts=4)
-    batch = make_moe_batch(jax.random.key(0), 8, cfg)
-    model = MoE(cfg)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(2), batch["tokens"]),
-        tx=optax.sgd(0.1))
-
-    def step(state, batch):
-        def loss_fn(p):
-            logits, aux = state.apply_fn(p, batch["tokens"], return_aux=True)
-            return moe_loss(logits, batch["tokens"], aux)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    step, state, batch = moe_lm_case()
     found, _ = _expert_parallel(step, (state, batch), mesh_shape, cheap_links=False)
     assert set(found) == {"all-to-all", "all-reduce"}, found
     assert found["all-to-all"][0] == 4 and found["all-reduce"][0] == 1, found

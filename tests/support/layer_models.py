@@ -149,3 +149,52 @@ def dropout_case(*, batch_size: int = 64, features: int = 64, hidden: int = 256,
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss, grads
     return step, state, batches
+
+
+def moe_layer_case():
+    """(step, state, batch): one top-2 MoE layer (`autopar.models.moe.MoeMlp`: hidden 64, 4
+    experts, 16 tokens per sequence) regressing a random target, batch 8, SGD; the step
+    returns (state, loss)."""
+    from autopar.models.moe import MoEConfig, MoeMlp
+    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=64, num_heads=4,
+                    num_experts=4, expert_every=1)
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return MoeMlp(cfg)(x)
+
+    batch = {"x": jax.random.normal(jax.random.key(0), (8, 16, 64)),
+             "y": jax.random.normal(jax.random.key(1), (8, 16, 64))}
+    state = train_state.TrainState.create(
+        apply_fn=Layer().apply, params=Layer().init(jax.random.key(2), batch["x"]),
+        tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p):
+            out, aux = state.apply_fn(p, batch["x"])
+            return jnp.mean((out - batch["y"]) ** 2) + 0.01 * aux.mean()
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+    return step, state, batch
+
+
+def moe_lm_case():
+    """(step, state, batch): the MoE LM (`autopar.models.moe.MoE`: 2 layers, block 1 routed,
+    hidden 64, 4 experts, vocab 64, seq 16), batch 8, SGD (Adam's first step is sign(g): an
+    entry near zero flips between layouts); the step returns (state, loss)."""
+    from autopar.models.moe import MoE, MoEConfig, make_moe_batch, moe_loss
+    cfg = MoEConfig(vocab_size=64, seq_len=16, num_layers=2, hidden=64, num_heads=4,
+                    num_experts=4)
+    batch, model = make_moe_batch(jax.random.key(0), 8, cfg), MoE(cfg)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(2), batch["tokens"]),
+        tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits, aux = state.apply_fn(p, batch["tokens"], return_aux=True)
+            return moe_loss(logits, batch["tokens"], aux)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+    return step, state, batch
