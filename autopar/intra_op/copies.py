@@ -28,8 +28,9 @@ The shared ILP is much harder for the MIP than the plain one (its LP relaxation 
 copy serve two half-readers): on the 2-layer OPT-style decoder of tests/api/test_relu_kink.py
 on 2 x 4, its 823 copy groups took the solve from 1.1 s to the 60 s limit (gap 1.7%).
 `solve.solve_intra_op` therefore solves it after the plain ILP, starting from the plain plan,
-within a bounded time (`SHARED_TIME_FACTOR`), and uses its plan only where it proves it
-optimal.
+within a bounded time (`SHARED_TIME_FACTOR`), where it has at most as many copy groups as the
+plain ILP has groups, and uses its plan only where it proves it optimal. Every plan's
+predicted resharding counts each copy once (`duplicate_moves_s`).
 """
 from __future__ import annotations
 
