@@ -168,6 +168,9 @@ def _overview(plan: ParallelPlan, stage) -> list:
                      f"{_time(ilp['solve_time_s'])}")
         if ilp.get("layer_reuse"):
             lines.append(f"  repeated layers: {ilp['layer_reuse']}")
+        shared = [p for p in ilp.get("message", "").split("; ") if "shared resharded" in p]
+        if shared:          # intra_op.copies: what the shared ILP did
+            lines.append(f"  {shared[0]}")
         if ilp["status"] not in ("optimal", "trivial"):
             lines.append(f"  NOTE: {ilp['message']}")
     if plan.pipeline:

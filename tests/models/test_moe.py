@@ -245,10 +245,14 @@ def test_moe_layer_moves_tokens_to_the_experts_by_all_to_all_only(mesh_shape):
     experts' outputs (one copy, read by the combine and by the combine's gradient:
     `intra_op.copies`) and their gradient; the tokens are data, so the dispatch's gradient
     is not computed (Alpa's layer, whose input has a gradient, has four)."""
+    import autopar
+
     step, state, batch = moe_layer_case()
-    found, _ = _expert_parallel(step, (state, batch), mesh_shape, cheap_links=False)
+    found, plan = _expert_parallel(step, (state, batch), mesh_shape, cheap_links=False)
     assert set(found) == {"all-to-all", "all-reduce"}, found
     assert found["all-to-all"][0] == 3 and found["all-reduce"][0] == 1, found
+    shared = [ln for ln in autopar.dump(plan).splitlines() if "shared resharded copies" in ln]
+    assert len(shared) == 1 and "faster with them" in shared[0], shared     # says why
 
 
 def test_moe_layer_under_cheap_links_gathers_no_activation():
