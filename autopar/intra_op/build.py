@@ -24,7 +24,7 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
-from autopar.intra_op.copies import Read
+from autopar.intra_op.copies import Read, mover
 from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -97,7 +97,7 @@ class _Builder:
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.fallbacks: list[Fallback] = []
         self.owners: list[tuple[str, int]] = []
-        self._reshard_cache: dict = {}
+        self.reshard = mover(graph, ctx.cost)   # (tid, src, dst) -> seconds, cached
         self.expanded = expanded_tensors(graph)
         self.trips = graph.node_trips()     # runs per step: body operators x trip count
         self._scale = 1                    # the trips of the node being connected
@@ -110,16 +110,6 @@ class _Builder:
         self.costs.append(np.zeros(k))
         self.diag.append(np.zeros(k))
         return len(self.costs) - 1
-
-    def reshard(self, tid: int, src: Spec, dst: Spec | None) -> float:
-        if dst is None or src == dst:
-            return 0.0
-        t = self.g.tensors[tid]
-        key = (t.shape, t.itemsize, src, dst)
-        val = self._reshard_cache.get(key)
-        if val is None:
-            val = self._reshard_cache[key] = self.ctx.cost.reshard_s(t.shape, t.itemsize, src, dst)
-        return val
 
     def connect(self, tid: int, group: int, wanted: list[Spec | None]) -> None:
         """Charge moving tensor `tid` into the spec `wanted[a]` for option a of `group`."""

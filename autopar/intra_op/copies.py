@@ -90,8 +90,10 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
         u, specs = tensor_group[tid], tensor_specs[tid]
         wants = Counter(w for r in rs for w in set(r.wanted) if w is not None)
         for w, n in sorted(wants.items(), key=lambda kv: str(kv[0])):
-            cost = np.array([reshard(tid, s, w) for s in specs], float) if n >= 2 else None
-            if cost is None or not cost.any():
+            if n < 2:
+                continue
+            cost = np.array([reshard(tid, s, w) for s in specs], float)
+            if not cost.any():
                 continue
             c = n0 + len(copies)
             move = np.zeros((len(specs), 2))
@@ -121,7 +123,7 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
 
 def mover(graph, cost) -> Callable[[int, Spec, Spec], float]:
     """`reshard(tid, src, dst)`: seconds to move tensor `tid` of `graph` between layouts under
-    the `cost.CostModel` `cost` (cached, as the builder's)."""
+    the `cost.CostModel` `cost`, cached by (shape, itemsize, src, dst) (the builder's too)."""
     cache: dict = {}
 
     def reshard(tid: int, src: Spec, dst: Spec | None) -> float:

@@ -337,17 +337,17 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         ties = {built.tensor_group[t]: option_bytes(graph, built.tensor_specs, t, mesh.shape)
                 for t in graph.inputs if len(built.tensor_specs[t]) > 1}
         sol = dataclasses.replace(sol, choice=polish_ties(built.problem, sol.choice, ties))
+    dup = duplicate_moves_s(built.reads, built.tensor_group, built.tensor_specs, sol.choice,
+                            reshard)      # what the edges charge twice (`copies`)
     stats = IlpStats(
         num_groups=len(built.group_size), num_edges=len(built.edges),
         num_memory_points=len(built.problem.memory_points), num_variables=sol.num_variables,
         num_constraints=sol.num_constraints, build_time_s=p.build_time_s,
         solve_time_s=sol.solve_time_s, status=sol.status.value,
         backend=sol.backend.value if sol.backend else "none", message=sol.message,
-        objective_s=float(evaluate(built.problem, sol.choice) - duplicate_moves_s(
-            built.reads, built.tensor_group, built.tensor_specs, sol.choice, reshard)),
-        layer_reuse=reuse)
+        objective_s=float(evaluate(built.problem, sol.choice) - dup), layer_reuse=reuse)
     return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats,
-                         p.output_pins)
+                         p.output_pins, duplicate_s=dup)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],
@@ -405,14 +405,13 @@ def _perturbed(graph: OpGraph, built, sol: IlpSolution, mesh_shape, budget: floa
 def assignment_of(graph: OpGraph, built, choice, mesh,
                   output_targets: dict[OutputPos, TensorId],
                   stats: IlpStats, output_pins: dict[OutputPos, Spec] | None = None,
-                  ) -> ShardingAssignment:
-    """The assignment that picks strategy `choice[g]` in every ILP group `g`."""
+                  duplicate_s: float = 0.0) -> ShardingAssignment:
+    """The assignment that picks strategy `choice[g]` in every ILP group `g`; `duplicate_s`:
+    the seconds of moves its edges charge twice (`copies.duplicate_moves_s`)."""
     specs = tuple(built.tensor_specs[t][choice[g]] for t, g in enumerate(built.tensor_group))
     strat = [built.node_strategies[n][choice[g]] for n, g in enumerate(built.node_group)]
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
     edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
-    edges -= duplicate_moves_s(built.reads, built.tensor_group, built.tensor_specs, choice,
-                               mover(graph, CostModel(mesh=mesh)))   # moved once (`copies`)
     coll = collective_bytes(strat)
     peak = peak_memory(graph, specs, mesh.shape, coll)
     out_specs = []
@@ -427,7 +426,7 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
         node_compute_s=tuple(s.compute_s for s in strat),
         node_comm_s=tuple(s.comm_s for s in strat), output_specs=tuple(out_specs),
         compute_s=float(np.sum([s.compute_s for s in strat])),
-        comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges,
+        comm_s=float(np.sum([s.comm_s for s in strat])), reshard_s=diag + edges - duplicate_s,
         peak_memory_bytes=peak, node_collective_bytes=coll,
         ilp=dataclasses.replace(stats, peak_bytes=peak),
         fallbacks=tuple(built.fallbacks), constant_tensors=built.constant_tensors,
