@@ -216,25 +216,28 @@ def _case_worker(args) -> None:
     out.save()
     if not args.no_auto:
         a = r["auto"] = {"tries": [], "budget_s": args.auto_budget_s, "shapes": args.shapes,
-                         "auto_layers": cfg.auto_layers, "not_tried": []}
-        for m in auto_microbatches(cfg.batch, args.auto_tries):
-            # Fewer microbatches = larger ones = more activation memory: after a try that does
-            # not fit, the next cannot fit either.
-            stop = a["tries"] and (a["tries"][-1]["status"] == "infeasible" or sum(
-                t["wall_s"] for t in a["tries"]) >= args.auto_budget_s)
-            if stop:
-                a["not_tried"].append(m)
-                continue
-            _progress(f"{cfg.key} ({cfg.gpus} GPUs): autopar, M={m} ...")
-            method = autopar.PipeshardParallel(
-                num_microbatches=m, layer_option=autopar.AutoLayerOption(
-                    num_layers=cfg.auto_layers),
-                stage_option=autopar.AutoStageOption(logical_shapes=args.shapes))
-            t = {"m": m, **plan_once(step, state, spec, cluster, method, flops, cfg.gpus)}
-            a["tries"].append(t)
-            out.save()
-            _progress(f"{cfg.key}: autopar M={m}: {t['status']} in {t['wall_s']:.1f} s"
-                      + (f", {t['tflops']:.1f} TFLOPS/GPU predicted" if "tflops" in t else ""))
+                         "auto_layers": list(cfg.auto_layers), "not_tried": []}
+        for k in cfg.auto_layers:        # each auto-layer count Alpa used; the best plan kept
+            done = []
+            for m in auto_microbatches(cfg.batch, args.auto_tries):
+                # Fewer microbatches = larger ones = more activation memory: after a try that
+                # does not fit, the next cannot fit either.
+                if done and (done[-1]["status"] == "infeasible" or sum(
+                        t["wall_s"] for t in done) >= args.auto_budget_s):
+                    a["not_tried"].append({"auto_layers": k, "m": m})
+                    continue
+                _progress(f"{cfg.key} ({cfg.gpus} GPUs): autopar, K={k}, M={m} ...")
+                method = autopar.PipeshardParallel(
+                    num_microbatches=m, layer_option=autopar.AutoLayerOption(num_layers=k),
+                    stage_option=autopar.AutoStageOption(logical_shapes=args.shapes))
+                t = {"m": m, "auto_layers": k,
+                     **plan_once(step, state, spec, cluster, method, flops, cfg.gpus)}
+                done.append(t)
+                a["tries"].append(t)
+                out.save()
+                _progress(f"{cfg.key}: autopar K={k} M={m}: {t['status']} in "
+                          f"{t['wall_s']:.1f} s" + (f", {t['tflops']:.1f} TFLOPS/GPU predicted"
+                                                    if "tflops" in t else ""))
     if not args.no_manual:
         grid = megatron_grid(cfg.gpus, layers, cfg.batch, tensor=cfg.family != "wrn",
                              microbatch_sizes=tuple(args.manual_mb), state_bytes=state_bytes,
@@ -381,7 +384,7 @@ def main(argv=None) -> int:
                    help="examples per microbatch per data-parallel replica in the grid")
     p.add_argument("--shapes", default="flat", choices=("flat", "all"),
                    help="AutoStageOption(logical_shapes=) of autopar's search")
-    p.add_argument("--case-timeout-s", type=float, default=480.0)
+    p.add_argument("--case-timeout-s", type=float, default=720.0)
     p.add_argument("--scale-layers", type=int, nargs="+", default=list(SCALE_LAYERS))
     p.add_argument("--scale-hosts", type=int, nargs="+", default=list(SCALE_HOSTS))
     p.add_argument("--scale-timeout-s", type=float, default=360.0)

@@ -65,6 +65,19 @@ def _memory(stages) -> str:
     return out + (f", zero {'/'.join(str(int(z)) for z in zero)}" if any(zero) else "")
 
 
+def _label(t, a) -> str:
+    """"M=1024", or "K=16, M=1024" where the configuration searched several auto-layer counts
+    (`t["auto_layers"]`; results saved before the counts were searched have one count)."""
+    ks = a.get("auto_layers")
+    many = isinstance(ks, list) and len(ks) > 1
+    return (f"K={t.get('auto_layers')}, " if many else "") + f"M={t['m']}"
+
+
+def _not_tried(a) -> str:
+    return ", ".join(f"K={x['auto_layers']}, M={x['m']}" if isinstance(x, dict) else str(x)
+                     for x in a["not_tried"])
+
+
 def _fail(e) -> str:
     if e.get("status") == "infeasible":
         return (f"infeasible (needs {_gib(e.get('needed_bytes'))} GiB/device, budget "
@@ -145,9 +158,11 @@ def _setup(res) -> list[str]:
         "one host with that many devices (`preset(...).with_(devices_per_host=n)`).", "",
         "**autopar**: `autopar.plan(step, state, batch, cluster=..., method=PipeshardParallel("
         "num_microbatches=M, layer_option=AutoLayerOption(num_layers=K), stage_option="
-        f"AutoStageOption(logical_shapes=\"{a['shapes']}\")))`, K = Alpa's number of auto "
-        "layers for that model; M tried in the order batch, batch/2, batch/4 (1, 2, 4 examples "
-        f"per microbatch; at most {a['auto_tries']} tries) until a configuration's planning "
+        f"AutoStageOption(logical_shapes=\"{a['shapes']}\")))`, K = each number of auto "
+        "layers Alpa's suites used for that model (`grid_search_suite`'s, and the one of "
+        "`perf_test_suite`'s published solution: GPT-39B 8 and 16; the best plan of all K is "
+        "kept); per K, M tried in the order batch, batch/2, batch/4 (1, 2, 4 examples "
+        f"per microbatch; at most {a['auto_tries']} tries) until that K's planning "
         f"time reaches {a['auto_budget_s']:.0f} s (`--auto-budget-s`) or a try does not fit "
         "(a larger microbatch needs more memory, so the rest are not tried); the best "
         "predicted plan is kept and `plan s` sums every try. Alpa tried 16 to 1024 microbatches "
@@ -187,9 +202,10 @@ def _results_table(res) -> list[str]:
         a, tries, ab, _ = _auto(r)
         m, pts, planned, mb, _ = _manual(r)
         if ab:
-            auto_cell, plan_cell = f"{ab['tflops']:.1f}", f"M={ab['m']}: {_stages(ab['stages'])}"
+            auto_cell = f"{ab['tflops']:.1f}"
+            plan_cell = f"{_label(ab, a)}: {_stages(ab['stages'])}"
         elif tries:
-            auto_cell, plan_cell = "–", "; ".join(f"M={t['m']}: {_fail(t)}" for t in tries)
+            auto_cell, plan_cell = "–", "; ".join(f"{_label(t, a)}: {_fail(t)}" for t in tries)
         else:
             auto_cell, plan_cell = "–", r.get("incomplete") or ("not run" if not a else "–")
         if mb:
@@ -228,11 +244,10 @@ def _planning_table(res) -> list[str]:
         cfg = ALL[r["key"]]
         a, tries, ab, tsum = _auto(r)
         m, pts, planned, mb, msum = _manual(r)
-        tr = "; ".join(f"M={t['m']}: {t['status']} {t['wall_s']:.1f} s" for t in tries)
+        tr = "; ".join(f"{_label(t, a)}: {t['status']} {t['wall_s']:.1f} s" for t in tries)
         if a.get("not_tried"):
-            why = ("larger microbatches cannot fit either" if tries[-1]["status"] ==
-                   "infeasible" else "budget spent")
-            tr += f"; not tried ({why}): M={', '.join(map(str, a['not_tried']))}"
+            tr += ("; not tried (a smaller M did not fit, or the budget was spent): "
+                   + _not_tried(a))
         tm = (ab or {}).get("timings_s", {})
         pl = (ab or {}).get("pipeline", {})
         budget = sum(1 for e in pts if e.get("message") == "manual budget spent")
@@ -250,8 +265,9 @@ def _planning_table(res) -> list[str]:
     return out + [""]
 
 
-G39B_GOAL = ("GPT-39B on 64 GPUs: a feasible plan in <= 60 s with 8 and 16 auto layers, 64 and "
-             "1024 microbatches")
+G39B_GOAL = ("GPT-39B on 64 GPUs with 8 auto layers: planned in <= 60 s at 128 and at 1024 "
+             "microbatches (issue 24)")
+G39B_CASES = ((8, 128), (8, 1024))
 DENSE_GOAL = "autopar >= 1.00x the best manual plan on every dense configuration (GPT, Wide-ResNet)"
 MEMORY_GOAL = "autopar >= 1.2x the best manual plan on the memory-bound ones (MoE, GPT >= 6.7B)"
 REMAT_GOAL = "the chosen rematerialization of every stage reported"
@@ -275,21 +291,21 @@ def _g39b_goal(res) -> tuple[str, str, str]:
     tries = []
     if g:
         a = _auto(g)[0]
-        tries += [dict(t, auto_layers=a.get("auto_layers")) for t in a.get("tries", [])]
+        tries += [dict(t, auto_layers=t.get("auto_layers", a.get("auto_layers")))
+                  for t in a.get("tries", [])]
     tries += res.get("g39b", [])
     cells, ok, run = [], 0, 0
-    for k in (8, 16):
-        for m in (64, 1024):
-            t = next((t for t in tries if t.get("auto_layers") == k and t["m"] == m), None)
-            if t is None:
-                cells.append(f"K={k}, M={m}: not run here")
-                continue
-            run += 1
-            good = t["status"] == "ok" and t["wall_s"] <= 60
-            ok += good
-            cells.append(f"K={k}, M={m}: {t['status']} in {t['wall_s']:.1f} s"
-                         + (f" ({t['source']})" if t.get("source") else ""))
-    status = "met" if ok == 4 else ("missed" if run > ok else "not evaluable")
+    for k, m in G39B_CASES:
+        t = next((t for t in tries if t.get("auto_layers") == k and t["m"] == m), None)
+        if t is None:
+            cells.append(f"K={k}, M={m}: not run here")
+            continue
+        run += 1
+        good = t["status"] == "ok" and t["wall_s"] <= 60
+        ok += good
+        cells.append(f"K={k}, M={m}: {t['status']} in {t['wall_s']:.1f} s"
+                     + (f" ({t['source']})" if t.get("source") else ""))
+    status = "met" if ok == len(G39B_CASES) else ("missed" if run > ok else "not evaluable")
     return G39B_GOAL, status, "; ".join(cells)
 
 
