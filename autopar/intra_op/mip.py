@@ -35,6 +35,13 @@ _INTEGRAL_TOL = 1e-9
 # the 70 distinct ILPs of tests/inter_op/test_stages.py's budget test 18.0 -> 9.5 s, 10
 # GPT-39B stage ILPs 192 -> 136 s, the same objectives within the 0.1% gap.
 MIP_ALLOW_RESTART = False
+# HiGHS's RENS heuristic solves a sub-MIP at the root, and that sub-MIP's presolve does not
+# watch the time limit: on a GPT-39B layer ILP (K=8, M=1024, (2, 8) as (1, 16), selective
+# recomputation; 3799 columns) highspy 1.16 stayed in `HPresolve::strengthenInequalities`
+# under RENS for more than 7 minutes with a 60 s limit, while without RENS the MIP is solved
+# to optimality in 2.6 s (tests/intra_op/test_mip.py). RENS off costs nothing measurable on
+# the captured ILPs (benchmarks/results/ilp.md).
+MIP_RUN_RENS = False
 _MIP_ABS_GAP = 1e-10
 
 
@@ -211,7 +218,8 @@ def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
     h = _quiet_highs()
     for name, value in (("output_flag", False), ("time_limit", float(time_limit_s)),
                         ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP),
-                        ("mip_allow_restart", MIP_ALLOW_RESTART)):
+                        ("mip_allow_restart", MIP_ALLOW_RESTART),
+                        ("mip_heuristic_run_rens", MIP_RUN_RENS)):
         h.setOptionValue(name, value)
     n, m = mip.cost.size, mip.row_lower.size
     order = np.lexsort((mip.rows, mip.cols))
