@@ -75,6 +75,10 @@ def latency(sol: StageSolution, zero: bool, num_microbatches: int) -> float:
 
 
 RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
+# An alternative layout whose DP latency is above RERANK_WITHIN x the choice's is not worth
+# solving layer plans for (`lazy_options.exact_dp`'s `within`): a layout solved whole is at
+# most its layers' sum, and was never seen to win by such a margin.
+RERANK_WITHIN = 2.0
 
 
 def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None):
@@ -86,7 +90,8 @@ def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None):
     candidate solved, for the plan's runner-ups."""
     cands = {(choice.layer_spans, choice.submeshes): choice}
     for k in range(1, choice.num_stages):
-        alt = try_dp(dp, options, budget, max_stages=k)
+        alt = try_dp(dp, options, budget, max_stages=k,
+                     within=RERANK_WITHIN * choice.total_latency_s)
         if alt is not None:
             cands.setdefault((alt.layer_spans, alt.submeshes), alt)
     ranked = sorted(cands.values(), key=lambda c: c.total_latency_s)[:RERANK]
@@ -160,32 +165,48 @@ def try_dp(dp, options, budget, **kw):
         return None
 
 
+def layer_values(sol: StageSolution | None, opt_ratio: float) -> tuple[float, ...]:
+    """(latency, held, activation, working, deferred bytes) of a layer plan as the DP prices
+    it (`span_held_bytes`, `working_bytes`); inf latency where there is none."""
+    if sol is None:
+        return np.inf, 0.0, 0.0, 0.0, 0.0
+    return (sol.latency_s, span_held_bytes(sol, opt_ratio), sol.activation_bytes,
+            working_bytes(sol), sol.deferred_bytes)
+
+
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
-                  pool=None):
+                  pool=None, bound=None, lazy_pairs=frozenset()):
     """Per layer and (submesh, view) pair: the latency, held, activation, working and
-    deferred bytes (`span_held_bytes`, `working_bytes`) of the plan `solve(slice, submesh,
-    shape)` gives (`StageSolver.solve`: fastest; `.lean`: memory-lean; under one
-    rematerialization), and the plans; inf latency where it gives none. The jobs'
-    ILPs are solved in `pool`'s worker processes (`batch.run_jobs`; the same plans with any
-    number)."""
+    deferred bytes (`layer_values`) of the plan `solve(slice, submesh, shape)` gives
+    (`StageSolver.solve`: fastest; `.lean`: memory-lean; under one rematerialization), the
+    plans, and which cells are pending; inf latency where it gives none. The pairs in
+    `lazy_pairs` are priced by `bound(slice, submesh, shape)` ((latency, parameter bytes,
+    peak bytes) lower bounds, `StageSolver.bound`) and left pending (see `lazy_options`):
+    held = the parameter bytes, working = the peak, no activations or deferred bytes, which
+    bound every span's memory as the DP counts it from below. The other jobs' ILPs are solved
+    in `pool`'s worker processes (`batch.run_jobs`; the same plans with any number)."""
     shape = (len(boundaries) - 1, len(pairs))
     lat, held, act, work, deferred = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
                                       np.zeros(shape), np.zeros(shape))
+    pending = np.zeros(shape, dtype=bool)
     sols = [[None] * shape[1] for _ in range(shape[0])]
     slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
-    jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs))]
+    jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs)) if p not in lazy_pairs]
 
-    def job(lp):
-        k, v = pairs[lp[1]]
-        sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-        return solve(slices[lp[0]], sub, shapes_per_k[k][v])
-    for (l, p), sol in zip(jobs, run_jobs(jobs, job, pool, "layer plans")):
+    def where(p):
+        k, v = pairs[p]
+        return (submeshes[k].num_hosts, submeshes[k].devices_per_host), shapes_per_k[k][v]
+
+    for l in range(shape[0]):
+        for p in sorted(lazy_pairs):
+            lat[l, p], held[l, p], work[l, p] = bound(slices[l], *where(p))
+            pending[l, p] = bool(np.isfinite(lat[l, p]))
+    for (l, p), sol in zip(jobs, run_jobs(jobs, lambda lp: solve(slices[lp[0]], *where(lp[1])),
+                                          pool, "layer plans")):
         sols[l][p] = sol
-        if sol is not None:
-            lat[l, p], held[l, p] = sol.latency_s, span_held_bytes(sol, opt_ratio)
-            act[l, p], work[l, p] = sol.activation_bytes, working_bytes(sol)
-            deferred[l, p] = sol.deferred_bytes
-    return lat, held, act, work, deferred, sols
+        lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
+            sol, opt_ratio)
+    return lat, held, act, work, deferred, sols, pending
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,

@@ -37,6 +37,7 @@ from autopar.intra_op.solve import (
     IntraOpProblem,
     ShardingAssignment,
     build_intra_op,
+    latency_bound,
     least_memory,
     solve_built,
 )
@@ -268,6 +269,11 @@ class StageProblem:
         return _stage_solution(self.graph, self.slice, self.logical,
                                solve_built(self.ilp, budget,
                                            held=self._held(in_flight, opt_ratio)))
+
+    def latency_bound(self) -> float:
+        """A lower bound of the `latency_s` of any plan `solve` returns, at any budget
+        (`intra_op.solve.latency_bound` plus the calls' overhead)."""
+        return latency_bound(self.ilp) + 2 * self.logical.call_overhead_s
 
     def _held(self, in_flight: int | None, opt_ratio: float) -> dict[int, float]:
         held = {}

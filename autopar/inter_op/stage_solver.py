@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 
 from autopar.core import _compat
@@ -226,6 +227,31 @@ class StageSolver:
         prob, key = self.problem(sl, submesh, shape, remat)
         return self._cached(sl, (key, budget), lambda: prob.solve(budget), lambda: (
             self._cannot_fit(sl, prob, key, self.budget if budget is None else budget)))
+
+    def bound(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
+              remat: Remat = Remat.NONE) -> tuple[float, float, float]:
+        """(latency, parameter bytes, peak bytes): lower bounds of the plan `solve` (or `lean`)
+        gives, whatever its budget: `StageProblem.latency_bound`, the parameters split as far
+        as they can be (`floor` without the optimizer state), the least peak of one
+        microbatch. inf latency where no plan fits (as `solve` says None). Cached; costs the
+        ILP's build, its LP and a least-memory MIP, not the ILP's solve."""
+        floor = self.floor(sl, submesh, shape)
+        if floor > self.budget:
+            self._need(sl, floor)
+            return math.inf, 0.0, 0.0
+        mirror = self.mirror_of(submesh, shape)
+        if mirror is not None:
+            return self.bound(sl, submesh, mirror, remat)
+        prob, key = self.problem(sl, submesh, shape, remat)
+        at = (key, "bound")
+        if at not in self.cache:
+            least = self.least_of(prob, key)
+            if least > self.budget:
+                self._need(sl, least)
+                self.cache[at] = (math.inf, 0.0, 0.0)
+            else:
+                self.cache[at] = (prob.latency_bound(), floor / (1 + self.opt_ratio), least)
+        return self.cache[at]
 
     def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
                 in_flight: int, remat: Remat = Remat.NONE,

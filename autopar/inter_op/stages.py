@@ -35,17 +35,15 @@ from autopar.core.plan import StageSolution
 from autopar.core.plan import alternative_record as record
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
+from autopar.inter_op.lazy_options import KindOptions, OptionContext, exact_dp
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
 from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.stage_costs import (
-    boundary_costs,
-    layer_options,
     reranked,
     run_dp,
     static_bytes,
     try_dp,
-    zero_variant,
 )
 from autopar.inter_op.stage_dp import candidate_submeshes
 from autopar.inter_op.stage_solver import (
@@ -58,6 +56,9 @@ from autopar.inter_op.stage_solver import (
 from autopar.inter_op.step_remat import choices_of
 
 log = logging.getLogger(__name__)
+# Layer plans across hosts priced by lower bounds until a DP choice uses them
+# (`lazy_options`); False solves every one up front (the same choices, more ILPs).
+LAZY_ACROSS_HOSTS = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,19 +323,24 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         num_hosts=submeshes[k].num_hosts, devices_per_host=submeshes[k].devices_per_host,
     ).logical_mesh(tuple(shapes_per_k[k][v]), AXIS_NAMES)) for k, v in pairs]
 
+    ctx = OptionContext(loss=loss, boundaries=boundaries, submeshes=submeshes,
+                        shapes_per_k=shapes_per_k, pairs=pairs, meshes=meshes,
+                        opt_ratio=solver.opt_ratio, num_microbatches=method.num_microbatches,
+                        pipeline=pipeline, pool=solver.pool)
+    # A layer across hosts is priced by lower bounds first, and solved only where a DP
+    # choice uses it (`lazy_options`): its ILP is the costly, memory-bound kind.
+    lazy = frozenset(p for p, (k, _) in enumerate(pairs)
+                     if LAZY_ACROSS_HOSTS and submeshes[k].num_hosts > 1)
+    groups: list[KindOptions] = []
+
     def add(remat: Remat, lean: bool, slack: float = LEAN_SLACK):
         solve = functools.partial(solver.lean, remat=remat, slack=slack) if lean else \
             functools.partial(solver.solve, remat=remat)
-        lat, held, act, work, deferred, sols = layer_options(
-            loss, boundaries, submeshes, shapes_per_k, pairs, solve, solver.opt_ratio,
-            solver.pool)
-        bound = boundary_costs(loss, boundaries, sols, meshes)
-        kinds.append((remat, lean, False))
-        options.append((lat, held, act, bound, work, deferred))
-        zero = zero_variant(sols, lat, held, solver.opt_ratio, method.num_microbatches)
-        if pipeline and zero is not None:
-            kinds.append((remat, lean, True))
-            options.append((*zero, act, bound, work, deferred))
+        kind = KindOptions(ctx, solve, functools.partial(solver.bound, remat=remat), lazy)
+        groups.append(kind)
+        for entry, zero in kind.entries():
+            kinds.append((remat, lean, zero))
+            options.append(entry)
 
     def check_layers():
         """Raise for a layer with no plan at all (alone on every device) under any kind."""
@@ -347,8 +353,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     add(remats[0], False)
     if len(remats) == 1:
         check_layers()
-    dp = functools.partial(run_dp, submeshes=submeshes, ks=ks, device_ids=device_ids,
-                           method=method, option=option)
+    dp = exact_dp(functools.partial(run_dp, submeshes=submeshes, ks=ks,
+                                    device_ids=device_ids, method=method, option=option),
+                  groups, len(pairs))
     choice = try_dp(dp, options, budget)
     free = try_dp(dp, options, np.inf) if choice is not None and len(remats) > 1 else None
     if len(remats) > 1 and (choice is None or (
@@ -425,8 +432,9 @@ def _kept_without_remat(kinds, options, span, pair) -> float | None:
     search priced no such plan (remat forced, or a layer without one)."""
     if (Remat.NONE, False, False) not in kinds:
         return None
-    act = options[kinds.index((Remat.NONE, False, False))][2][span[0]:span[1] + 1, pair]
-    return float(act.sum()) if np.isfinite(act).all() else None
+    entry = options[kinds.index((Remat.NONE, False, False))]
+    act, pending = (entry[i][span[0]:span[1] + 1, pair] for i in (2, 6))
+    return float(act.sum()) if np.isfinite(act).all() and not pending.any() else None
 
 
 def _layout_text(stages) -> str:

@@ -150,6 +150,23 @@ def duplicate_moves_s(reads, tensor_group: list[int], tensor_specs: list[list[Sp
                for (tid, w), n in wanted.items() if n > 1)
 
 
+def reads_shared(problem: IlpProblem, reads, tensor_group: list[int]) -> IlpProblem:
+    """The problem with each edge's cost divided by the most reads any tensor it carries has
+    (`reads`): for every choice, its `evaluate` is at most the plain one less
+    `duplicate_moves_s` (a tensor read n times pays each layout it is moved to once, so at
+    least 1/n of what its n reads are charged), so its LP bound bounds the plans' accounted
+    time from below."""
+    count = Counter(r.tensor for r in reads)
+    most: dict[tuple[int, int], int] = {}
+    for r in reads:
+        key = (min(tensor_group[r.tensor], r.group), max(tensor_group[r.tensor], r.group))
+        most[key] = max(most.get(key, 1), count[r.tensor])
+    edges = tuple(e if most.get((min(e.u, e.v), max(e.u, e.v)), 1) == 1 else
+                  IlpEdge(u=e.u, v=e.v, cost=np.asarray(e.cost) / most[
+                      (min(e.u, e.v), max(e.u, e.v))]) for e in problem.edges)
+    return replace(problem, edges=edges)
+
+
 def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     """`choice` (one option per plain group) with every copy group after it: present exactly
     where a reader's chosen option wants the copy's layout (the shared ILP's best for it)."""
@@ -159,4 +176,4 @@ def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
 
 
 __all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover",
-           "duplicate_moves_s", "ABSENT", "PRESENT"]
+           "duplicate_moves_s", "reads_shared", "ABSENT", "PRESENT"]

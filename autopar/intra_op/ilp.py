@@ -160,6 +160,21 @@ def evaluate(problem: IlpProblem, choice) -> float:
     return total + math.fsum(float(e.cost[c[e.u], c[e.v]]) for e in problem.edges)
 
 
+def lp_bound(problem: IlpProblem) -> float:
+    """A lower bound, in seconds, of every plan's `evaluate` (whatever its memory): the LP
+    relaxation of the problem without its memory rows (often its optimum: that LP is usually
+    tight)."""
+    red = _presolve(replace(problem, memory_points=()))
+    if not red.var_groups:
+        return evaluate(problem, red.choice)
+    mip = build_mip(red)
+    mip.integer = np.zeros_like(mip.integer)
+    res = run_mip(mip, SolverBackend.HIGHS, 60.0)
+    if res.kind is not SolveStatus.OPTIMAL:      # only an optimal LP value bounds
+        return -math.inf
+    return float((mip.cost @ res.x + mip.offset) * mip.scale)
+
+
 def peak_memory_bytes(problem: IlpProblem, choice) -> float:
     """Max over memory points of the bytes per device under `choice` (0 without memory points)."""
     c = _check_choice(problem, choice)

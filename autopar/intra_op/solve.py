@@ -12,7 +12,7 @@ import numpy as np
 
 from autopar.core.enums import Annotations
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
-from autopar.core.graph import InputPos, OpGraph, OutputPos, TensorId, TensorKind
+from autopar.core.graph import InputPos, InputRole, OpGraph, OutputPos, TensorId, TensorKind
 from autopar.core.options import LayerReuse, ShardParallel
 from autopar.core.plan import IlpStats
 from autopar.core.spec import Spec
@@ -27,11 +27,18 @@ from autopar.intra_op.constraints import (
     method_tensor_rule,
     update_statistics,
 )
-from autopar.intra_op.copies import duplicate_moves_s, mover, settled, with_shared_copies
+from autopar.intra_op.copies import (
+    duplicate_moves_s,
+    mover,
+    reads_shared,
+    settled,
+    with_shared_copies,
+)
 from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
     evaluate,
+    lp_bound,
     min_peak_memory,
     polish_ties,
     solve_ilp,
@@ -348,6 +355,22 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
         objective_s=float(evaluate(built.problem, sol.choice) - dup), layer_reuse=reuse)
     return assignment_of(graph, built, sol.choice, mesh, p.output_targets, stats,
                          p.output_pins, duplicate_s=dup)
+
+
+def latency_bound(p: IntraOpProblem) -> float:
+    """A lower bound of the compute, collective and resharding seconds (`ShardingAssignment`)
+    of any plan `solve_built` may return from `p`, at any budget: the LP bound of its ILP
+    without memory rows, each edge charged as if its tensors' reads shared one move
+    (`copies.reads_shared`: this covers what the plan's accounting subtracts for copies moved
+    once), less the most the objective charges for writing the batch to the devices (not
+    part of a plan's time). A fraction of a second where the exact solve of a memory-bound
+    ILP takes seconds to minutes."""
+    graph, built = p.graph, p.built
+    bw = p.mesh.hbm_bandwidth_bytes_per_s
+    batch = sum(graph.tensors[t].nbytes / bw for t in graph.inputs
+                if graph.tensors[t].role == InputRole.BATCH)
+    return max(lp_bound(reads_shared(built.problem, built.reads, built.tensor_group))
+               - batch, 0.0)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],

@@ -41,7 +41,7 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
     two = NS(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0), total_latency_s=1.0, num_stages=2)
     one = NS(layer_spans=((0, 1),), submeshes=(1,), total_latency_s=1.1, num_stages=1)
     stage = lambda t: NS(solution=NS(latency_s=t, zero_gather_s=0.0), zero=False)
-    dp = lambda options, budget, max_stages: one if max_stages == 1 else two
+    dp = lambda options, budget, max_stages, within=None: one if max_stages == 1 else two
     whole = {2: [stage(0.3), stage(0.3)], 1: [stage(0.35)]}   # per stage count, solved whole
     got = reranked(two, dp, [], 1.0, lambda c: whole[c.num_stages], 4)
     assert len(got) == 1                     # 4 x 0.35 beats 0.6 + 3 x 0.3

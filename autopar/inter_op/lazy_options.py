@@ -1,0 +1,143 @@
+"""Layer options priced lazily: the stage DP's (layer, submesh, view) options whose exact plan
+is costly (a layer across hosts: its ILP is memory-bound, 1-60 s for GPT-39B) start as lower
+bounds (`StageSolver.bound`: the ILP's LP bound without memory rows, the parameters split as far
+as they go, the least peak; a fraction of a second), and are solved only when a DP choice uses
+one (`exact_dp`). Every DP answer is then the one it would give over exact options: the bounds
+are optimistic in latency and in memory, so an option the DP never picks cannot be part of a
+better (or a feasible) layout than the one it returns.
+
+GPT-39B K=8 M=1024 on 64 V100s: the 45 cross-host layer ILPs (flat views of 16-64 devices,
+120 s of the 174 s search) are bounded at 0.21-0.33 s per microbatch against the chosen
+stages' 0.07 s, so none of them is solved (benchmarks/results/gpt39b.md).
+
+    >>> kind = KindOptions(ctx, solve, lazy_pairs={5, 6})        # one kind of layer plan
+    >>> dp = exact_dp(plain_dp, [kind], num_pairs)
+    >>> choice = dp(options, budget=budget)                       # refines what it picks
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from autopar.core.errors import InfeasiblePlanError
+from autopar.inter_op.batch import run_jobs
+from autopar.inter_op.pipeline import slice_range
+from autopar.inter_op.stage_costs import (
+    boundary_costs,
+    layer_options,
+    layer_values,
+    zero_variant,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OptionContext:
+    """What every kind of layer options shares: the layers, the (submesh, view) pairs, their
+    cost models (`boundary_costs`), the optimizer's bytes per parameter byte, the microbatches
+    (ZeRO's per-step gather), whether a pipeline (ZeRO kinds) and the worker pool."""
+    loss: object
+    boundaries: tuple[int, ...]
+    submeshes: tuple
+    shapes_per_k: list
+    pairs: list[tuple[int, int]]
+    meshes: list
+    opt_ratio: float
+    num_microbatches: int
+    pipeline: bool
+    pool: object = None
+
+
+class KindOptions:
+    """One kind of layer plan (`solve`: the fastest or the memory-lean plan under one
+    rematerialization) on every (layer, pair): its DP option arrays (`plain`, and `zero` with
+    the optimizer state split, in a pipeline), each a list (latency, held, activation,
+    boundary, working, deferred, pending) of [L, P] arrays updated in place by `refine`. A
+    pending cell holds `bound`'s lower bounds (no activations, no working or deferred bytes;
+    its peak's lower bound as working bytes, see `_bounded`)."""
+
+    def __init__(self, ctx: OptionContext, solve, bound=None, lazy_pairs=frozenset()):
+        self.ctx, self.solve = ctx, solve
+        lat, held, act, work, deferred, self.sols, pending = layer_options(
+            ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs, solve,
+            ctx.opt_ratio, ctx.pool, bound=bound, lazy_pairs=lazy_pairs)
+        self.plain = [lat, held, act, None, work, deferred, pending]
+        self.zero = None
+        self._priced()
+
+    def entries(self) -> list[tuple[list, bool]]:
+        """(option arrays, zero) for the DP, plain first."""
+        return [(self.plain, False)] + ([(self.zero, True)] if self.zero is not None else [])
+
+    def _priced(self) -> None:
+        """Boundary costs and the ZeRO twin from the current plans (in place)."""
+        ctx, (lat, held, act, _, work, deferred, pending) = self.ctx, self.plain
+        self.plain[3] = boundary_costs(ctx.loss, ctx.boundaries, self.sols, ctx.meshes)
+        zero = zero_variant(self.sols, lat, held, ctx.opt_ratio, ctx.num_microbatches)
+        if ctx.pipeline and (zero is not None or pending.any()):
+            zlat, zheld = zero if zero is not None else (lat.copy(), held.copy())
+            if self.zero is None:
+                self.zero = [zlat, zheld, act, self.plain[3], work, deferred, pending]
+            else:
+                self.zero[0][...], self.zero[1][...] = zlat, zheld
+                self.zero[3] = self.plain[3]
+
+    def refine(self, cells) -> None:
+        """Solve the pending `cells` ((layer, pair)) exactly and reprice."""
+        ctx = self.ctx
+        cells = sorted(set(cells))
+        lat, held, act, _, work, deferred, pending = self.plain
+
+        def job(lp):
+            l, p = lp
+            k, v = ctx.pairs[p]
+            sub = (ctx.submeshes[k].num_hosts, ctx.submeshes[k].devices_per_host)
+            return self.solve(slice_range(ctx.loss, ctx.boundaries[l], ctx.boundaries[l + 1],
+                                          l), sub, ctx.shapes_per_k[k][v])
+        for (l, p), sol in zip(cells, run_jobs(cells, job, ctx.pool, "layer plans")):
+            self.sols[l][p] = sol
+            pending[l, p] = False
+            lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
+                sol, ctx.opt_ratio)
+        self._priced()
+
+
+def exact_dp(dp, kinds: list[KindOptions], num_pairs: int):
+    """`dp` (the stage DP over option arrays) refined: where its choice uses pending cells,
+    they are solved (`KindOptions.refine`) and the DP runs again, until its choice uses only
+    exact ones. `within=T` (the re-ranking's alternatives): a choice above T that would need
+    solving is not refined; the DP says infeasible instead (a choice above T that needs no
+    solving is returned, as without laziness)."""
+    def owner(options, p):
+        arrays = options[p // num_pairs]
+        for kind in kinds:
+            for entry, _ in kind.entries():
+                if entry is arrays:
+                    return kind
+        raise AssertionError("an option array no kind owns")
+
+    def run(options, within: float | None = None, **kw):
+        while True:
+            choice = dp(options, **kw)
+            todo: dict[int, tuple[KindOptions, list]] = {}
+            for (i, j), p in zip(choice.layer_spans, choice.submeshes):
+                pending, pair = options[p // num_pairs][6], p % num_pairs
+                cells = [(l, pair) for l in range(i, j + 1) if pending[l, pair]]
+                if cells:
+                    kind = owner(options, p)
+                    todo.setdefault(id(kind), (kind, []))[1].extend(cells)
+            if not todo:
+                return choice
+            if within is not None and choice.total_latency_s > within:
+                raise InfeasiblePlanError(
+                    f"no stage layout within {within:.4g} s per step without solving more "
+                    "layer plans (the re-ranking's cap)", needed_bytes=0, budget_bytes=0)
+            for kind, cells in todo.values():
+                log.debug("stage DP: solving %d layer plans its choice priced by bounds",
+                          len(cells))
+                kind.refine(cells)
+    return run
+
+
+__all__ = ["OptionContext", "KindOptions", "exact_dp"]
