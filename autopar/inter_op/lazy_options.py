@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.core.errors import InfeasiblePlanError
 from autopar.inter_op.batch import run_jobs
 from autopar.inter_op.pipeline import slice_range
@@ -108,7 +110,8 @@ def exact_dp(dp, kinds: list[KindOptions], num_pairs: int):
     they are solved (`KindOptions.refine`) and the DP runs again, until its choice uses only
     exact ones. `within=T` (the re-ranking's alternatives): a choice above T that would need
     solving is not refined; the DP says infeasible instead (a choice above T that needs no
-    solving is returned, as without laziness)."""
+    solving is returned, as without laziness). `solved_only`: the DP over the solved cells
+    alone."""
     def owner(options, p):
         arrays = options[p // num_pairs]
         for kind in kinds:
@@ -117,7 +120,9 @@ def exact_dp(dp, kinds: list[KindOptions], num_pairs: int):
                     return kind
         raise AssertionError("an option array no kind owns")
 
-    def run(options, within: float | None = None, **kw):
+    def run(options, within: float | None = None, solved_only: bool = False, **kw):
+        if solved_only:        # the pending cells left out, nothing refined
+            return dp([[np.where(o[6], np.inf, o[0]), *o[1:]] for o in options], **kw)
         while True:
             choice = dp(options, **kw)
             todo: dict[int, tuple[KindOptions, list]] = {}
