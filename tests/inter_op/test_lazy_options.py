@@ -1,6 +1,8 @@
 """Layer options across hosts priced by lower bounds first (`inter_op.lazy_options`): the
 bounds are below what the exact solves give, and the search chooses what it chooses with
-every option solved, solving fewer ILPs."""
+every option solved (here exactly; in general a layout the DP prices no slower, where the
+other recomputations join before unsolved plans across hosts are solved), solving fewer
+ILPs."""
 import pytest
 
 import autopar
