@@ -57,7 +57,7 @@ class KindOptions:
     the optimizer state split, in a pipeline), each a list (latency, held, activation,
     boundary, working, deferred, pending) of [L, P] arrays updated in place by `refine`. A
     pending cell holds `bound`'s lower bounds (no activations, no working or deferred bytes;
-    its peak's lower bound as working bytes, see `_bounded`)."""
+    its peak's lower bound as working bytes, see `stage_costs.layer_options`)."""
 
     def __init__(self, ctx: OptionContext, solve, bound=None, lazy_pairs=frozenset()):
         self.ctx, self.solve = ctx, solve
