@@ -63,3 +63,34 @@ def test_lazy_options_choose_what_every_option_solved_chooses(loss, bounds, monk
     # 23 vs 23 ILPs when written)
     assert lazy.num_ilps < eager.num_ilps if microbatches == 64 else \
         lazy.num_ilps <= eager.num_ilps
+
+
+@pytest.mark.slow      # 25-45 s: about 100 ILPs each way under a budget that binds
+def test_recomputations_join_before_unsolved_plans_across_hosts(loss, bounds, monkeypatch):
+    """remat="auto" under a budget (3000 bytes) that no plan on one host fits without
+    recomputation: the DP over the solved options alone is infeasible, so the other
+    recomputations join before any plan across hosts is solved, and the search chooses the
+    eager search's layout (two stages on 1x4, selective and none when written) with fewer
+    ILPs."""
+    m = method(autopar.AutoStageOption(), num_microbatches=4, remat="auto",
+               memory_budget_bytes=3000)
+    solved_only = []
+    try_dp = stages.try_dp
+
+    def spy(dp, options, budget, **kw):
+        got = try_dp(dp, options, budget, **kw)
+        if kw.get("solved_only"):
+            solved_only.append(got)
+        return got
+    monkeypatch.setattr(stages, "try_dp", spy)
+
+    def search():
+        return stages.choose_stages(loss, tuple(bounds), TWO_HOSTS, tuple(range(8)), m)
+    lazy = search()
+    assert solved_only == [None]
+    monkeypatch.setattr(stages, "LAZY_ACROSS_HOSTS", False)
+    eager = search()
+    assert [(s.layers, s.submesh, s.solution.logical_shape, s.remat) for s in lazy.stages] == \
+        [(s.layers, s.submesh, s.solution.logical_shape, s.remat) for s in eager.stages]
+    assert lazy.chosen_latency_s <= eager.chosen_latency_s * (1 + 1e-12)
+    assert lazy.num_ilps < eager.num_ilps
