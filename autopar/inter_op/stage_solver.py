@@ -232,9 +232,10 @@ class StageSolver:
               remat: Remat = Remat.NONE) -> tuple[float, float, float]:
         """(latency, parameter bytes, peak bytes): lower bounds of the plan `solve` (or `lean`)
         gives, whatever its budget: `StageProblem.latency_bound`, the parameters split as far
-        as they can be (`floor` without the optimizer state), the least peak of one
-        microbatch. inf latency where no plan fits (as `solve` says None). Cached; costs the
-        ILP's build, its LP and a least-memory MIP, not the ILP's solve."""
+        as they can be (`floor` without the optimizer state), the largest of its memory points'
+        least bytes (each group at its leanest there; at most the least peak). inf latency
+        where that is over the budget. Cached; costs the ILP's build and one LP, not the ILP's
+        solve (nor a least-memory MIP)."""
         floor = self.floor(sl, submesh, shape)
         if floor > self.budget:
             self._need(sl, floor)
@@ -245,12 +246,12 @@ class StageSolver:
         prob, key = self.problem(sl, submesh, shape, remat)
         at = (key, "bound")
         if at not in self.cache:
-            least = self.least_of(prob, key)
-            if least > self.budget:
-                self._need(sl, least)
+            peak = max(map(_least_at, prob.ilp.built.problem.memory_points), default=0.0)
+            if peak > self.budget:
+                self._need(sl, peak)
                 self.cache[at] = (math.inf, 0.0, 0.0)
             else:
-                self.cache[at] = (prob.latency_bound(), floor / (1 + self.opt_ratio), least)
+                self.cache[at] = (prob.latency_bound(), floor / (1 + self.opt_ratio), peak)
         return self.cache[at]
 
     def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
@@ -390,6 +391,12 @@ class StageSolver:
         return min(self.least_of(*self.problem(sl, submesh, view(v, z), r), in_flight,
                                  self._opt_ratio(v, z))
                    for v in shapes for r in remats for z in zeros)
+
+
+def _least_at(point) -> float:
+    """The fewest bytes a memory point can hold (each group at its leanest there)."""
+    return point.constant_bytes if point.folded else (
+        point.constant_bytes + sum(float(b.min()) for _, b in point.terms))
 
 
 def _axis_blind(method: ShardParallel, forward: OpGraph) -> bool:
