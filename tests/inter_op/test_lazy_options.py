@@ -3,6 +3,7 @@ bounds are below what the exact solves give, and the search chooses what it choo
 every option solved (here exactly; in general a layout the DP prices no slower, where the
 other recomputations join before unsolved plans across hosts are solved), solving fewer
 ILPs."""
+import jax
 import pytest
 
 import autopar
@@ -12,6 +13,7 @@ from autopar.inter_op import stages
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solver import StageSolver
 from support.stage_mlp import bounds, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
+from support.steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 TWO_HOSTS = ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2).with_(devices_per_host=4)
 
@@ -94,3 +96,23 @@ def test_recomputations_join_before_unsolved_plans_across_hosts(loss, bounds, mo
         [(s.layers, s.submesh, s.solution.logical_shape, s.remat) for s in eager.stages]
     assert lazy.chosen_latency_s <= eager.chosen_latency_s * (1 + 1e-12)
     assert lazy.num_ilps < eager.num_ilps
+
+
+def test_a_pipeline_searched_on_two_hosts_trains_like_jax_jit():
+    """The whole path with lazy options: an auto-stage pipeline planned for two hosts of four
+    (its cross-host layer plans bounded first) trains like `jax.jit` on one device; its stages
+    cover the layers and the mesh."""
+    step, state, batches = make_case("mlp", "linen", sgd_momentum_clip(), batch_size=16,
+                                     value_and_grad=autopar.value_and_grad, num_layers=4)
+    ref = run_steps(jax.jit(step), state, batches)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), cluster=TWO_HOSTS,
+                              method=autopar.PipeshardParallel(
+                                  num_microbatches=4,
+                                  layer_option=autopar.AutoLayerOption(num_layers=4),
+                                  stage_option=autopar.AutoStageOption()))
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    stages_ = par.get_plan(state, batches[0]).stages
+    assert [s.layers[0] for s in stages_] == [0] + [s.layers[1] + 1 for s in stages_[:-1]]
+    assert stages_[-1].layers[1] == 3 and sum(len(s.device_ids) for s in stages_) == 8
+    assert all(s.latency_s > 0 for s in stages_)
