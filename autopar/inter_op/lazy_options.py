@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError
-from autopar.inter_op.batch import run_jobs
-from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_costs import (
     boundary_costs,
     layer_options,
     layer_values,
+    solve_cells,
     zero_variant,
 )
 
@@ -90,14 +89,9 @@ class KindOptions:
         ctx = self.ctx
         cells = sorted(set(cells))
         lat, held, act, _, work, deferred, pending = self.plain
-
-        def job(lp):
-            l, p = lp
-            k, v = ctx.pairs[p]
-            sub = (ctx.submeshes[k].num_hosts, ctx.submeshes[k].devices_per_host)
-            return self.solve(slice_range(ctx.loss, ctx.boundaries[l], ctx.boundaries[l + 1],
-                                          l), sub, ctx.shapes_per_k[k][v])
-        for (l, p), sol in zip(cells, run_jobs(cells, job, ctx.pool, "layer plans")):
+        for (l, p), sol in zip(cells, solve_cells(
+                ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs,
+                self.solve, cells, ctx.pool)):
             self.sols[l][p] = sol
             pending[l, p] = False
             lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(

@@ -192,21 +192,35 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     sols = [[None] * shape[1] for _ in range(shape[0])]
     slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
     jobs = [(l, p) for l in range(shape[0]) for p in range(len(pairs)) if p not in lazy_pairs]
-
-    def where(p):
-        k, v = pairs[p]
-        return (submeshes[k].num_hosts, submeshes[k].devices_per_host), shapes_per_k[k][v]
-
     for l in range(shape[0]):
         for p in sorted(lazy_pairs):
-            lat[l, p], held[l, p], work[l, p] = bound(slices[l], *where(p))
+            lat[l, p], held[l, p], work[l, p] = bound(slices[l], *cell_place(
+                submeshes, shapes_per_k, pairs, p))
             pending[l, p] = bool(np.isfinite(lat[l, p]))
-    for (l, p), sol in zip(jobs, run_jobs(jobs, lambda lp: solve(slices[lp[0]], *where(lp[1])),
-                                          pool, "layer plans")):
+    for (l, p), sol in zip(jobs, solve_cells(loss, boundaries, submeshes, shapes_per_k, pairs,
+                                             solve, jobs, pool, slices)):
         sols[l][p] = sol
         lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
             sol, opt_ratio)
     return lat, held, act, work, deferred, sols, pending
+
+
+def cell_place(submeshes, shapes_per_k, pairs, p: int):
+    """(submesh (hosts, devices per host), logical view) of (submesh, view) pair p."""
+    k, v = pairs[p]
+    return (submeshes[k].num_hosts, submeshes[k].devices_per_host), shapes_per_k[k][v]
+
+
+def solve_cells(loss, boundaries, submeshes, shapes_per_k, pairs, solve, cells, pool,
+                slices=None) -> list:
+    """`solve(slice, submesh, view)` of every (layer, pair) in `cells`, their ILPs in `pool`'s
+    workers (`batch.run_jobs`)."""
+    def job(lp):
+        l, p = lp
+        sl = slices[l] if slices is not None else slice_range(loss, boundaries[l],
+                                                              boundaries[l + 1], l)
+        return solve(sl, *cell_place(submeshes, shapes_per_k, pairs, p))
+    return run_jobs(cells, job, pool, "layer plans")
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
