@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError
+from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_costs import (
     boundary_costs,
+    cell_place,
     layer_options,
     layer_values,
     solve_cells,
@@ -59,11 +61,12 @@ class KindOptions:
     its peak's lower bound as working bytes, see `stage_costs.layer_options`)."""
 
     def __init__(self, ctx: OptionContext, solve, bound=None, lazy_pairs=frozenset()):
-        self.ctx, self.solve = ctx, solve
+        self.ctx, self.solve, self.bound = ctx, solve, bound
         lat, held, act, work, deferred, self.sols, pending = layer_options(
             ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs, solve,
             ctx.opt_ratio, ctx.pool, bound=bound, lazy_pairs=lazy_pairs)
         self.plain = [lat, held, act, None, work, deferred, pending]
+        self.loose = pending.copy()      # pending cells whose bound has no memory rows yet
         self.zero = None
         self._priced()
 
@@ -85,17 +88,35 @@ class KindOptions:
                 self.zero[3] = self.plain[3]
 
     def refine(self, cells) -> None:
-        """Solve the pending `cells` ((layer, pair)) exactly and reprice."""
+        """Refine the pending `cells` ((layer, pair)) one level: where a cell's bound has no
+        memory rows yet, bound it with them (`StageSolver.bound(rows=True)`: one LP, where
+        the exact solve of a memory-bound ILP takes 5-60 s; the DP then looks again);
+        else solve it exactly. Reprice."""
         ctx = self.ctx
         cells = sorted(set(cells))
         lat, held, act, _, work, deferred, pending = self.plain
+        loose = [(l, p) for l, p in cells if self.loose[l, p]]
+        if loose:
+            for l, p in loose:
+                self.loose[l, p] = False
+                was = lat[l, p]
+                lat[l, p] = max(was, self.bound(slice_range(
+                    ctx.loss, ctx.boundaries[l], ctx.boundaries[l + 1], l),
+                    *cell_place(ctx.submeshes, ctx.shapes_per_k, ctx.pairs, p), rows=True)[0])
+                log.debug("layer %d on pair %d bounded with memory rows: %.4g s (was %.4g s)",
+                          l, p, lat[l, p], was)
+            self._priced()
+            return
         for (l, p), sol in zip(cells, solve_cells(
                 ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs,
                 self.solve, cells, ctx.pool)):
             self.sols[l][p] = sol
             pending[l, p] = False
+            was = lat[l, p]
             lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
                 sol, ctx.opt_ratio)
+            log.debug("layer %d on pair %d solved: %.4g s (bounded at %.4g s)", l, p,
+                      lat[l, p], was)
         self._priced()
 
 

@@ -270,10 +270,10 @@ class StageProblem:
                                solve_built(self.ilp, budget,
                                            held=self._held(in_flight, opt_ratio)))
 
-    def latency_bound(self) -> float:
-        """A lower bound of the `latency_s` of any plan `solve` returns, at any budget
-        (`intra_op.solve.latency_bound` plus the calls' overhead)."""
-        return latency_bound(self.ilp) + 2 * self.logical.call_overhead_s
+    def latency_bound(self, budget: float | None = None) -> float:
+        """A lower bound of the `latency_s` of any plan `solve` returns at `budget` or less
+        (None: at any budget; `intra_op.solve.latency_bound` plus the calls' overhead)."""
+        return latency_bound(self.ilp, budget) + 2 * self.logical.call_overhead_s
 
     def _held(self, in_flight: int | None, opt_ratio: float) -> dict[int, float]:
         held = {}

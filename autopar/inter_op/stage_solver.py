@@ -229,29 +229,32 @@ class StageSolver:
             self._cannot_fit(sl, prob, key, self.budget if budget is None else budget)))
 
     def bound(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],
-              remat: Remat = Remat.NONE) -> tuple[float, float, float]:
+              remat: Remat = Remat.NONE, rows: bool = False) -> tuple[float, float, float]:
         """(latency, parameter bytes, peak bytes): lower bounds of the plan `solve` (or `lean`)
-        gives, whatever its budget: `StageProblem.latency_bound`, the parameters split as far
-        as they can be (`floor` without the optimizer state), the largest of its memory points'
-        least bytes (each group at its leanest there; at most the least peak). inf latency
-        where that is over the budget. Cached; costs the ILP's build and one LP, not the ILP's
-        solve (nor a least-memory MIP)."""
+        gives at the solver's budget or below: `StageProblem.latency_bound` (with `rows`, its
+        LP with the memory rows at that budget: a second, slower LP, several times tighter
+        where memory binds), the parameters split as far as they can be (`floor` without the
+        optimizer state), the largest of its memory points' least bytes (each group at its
+        leanest there; at most the least peak). inf latency where that is over the budget.
+        Cached; costs the ILP's build and one LP, not the ILP's solve (nor a least-memory
+        MIP)."""
         floor = self.floor(sl, submesh, shape)
         if floor > self.budget:
             self._need(sl, floor)
             return math.inf, 0.0, 0.0
         mirror = self.mirror_of(submesh, shape)
         if mirror is not None:
-            return self.bound(sl, submesh, mirror, remat)
+            return self.bound(sl, submesh, mirror, remat, rows)
         prob, key = self.problem(sl, submesh, shape, remat)
-        at = (key, "bound")
+        at = (key, "bound", rows)
         if at not in self.cache:
             peak = max(map(_least_at, prob.ilp.built.problem.memory_points), default=0.0)
             if peak > self.budget:
                 self._need(sl, peak)
                 self.cache[at] = (math.inf, 0.0, 0.0)
             else:
-                self.cache[at] = (prob.latency_bound(), floor / (1 + self.opt_ratio), peak)
+                self.cache[at] = (prob.latency_bound(self.budget if rows else None),
+                                  floor / (1 + self.opt_ratio), peak)
         return self.cache[at]
 
     def fitting(self, sl: StageSlice, submesh: tuple[int, int], shape: tuple[int, int],

@@ -160,13 +160,14 @@ def evaluate(problem: IlpProblem, choice) -> float:
     return total + math.fsum(float(e.cost[c[e.u], c[e.v]]) for e in problem.edges)
 
 
-def lp_bound(problem: IlpProblem) -> float:
+def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
     """A lower bound, in seconds, of every plan's `evaluate` (whatever its memory): the LP
     relaxation of the problem without its memory rows (often its optimum: that LP is usually
-    tight)."""
-    red = _presolve(replace(problem, memory_points=()))
+    tight). `memory=True`: with its memory rows at its budget, a lower bound of the plans that
+    fit it (-inf where no fractional plan fits: then no plan does)."""
+    red = _presolve(problem if memory else replace(problem, memory_points=()))
     if not red.var_groups:
-        return evaluate(problem, red.choice)
+        return -math.inf if red.infeasible else evaluate(problem, red.choice)
     mip = build_mip(red)
     mip.integer = np.zeros_like(mip.integer)
     res = run_mip(mip, SolverBackend.HIGHS, 60.0)

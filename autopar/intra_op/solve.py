@@ -357,20 +357,27 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
                          p.output_pins, duplicate_s=dup)
 
 
-def latency_bound(p: IntraOpProblem) -> float:
+def latency_bound(p: IntraOpProblem, budget: float | None = None) -> float:
     """A lower bound of the compute, collective and resharding seconds (`ShardingAssignment`)
-    of any plan `solve_built` may return from `p`, at any budget: the LP bound of its ILP
-    without memory rows, each edge charged as if its tensors' reads shared one move
+    of any plan `solve_built` may return from `p` (without `held`) at `budget` bytes per
+    device or less (None: at any budget): the LP bound of its ILP, with its memory rows at
+    `budget`, each edge charged as if its tensors' reads shared one move
     (`copies.reads_shared`: this covers what the plan's accounting subtracts for copies moved
     once), less the most the objective charges for writing the batch to the devices (not
     part of a plan's time). A fraction of a second where the exact solve of a memory-bound
-    ILP takes seconds to minutes."""
+    ILP takes seconds to minutes; the memory rows make it several times tighter there
+    (a plan that fits must split its weights and pay for it)."""
     graph, built = p.graph, p.built
     bw = p.mesh.hbm_bandwidth_bytes_per_s
     batch = sum(graph.tensors[t].nbytes / bw for t in graph.inputs
                 if graph.tensors[t].role == InputRole.BATCH)
-    return max(lp_bound(reads_shared(built.problem, built.reads, built.tensor_group))
-               - batch, 0.0)
+    problem = reads_shared(built.problem, built.reads, built.tensor_group)
+    free = lp_bound(problem)
+    if budget is not None and problem.memory_points:
+        # Rows at a budget only bound the plans that fit it; the free bound where none does.
+        free = max(free, lp_bound(dataclasses.replace(problem, memory_budget_bytes=budget),
+                                  memory=True))
+    return max(free - batch, 0.0)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],

@@ -18,20 +18,25 @@ from support.steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_
 TWO_HOSTS = ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2).with_(devices_per_host=4)
 
 
-@pytest.mark.parametrize("budget", [None, 6000])
+@pytest.mark.parametrize("budget", [None, 6000, 3000])
 def test_bounds_are_below_the_plans_solved(loss, bounds, budget):
     """On every layer and every view of two hosts, with and without recomputation, with
     a budget that binds or not: `bound`'s latency is at most the fastest plan's (and the
     memory-lean plan's), its parameter bytes at most the plan's, its peak at most the plan's
-    peak."""
+    peak; so is the bound with memory rows. At 3000 bytes the (1, 8) view must split the
+    weights of layers 1-3: the memory rows see it (40x the bound without them, 3-6x below
+    the plan)."""
     solver = StageSolver(loss, TWO_HOSTS, method(autopar.AutoStageOption(),
                                                  memory_budget_bytes=budget), tuple(bounds))
-    checked = 0
+    checked, tighter = 0, 0
     for l in range(4):
         sl = slice_range(loss, bounds[l], bounds[l + 1], l)
         for shape in ((1, 8), (8, 1), (2, 4), (4, 2)):
             for remat in (Remat.NONE, Remat.FULL):
-                lat, params, peak = solver.bound(sl, (2, 4), shape, remat)
+                free, params, peak = solver.bound(sl, (2, 4), shape, remat)
+                lat = solver.bound(sl, (2, 4), shape, remat, rows=True)[0]
+                assert lat >= free
+                tighter += lat > 10 * free
                 for sol in (solver.solve(sl, (2, 4), shape, remat=remat),
                             solver.lean(sl, (2, 4), shape, remat=remat)):
                     if sol is None:
@@ -41,6 +46,7 @@ def test_bounds_are_below_the_plans_solved(loss, bounds, budget):
                     assert params <= sol.param_bytes * (1 + 1e-9), (l, shape, remat)
                     assert peak <= sol.peak_memory_bytes * (1 + 1e-9), (l, shape, remat)
     assert checked >= 32
+    assert (tighter >= 3) if budget == 3000 else (tighter == 0)
 
 
 @pytest.mark.parametrize("microbatches", [2, 64])
