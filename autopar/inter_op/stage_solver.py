@@ -131,16 +131,21 @@ class StageSolver:
             self.graphs[key] = (g, graph_fingerprint(g))
         return self.graphs[key]
 
-    def search_graph(self, sl: StageSlice, remat: Remat = Remat.NONE):
-        """(graph, fingerprint, slice) of the first slice traced with the same `slice_key`:
-        its training graph is this slice's (the search traces each distinct layer once; a
-        chosen stage gets its own trace, `graph`)."""
+    def layer_key(self, sl: StageSlice) -> str:
+        """`slice_key` of the slice (cached): equal for slices whose training graphs, and so
+        whose ILPs on one view, are the same."""
         if self.act_dims is None:
             self.act_dims = forward_batch_dims(self.loss)
         span = (sl.start, sl.stop)
         if span not in self.keys:
             self.keys[span] = slice_key(self.loss, sl, self.act_dims)
-        key = (self.keys[span], remat)
+        return self.keys[span]
+
+    def search_graph(self, sl: StageSlice, remat: Remat = Remat.NONE):
+        """(graph, fingerprint, slice) of the first slice traced with the same `slice_key`:
+        its training graph is this slice's (the search traces each distinct layer once; a
+        chosen stage gets its own trace, `graph`)."""
+        key = (self.layer_key(sl), remat)
         if key not in self.shared:
             self.shared[key] = (*self.graph(sl, remat), sl)
         return self.shared[key]

@@ -326,7 +326,10 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     ctx = OptionContext(loss=loss, boundaries=boundaries, submeshes=submeshes,
                         shapes_per_k=shapes_per_k, pairs=pairs, meshes=meshes,
                         opt_ratio=solver.opt_ratio, num_microbatches=method.num_microbatches,
-                        pipeline=pipeline, pool=solver.pool)
+                        pipeline=pipeline, pool=solver.pool, layer_keys=tuple(
+                            solver.layer_key(slice_range(loss, boundaries[l], boundaries[l + 1],
+                                                         l))
+                            for l in range(len(boundaries) - 1)))
     # A layer across hosts is priced by lower bounds first, and solved only where a DP
     # choice uses it (`lazy_options`): its ILP is the costly, memory-bound kind.
     lazy = frozenset(p for p, (k, _) in enumerate(pairs)

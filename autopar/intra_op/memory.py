@@ -38,6 +38,7 @@ read by the matmul and so materialized; it is counted, `exp(x)` is not:
 from __future__ import annotations
 
 import bisect
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -96,6 +97,42 @@ def _sized_like(graph: OpGraph, consumers: list[list[int]]) -> list[int]:
     return size_of
 
 
+def _expensive(graph: OpGraph, n: int) -> bool:
+    """Whether XLA's fusion keeps node n's value out of its consumers' kernels (`EXPENSIVE`).
+    Not a division by a broadcast (or a smaller tensor): XLA's algebraic simplifier makes it a
+    multiplication by the broadcast reciprocal, which fuses into every consumer (a softmax's
+    `exp / sum[..., None]`: Gemma's compiled step keeps the exp, not the probabilities)."""
+    node = graph.nodes[n]
+    if node.primitive not in EXPENSIVE:
+        return False
+    if node.primitive != "div" or len(node.inputs) != 2 or not node.outputs:
+        return True
+    divisor = graph.tensors[node.inputs[1]]
+    size = math.prod(graph.tensors[node.outputs[0]].shape)
+    if math.prod(divisor.shape) < size:
+        return False
+    src = divisor.producer
+    if src is None or src < 0 or graph.nodes[src].primitive != "broadcast_in_dim":
+        return True
+    return bool(graph.nodes[src].inputs) and math.prod(
+        graph.tensors[graph.nodes[src].inputs[0]].shape) >= size
+
+
+def _chain_inputs(graph: OpGraph, inputs, fused, materialized) -> set[int]:
+    """`inputs` and, through the fused producers of the unmaterialized ones (`_recomputed`
+    values a matmul computes itself), the tensors those read."""
+    out, stack = set(), list(inputs)
+    while stack:
+        i = stack.pop()
+        if i in out:
+            continue
+        out.add(i)
+        p = graph.tensors[i].producer
+        if not materialized[i] and p is not None and p >= 0 and fused[p]:
+            stack.extend(graph.nodes[p].inputs)
+    return out
+
+
 def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], list]:
     """(materialized, fused, kernels) with the expensive shared values written once."""
     fc = fusion_costs(graph, FusionStyle.SINGLE_OUTPUT)
@@ -116,16 +153,43 @@ def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], li
         for _, members in kernels:
             for n in members:
                 in_kernels[n] = in_kernels.get(n, 0) + 1
-        shared = [n for n, k in in_kernels.items() if k > 1
-                  and graph.nodes[n].primitive in EXPENSIVE]
+        shared = [n for n, k in in_kernels.items() if k > 1 and _expensive(graph, n)]
         changed = False
         for n in shared:
             for o in graph.nodes[n].outputs:
                 if not materialized[o]:
                     materialized[o] = changed = True
+        for t in _recomputed(graph, consumers, kinds, fused, materialized, view, kernels):
+            materialized[t], changed = False, True
         if not changed:
             break
     return materialized, fused, kernels
+
+
+def _recomputed(graph: OpGraph, consumers, kinds, fused, materialized, view, kernels) -> list:
+    """Cheap elementwise values (not `_expensive`) that two or more kernels read, matmuls
+    included: XLA duplicates cheap producers into every consumer (XLA:CPU's matmul fusions and
+    the layout copies before matmuls take them too), so each kernel computes the value from
+    its operands and no buffer holds it between them. Gemma's compiled step keeps a softmax's
+    exp and the sums' reciprocals, never the probabilities the forward and backward matmuls
+    read; the model kept one such buffer per layer through the backward (predicted 1.12x)."""
+    outputs = set(graph.outputs)
+    readers = [0] * len(graph.tensors)
+    for root, members in kernels:
+        made = {o for n in members for o in graph.nodes[n].outputs}
+        for i in {i for n in members for i in graph.nodes[n].inputs} - made:
+            readers[i] += 1
+    out = []
+    for node, kind in zip(graph.nodes, kinds):
+        if not fused[node.id] or kind is not OpKind.FUSIBLE or _expensive(graph, node.id):
+            continue
+        for o in node.outputs:
+            direct = [kinds[c] for c in consumers[o] if not fused[c]]
+            if (materialized[o] and not view[o] and o not in outputs
+                    and all(k is OpKind.KERNEL for k in direct)
+                    and readers[o] + len(direct) >= 2):
+                out.append(o)
+    return out
 
 
 def run_order(graph: OpGraph) -> list[int]:
@@ -179,7 +243,7 @@ def memory_model(graph: OpGraph) -> MemoryModel:
     read_at = [-1] * len(tensors)
     for node in nodes:
         if not fused[node.id] and node.id not in dead:
-            for i in node.inputs:
+            for i in _chain_inputs(graph, node.inputs, fused, materialized):
                 read_at[i] = max(read_at[i], pos[node.id])
     in_kernel = [False] * n_nodes
     for root, members in kernels:

@@ -3,13 +3,17 @@ bounds are below what the exact solves give, and the search chooses what it choo
 every option solved (here exactly; in general a layout the DP prices no slower, where the
 other recomputations join before unsolved plans across hosts are solved), solving fewer
 ILPs."""
+import types
+
 import jax
+import numpy as np
 import pytest
 
 import autopar
 from autopar.core.enums import Remat
 from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op import stages
+from autopar.inter_op.lazy_options import exact_dp
 from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_solver import StageSolver
 from support.stage_mlp import bounds, loss, method  # noqa: F401  (fixtures: a four-layer MLP loss)
@@ -122,3 +126,56 @@ def test_a_pipeline_searched_on_two_hosts_trains_like_jax_jit():
     assert [s.layers[0] for s in stages_] == [0] + [s.layers[1] + 1 for s in stages_[:-1]]
     assert stages_[-1].layers[1] == 3 and sum(len(s.device_ids) for s in stages_) == 8
     assert all(s.latency_s > 0 for s in stages_)
+
+
+class _FakeKind:
+    """A `KindOptions` stand-in: latency arrays [layer, pair] whose pending cells move from
+    a loose bound to a tight one (`tighten`) to the exact value (`refine`), calls recorded."""
+
+    def __init__(self, exact, tight, loose_at, keys):
+        self.exact, self.tight = np.array(exact), np.array(tight)
+        lat = self.exact.copy()
+        lat[:, 1] = loose_at
+        pending = np.zeros(lat.shape, dtype=bool)
+        pending[:, 1] = True
+        self.arrays = [lat, None, None, None, None, None, pending]
+        self.loose = pending.copy()
+        self.ctx = types.SimpleNamespace(layer_keys=keys)
+        self.calls = []
+
+    def entries(self):
+        return [(self.arrays, False)]
+
+    def tighten(self, cells):
+        self.calls.append(("tighten", sorted(cells)))
+        for c in cells:
+            self.loose[c] = False
+            self.arrays[0][c] = self.tight[c]
+
+    def refine(self, cells):
+        self.calls.append(("refine", sorted(cells)))
+        for c in cells:
+            self.loose[c] = self.arrays[6][c] = False
+            self.arrays[0][c] = self.exact[c]
+
+
+def _one_stage_dp(options, **kw):
+    """Every layer in one stage on the pair with the least summed latency."""
+    lat = options[0][0]
+    p = int(np.argmin(lat.sum(axis=0)))
+    return types.SimpleNamespace(layer_spans=[(0, lat.shape[0] - 1)], submeshes=[p],
+                                 total_latency_s=float(lat[:, p].sum()))
+
+
+def test_the_dp_tightens_bounds_then_solves_one_ilp_per_round():
+    """Pair 1's layers are bounded at 0.5 s without memory rows, 0.9 s with them, and take
+    2 s when solved; pair 0's take 1 s. The DP first raises every bound it uses to the one
+    with memory rows (2.7 s < 3 s: still pair 1), then solves one ILP: layers 1 and 2 are
+    alike (one ILP). Pair 1 then sums to 4.9 s, so the DP returns pair 0, and layer 0 on pair
+    1 is never solved."""
+    kind = _FakeKind(exact=[[1.0, 2.0]] * 3, tight=[[1.0, 0.9]] * 3, loose_at=0.5,
+                     keys=("first", "block", "block"))
+    choice = exact_dp(_one_stage_dp, [kind], num_pairs=2)([kind.arrays])
+    assert choice.submeshes == [0] and choice.total_latency_s == pytest.approx(3.0)
+    assert kind.calls == [("tighten", [(0, 1), (1, 1), (2, 1)]),
+                          ("refine", [(1, 1), (2, 1)])]
