@@ -175,7 +175,7 @@ def _recomputed(graph: OpGraph, consumers, kinds, fused, materialized, view, ker
     read; the model kept one such buffer per layer through the backward (predicted 1.12x)."""
     outputs = set(graph.outputs)
     readers = [0] * len(graph.tensors)
-    for root, members in kernels:
+    for _, members in kernels:
         made = {o for n in members for o in graph.nodes[n].outputs}
         for i in {i for n in members for i in graph.nodes[n].inputs} - made:
             readers[i] += 1
