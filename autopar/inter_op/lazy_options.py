@@ -1,10 +1,14 @@
 """Layer options priced lazily: the stage DP's (layer, submesh, view) options whose exact
 plan is costly (a layer across hosts: its ILP is memory-bound, 1-60 s for GPT-39B) start as
 lower bounds (`StageSolver.bound`: the ILP's LP bound without memory rows, the parameters split
-as far as they go, a lower bound of the peak; a fraction of a second), and are solved only when
-a DP choice uses one (`exact_dp`). Every DP answer is then the one it would give over exact
-options: the bounds are optimistic in latency and in memory, so an option the DP never picks
-cannot be part of a better (or a feasible) layout than the one it returns.
+as far as they go, a lower bound of the peak; a fraction of a second). Where a DP choice uses
+one, its latency bound is raised to the LP with the memory rows at the budget (`tighten`: a
+second LP; GPT-39B across hosts at M=128: 3-30% below the plan, against 5x below without the
+rows), and where a choice uses that one, it is solved (`refine`), one ILP (the identical
+layers of one kind on one pair) per round (`exact_dp`). Every DP answer is then the one it
+would give over exact options: the bounds are optimistic in latency and in memory, so an
+option the DP never picks cannot be part of a better (or a feasible) layout than the one it
+returns.
 
 GPT-39B K=8 M=1024 on 64 V100s: the 45 cross-host layer ILPs (flat views of 16-64 devices,
 120 s of the 174 s search) are bounded at 0.21-0.33 s per microbatch against the chosen
