@@ -100,8 +100,9 @@ def _sized_like(graph: OpGraph, consumers: list[list[int]]) -> list[int]:
 def _expensive(graph: OpGraph, n: int) -> bool:
     """Whether XLA's fusion keeps node n's value out of its consumers' kernels (`EXPENSIVE`).
     Not a division by a broadcast (or a smaller tensor): XLA's algebraic simplifier makes it a
-    multiplication by the broadcast reciprocal, which fuses into every consumer (a softmax's
-    `exp / sum[..., None]`: Gemma's compiled step keeps the exp, not the probabilities)."""
+    multiplication by the broadcast reciprocal, a cheap op it duplicates into consumers (a
+    softmax's `exp / sum[..., None]`: GPT's and Gemma's compiled steps compute the sums'
+    reciprocals, `broadcast_divide_fusion`, and multiply)."""
     node = graph.nodes[n]
     if node.primitive not in EXPENSIVE:
         return False
@@ -116,21 +117,6 @@ def _expensive(graph: OpGraph, n: int) -> bool:
         return True
     return bool(graph.nodes[src].inputs) and math.prod(
         graph.tensors[graph.nodes[src].inputs[0]].shape) >= size
-
-
-def _chain_inputs(graph: OpGraph, inputs, fused, materialized) -> set[int]:
-    """`inputs` and, through the fused producers of the unmaterialized ones (`_recomputed`
-    values a matmul computes itself), the tensors those read."""
-    out, stack = set(), list(inputs)
-    while stack:
-        i = stack.pop()
-        if i in out:
-            continue
-        out.add(i)
-        p = graph.tensors[i].producer
-        if not materialized[i] and p is not None and p >= 0 and fused[p]:
-            stack.extend(graph.nodes[p].inputs)
-    return out
 
 
 def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], list]:
@@ -159,37 +145,9 @@ def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], li
             for o in graph.nodes[n].outputs:
                 if not materialized[o]:
                     materialized[o] = changed = True
-        for t in _recomputed(graph, consumers, kinds, fused, materialized, view, kernels):
-            materialized[t], changed = False, True
         if not changed:
             break
     return materialized, fused, kernels
-
-
-def _recomputed(graph: OpGraph, consumers, kinds, fused, materialized, view, kernels) -> list:
-    """Cheap elementwise values (not `_expensive`) that two or more kernels read, matmuls
-    included: XLA duplicates cheap producers into every consumer (XLA:CPU's matmul fusions and
-    the layout copies before matmuls take them too), so each kernel computes the value from
-    its operands and no buffer holds it between them. Gemma's compiled step keeps a softmax's
-    exp and the sums' reciprocals, never the probabilities the forward and backward matmuls
-    read; the model kept one such buffer per layer through the backward (predicted 1.12x)."""
-    outputs = set(graph.outputs)
-    readers = [0] * len(graph.tensors)
-    for _, members in kernels:
-        made = {o for n in members for o in graph.nodes[n].outputs}
-        for i in {i for n in members for i in graph.nodes[n].inputs} - made:
-            readers[i] += 1
-    out = []
-    for node, kind in zip(graph.nodes, kinds):
-        if not fused[node.id] or kind is not OpKind.FUSIBLE or _expensive(graph, node.id):
-            continue
-        for o in node.outputs:
-            direct = [kinds[c] for c in consumers[o] if not fused[c]]
-            if (materialized[o] and not view[o] and o not in outputs
-                    and all(k is OpKind.KERNEL for k in direct)
-                    and readers[o] + len(direct) >= 2):
-                out.append(o)
-    return out
 
 
 def run_order(graph: OpGraph) -> list[int]:
@@ -243,7 +201,7 @@ def memory_model(graph: OpGraph) -> MemoryModel:
     read_at = [-1] * len(tensors)
     for node in nodes:
         if not fused[node.id] and node.id not in dead:
-            for i in _chain_inputs(graph, node.inputs, fused, materialized):
+            for i in node.inputs:
                 read_at[i] = max(read_at[i], pos[node.id])
     in_kernel = [False] * n_nodes
     for root, members in kernels:
