@@ -3,8 +3,8 @@ plan is costly (a layer across hosts: its ILP is memory-bound, 1-60 s for GPT-39
 lower bounds (`StageSolver.bound`: the ILP's LP bound without memory rows, the parameters split
 as far as they go, a lower bound of the peak; a fraction of a second). Where a DP choice uses
 one, its latency bound is raised to the LP with the memory rows at the budget (`tighten`: a
-second LP; GPT-39B across hosts at M=128: 4.5-15x above the bound without the rows, the
-plans 1.1-6x above it), and where a choice uses that one, it is solved (`refine`), one ILP
+second LP; GPT-39B across hosts at M=128: 8-15x above the bound without the rows, the
+plans 1.1-3.6x above it), and where a choice uses that one, it is solved (`refine`), one ILP
 (the identical layers of one kind on one pair) per round (`exact_dp`). Every DP answer is then the one it
 would give over exact options: the bounds are optimistic in latency and in memory, so an
 option the DP never picks cannot be part of a better (or a feasible) layout than the one it
@@ -96,8 +96,8 @@ class KindOptions:
     def tighten(self, cells) -> None:
         """Bound the `cells` ((layer, pair), pending with the bound without memory rows) by
         their LP with memory rows (`StageSolver.bound(rows=True)`: one LP, where the exact
-        solve of a memory-bound ILP takes 5-60 s; GPT-39B across hosts at M=128: a median 7.5x
-        the bound without the rows, the plans a median 2.5x this one) and reprice."""
+        solve of a memory-bound ILP takes 5-60 s; GPT-39B across hosts at M=128: a median 11x
+        the bound without the rows, the plans a median 2.1x this one) and reprice."""
         ctx, lat = self.ctx, self.plain[0]
         for l, p in sorted(set(cells)):
             self.loose[l, p] = False
