@@ -28,7 +28,7 @@ def test_bounds_are_below_the_plans_solved(loss, bounds, budget):
     a budget that binds or not: `bound`'s latency is at most the fastest plan's (and the
     memory-lean plan's), its parameter bytes at most the plan's, its peak at most the plan's
     peak; so is the bound with memory rows. At 3000 bytes the (1, 8) view must split the
-    weights of layers 1-3: the memory rows see it (40x the bound without them, 3-6x below
+    weights of layers 1-3: the memory rows see it (40-85x the bound without them, 3-6x below
     the plan)."""
     solver = StageSolver(loss, TWO_HOSTS, method(autopar.AutoStageOption(),
                                                  memory_budget_bytes=budget), tuple(bounds))
