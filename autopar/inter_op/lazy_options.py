@@ -5,10 +5,10 @@ as far as they go, a lower bound of the peak; a fraction of a second). Where a D
 one, its latency bound is raised to the LP with the memory rows at the budget (`tighten`: a
 second LP; GPT-39B across hosts at M=128: 8-15x above the bound without the rows, the
 plans 1.1-3.6x above it), and where a choice uses that one, it is solved (`refine`), one ILP
-(the identical layers of one kind on one pair) per round (`exact_dp`). Every DP answer is then the one it
-would give over exact options: the bounds are optimistic in latency and in memory, so an
-option the DP never picks cannot be part of a better (or a feasible) layout than the one it
-returns.
+(the identical layers of one kind on one pair) per round (`exact_dp`). Every DP answer is then
+the one it would give over exact options: the bounds are optimistic in latency and in memory,
+so an option the DP never picks cannot be part of a better (or a feasible) layout than the
+one it returns.
 
 GPT-39B K=8 M=1024 on 64 V100s: the 45 cross-host layer ILPs (flat views of 16-64 devices,
 120 s of the 174 s search) are bounded at 0.21-0.33 s per microbatch against the chosen
