@@ -161,10 +161,9 @@ def evaluate(problem: IlpProblem, choice) -> float:
 
 
 def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
-    """A lower bound, in seconds, of every plan's `evaluate` (whatever its memory): the LP
-    relaxation of the problem without its memory rows (often its optimum: that LP is usually
-    tight). `memory=True`: with its memory rows at its budget, a lower bound of the plans that
-    fit it (-inf where no fractional plan fits: then no plan does)."""
+    """A lower bound, in seconds, of every plan's `evaluate`: the LP relaxation without memory
+    rows (usually tight: often the optimum); `memory=True`: with its memory rows at its budget,
+    of the plans that fit it (-inf where no fractional plan fits: then no plan does)."""
     red = _presolve(problem if memory else replace(problem, memory_points=()))
     if not red.var_groups:
         return -math.inf if red.infeasible else evaluate(problem, red.choice)
