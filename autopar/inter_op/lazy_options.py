@@ -26,10 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError
-from autopar.inter_op.pipeline import slice_range
 from autopar.inter_op.stage_costs import (
     boundary_costs,
-    cell_place,
     layer_options,
     layer_values,
     solve_cells,
@@ -98,13 +96,13 @@ class KindOptions:
         their LP with memory rows (`StageSolver.bound(rows=True)`: one LP, where the exact
         solve of a memory-bound ILP takes 5-60 s; GPT-39B across hosts at M=128: a median 11x
         the bound without the rows, the plans a median 2.1x this one) and reprice."""
-        ctx, lat = self.ctx, self.plain[0]
-        for l, p in sorted(set(cells)):
+        ctx, lat, cells = self.ctx, self.plain[0], sorted(set(cells))
+        for (l, p), (tight, _, _) in zip(cells, solve_cells(
+                ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs,
+                lambda sl, sub, view: self.bound(sl, sub, view, rows=True), cells, None)):
             self.loose[l, p] = False
             was = lat[l, p]
-            lat[l, p] = max(was, self.bound(slice_range(
-                ctx.loss, ctx.boundaries[l], ctx.boundaries[l + 1], l),
-                *cell_place(ctx.submeshes, ctx.shapes_per_k, ctx.pairs, p), rows=True)[0])
+            lat[l, p] = max(was, tight)
             log.debug("layer %d on pair %d bounded with memory rows: %.4g s (was %.4g s)",
                       l, p, lat[l, p], was)
         self._priced()
