@@ -7,6 +7,7 @@ follow an operand's group and add their outputs to it.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
-from autopar.intra_op.copies import Read, mover
+from autopar.intra_op.copies import Read, copy_terms, mover
 from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -277,10 +278,12 @@ class _Builder:
         return sorted(unmet)
 
     # -------------------------------------------------------------------------- memory
-    def memory_points(self, budget: float | None) -> list[MemoryPoint]:
+    def memory_points(self, budget: float | None, copies=()) -> list[MemoryPoint]:
         """One constraint per liveness point that could exceed the budget, skipping points
         whose live set only shrank since the previous one (they are dominated). Terms are
-        kept per group incrementally, so a point costs O(live groups) to record."""
+        kept per group incrementally, so a point costs O(live groups) to record. `copies`:
+        (`CopyTerm`, its readers' positions) of `copies.copy_terms`; a point refers to those
+        whose span (first reader to last) holds it."""
         if budget is None:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
@@ -289,7 +292,11 @@ class _Builder:
         for t in events.start:
             tracker.add(t)
         born_x, freed_x = self._collective_events(events)
-        points, grown, n = [], True, len(g.nodes)
+        starts: dict[int, list[int]] = {}
+        for c, (_, at) in enumerate(copies):
+            starts.setdefault(at[0], []).append(c)
+        ends = {at[-1] for _, at in copies}
+        points, grown, n, active = [], True, len(g.nodes), {}
         for i in range(n + 1):
             if i < n:
                 for o in events.born.get(i, ()):
@@ -298,10 +305,16 @@ class _Builder:
                 for key, grp, vec in born_x.get(i, ()):
                     tracker.add_vector(key, grp, vec)
                     grown = True
-            if (i in events.freed or i in freed_x or i == n) and grown:
+                for c in starts.get(i, ()):
+                    active[c], grown = copies[c], True
+            if (i in events.freed or i in freed_x or i in ends or i == n) and grown:
                 grown = False
-                if tracker.worst > budget:
-                    points.append(tracker.point())
+                if tracker.worst + sum(t.nbytes for t, _ in active.values()) > budget:
+                    points.append(tracker.point(tuple(
+                        (c, bisect.bisect_right(at, i), bisect.bisect_left(at, i))
+                        for c, (_, at) in active.items())))
+            for c in [c for c, (_, at) in active.items() if at[-1] <= i]:
+                del active[c]
             for t in events.freed.get(i, ()):
                 tracker.remove(t)
             for key, grp, vec in freed_x.get(i, ()):
@@ -395,11 +408,11 @@ class _LiveBytes:
             else:
                 self._set(grp, self.terms[grp] - vec)
 
-    def point(self) -> MemoryPoint:
+    def point(self, copies=()) -> MemoryPoint:
         folded = self.folded.values()
         const = max(self.const, 0.0) + math.fsum(lo for _, lo, _ in folded)
         return MemoryPoint(terms=tuple((g, f[0]) for g, f in self.folded.items() if f[2] > 0),
-                           constant_bytes=const, folded=True,
+                           constant_bytes=const, folded=True, copies=copies,
                            max_bytes=const + math.fsum(span for _, _, span in folded))
 
 
@@ -445,18 +458,21 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     unmet = b.restrict(allowed) if allowed is not None else []
     node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
     edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]
-    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
-                         memory_points=tuple(b.memory_points(budget)),
-                         memory_budget_bytes=budget)
     reads = tuple(r if r.group not in b.kept else Read(
         tensor=r.tensor, group=r.group, node=r.node,
         wanted=tuple(r.wanted[i] for i in b.kept[r.group])) for r in b.reads)
+    constant = frozenset(t for t, c in enumerate(cheap) if c)
+    copies = () if budget is None else copy_terms(
+        graph, reads, b.tensor_specs, b.tensor_group, b.node_group, schedule(graph).model.pos,
+        ctx.mesh_shape, constant)
+    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
+                         memory_points=tuple(b.memory_points(budget, copies)),
+                         memory_budget_bytes=budget, copies=tuple(c for c, _ in copies))
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
                  owners=b.owners, fallbacks=b.fallbacks, unmet_pins=tuple(unmet),
-                 reads=reads,
-                 constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
+                 reads=reads, constant_tensors=constant)
 
 
 def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Spec]]:

@@ -24,11 +24,15 @@ from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
 from autopar.intra_op.memory_points import (  # noqa: F401
+    CopyTerm,
     MemoryPoint,
     PointRows,
     _fold_point,
+    copy_usage,
     folded_point,
     point_rows,
+    point_usage,
+    points_with_extra,
 )
 from autopar.intra_op.mip import (
     EXACT_REL_GAP,
@@ -58,44 +62,12 @@ class IlpEdge:
 
 def with_extra_bytes(problem: IlpProblem, extra: dict[int, np.ndarray]) -> IlpProblem:
     """The problem with `extra[g][i]` bytes added to every memory point when group g picks
-    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere).
-    Every term of every point is summed and folded at once (flat numpy arrays, as `PointRows`
-    holds them): a whole stage has thousands of points, each with hundreds of held groups."""
-    ks = problem.num_strategies
-    folded = [_fold_point(p, ks) for p in problem.memory_points]
-    if not folded:
+    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere;
+    `memory_points.points_with_extra`)."""
+    if not problem.memory_points:
         return problem
-    zeros = {g: np.zeros(ks[g]) for g in extra}
-    tp, tg, chunks = [], [], []
-    for i, (_, terms) in enumerate(folded):
-        for g, b in terms.items():
-            tp.append(i), tg.append(g), chunks.append(b)
-        for g in extra:
-            if g not in terms:
-                tp.append(i), tg.append(g), chunks.append(zeros[g])
-    if not chunks:
-        return replace(problem, memory_points=tuple(
-            folded_point({}, const) for const, _ in folded))
-    tp, tg = np.array(tp, np.int64), np.array(tg, np.int64)
-    lens = np.fromiter((len(b) for b in chunks), np.int64, len(chunks))
-    first = np.cumsum(lens) - lens
-    off = np.concatenate([[0], np.cumsum(ks)]).astype(np.int64)
-    table = np.zeros(int(off[-1]))
-    for g, b in extra.items():
-        table[off[g]:off[g + 1]] += np.asarray(b, float)
-    vals = np.concatenate([np.asarray(b, float) for b in chunks])
-    vals += table[np.repeat(off[tg] - first, lens) + np.arange(vals.size)]
-    lo, hi = np.minimum.reduceat(vals, first), np.maximum.reduceat(vals, first)
-    vals -= np.repeat(lo, lens)
-    n = len(folded)
-    const = np.array([c for c, _ in folded]) + np.bincount(tp, weights=lo, minlength=n)
-    top = const + np.bincount(tp, weights=np.where(hi > lo, hi - lo, 0.0), minlength=n)
-    terms: list[list] = [[] for _ in range(n)]
-    for t in np.flatnonzero(hi > lo).tolist():
-        terms[tp[t]].append((int(tg[t]), vals[first[t]:first[t] + lens[t]]))
-    return replace(problem, memory_points=tuple(
-        MemoryPoint(terms=tuple(terms[i]), constant_bytes=float(const[i]), folded=True,
-                    max_bytes=float(top[i])) for i in range(n)))
+    return replace(problem, memory_points=points_with_extra(
+        problem.memory_points, problem.num_strategies, extra))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +78,7 @@ class IlpProblem:
     edges: tuple[IlpEdge, ...]
     memory_points: tuple[MemoryPoint, ...] = ()
     memory_budget_bytes: float | None = None
+    copies: tuple[CopyTerm, ...] = ()      # resharded copies the points refer to
 
     def __post_init__(self):
         # Messages are formatted only on failure: this runs over every term of every point.
@@ -180,7 +153,7 @@ def peak_memory_bytes(problem: IlpProblem, choice) -> float:
     c = _check_choice(problem, choice)
     if not problem.memory_points:
         return 0.0
-    return float(point_rows(problem.memory_points).usage(c).max())
+    return float(point_usage(problem.memory_points, problem.copies, c).max())
 
 
 def _require(ok, message: str) -> None:
@@ -220,26 +193,31 @@ def _presolve(problem: IlpProblem) -> _Reduced:
             nc[v] += r[0, :]
         else:
             edges.append((u, v, r))
-    mem_rows, infeasible = [], False
-    budget = problem.memory_budget_bytes
+    mem_rows, row_copies, infeasible = [], [], False
+    budget, copies = problem.memory_budget_bytes, problem.copies
     if budget is not None:
         for p in problem.memory_points:
-            if p.folded and p.max_bytes <= budget:
+            extra = sum(copies[c].nbytes for c, _, _ in p.copies)
+            if p.folded and p.max_bytes + extra <= budget:
                 continue
             const, terms = _fold_point(p, ks)
-            if const + sum(float(b.max()) for b in terms.values()) <= budget:
+            if const + sum(float(b.max()) for b in terms.values()) + extra <= budget:
                 continue
             infeasible |= const > budget
             mem_rows.append((tuple(terms.items()), budget - const))
+            row_copies.append(p.copies)
     linked = {g for u, v, _ in edges for g in (u, v)}
     linked |= {g for terms, _ in mem_rows for g, _ in terms}
+    linked |= {g for c in {c for refs in row_copies for c, _, _ in refs}
+               for g in (copies[c].source, *(g for g, _ in copies[c].readers))}
     choice = np.full(len(ks), -1, dtype=np.int64)
     for g, k in enumerate(ks):
         if k == 1 or g not in linked:
             choice[g] = int(np.argmin(nc[g]))
     var_groups = tuple(g for g in range(len(ks)) if choice[g] < 0)
     return _Reduced(choice=choice, var_groups=var_groups, node_costs=tuple(nc), edges=tuple(edges),
-                    mem_rows=tuple(mem_rows), infeasible=infeasible)
+                    mem_rows=tuple(mem_rows), infeasible=infeasible, copies=copies,
+                    row_copies=tuple(row_copies))
 
 
 # ----------------------------------------------------------------------------- public solvers
@@ -275,8 +253,8 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
         if e.v in adj:
             adj[e.v].append((e.u, np.asarray(e.cost).T))
     budget = problem.memory_budget_bytes
-    rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
-    peak = rows.usage(c).max() if rows is not None else 0.0    # of the plan as it stands
+    points = problem.memory_points if budget else ()
+    peak = point_usage(points, problem.copies, c).max() if points else 0.0   # the plan's now
     for g, held in tie_bytes.items():
         cost = np.array(problem.node_costs[g], float)
         for v, r in adj[g]:
@@ -287,8 +265,8 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
         if held[best] >= held[now]:
             continue
         c[g] = best
-        if rows is not None:
-            moved = rows.usage(c).max()
+        if points:
+            moved = point_usage(points, problem.copies, c).max()
             if moved > max(budget, peak):
                 c[g] = now
             else:
@@ -304,19 +282,24 @@ LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points e
 
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
               time_limit_s: float = 60.0, hint=None) -> IlpSolution:
-    """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
-    so far, add the most violated of the rest, and repeat until the plan fits every point;
-    usually the first plan already fits and one solve without memory rows suffices. `hint`: a
-    choice to start from (where it fits)."""
+    """Solve the ILP. Many memory points, and every resharded copy, are added lazily (exact):
+    solve with the points and copies added so far, add the most violated of the other points
+    and the copies the plan makes at its violated points, and repeat until the plan fits
+    every point with its copies; usually the first plan already fits and one solve without
+    memory rows suffices. `hint`: a choice to start from (where it fits)."""
     points, budget = problem.memory_points, problem.memory_budget_bytes
-    if budget is None or len(points) <= LAZY_MEMORY_POINTS:
+    lazy_points = len(points) > LAZY_MEMORY_POINTS
+    if budget is None or not (lazy_points or any(p.copies for p in points)):
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
-    active: list[int] = []
+    active: list[int] = [] if lazy_points else list(range(len(points)))
+    copies: set[int] = set()
     rounds, sol, rows = 0, None, point_rows(points)
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
-        sub = replace(problem, memory_points=tuple(points[i] for i in active))
+        sub = replace(problem, memory_points=tuple(
+            replace(points[i], copies=tuple(r for r in points[i].copies if r[0] in copies))
+            for i in active))
         sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False,
                           hint=hint if sol is None else sol.choice)
         rounds += 1
@@ -324,18 +307,32 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
             sol = replace(sol, choice=tuple(choice), objective=evaluate(problem, choice))
             break
-        usage = rows.usage(sol.choice)
+        usage = rows.usage(sol.choice) + copy_usage(points, problem.copies, sol.choice)
         taken = set(active)
-        over = [int(i) for i in np.argsort(-usage) if usage[i] > budget and int(i) not in taken]
-        if not over or sol.status is not SolveStatus.OPTIMAL:
+        over = [int(i) for i in np.argsort(-usage) if usage[i] > budget]
+        new = [i for i in over if i not in taken][:LAZY_BATCH]
+        made = {c for i in over for c in _live_copies(problem, points[i], sol.choice)} - copies
+        if not (new or made) or sol.status is not SolveStatus.OPTIMAL:
             if over:
                 sol = replace(sol, message=f"{sol.message}; this plan needs {usage.max():.6g} "
                               f"bytes, over the budget of {budget:.6g}")
             break
-        active.extend(over[:LAZY_BATCH])
+        active.extend(new)
+        copies |= made
     return replace(sol, solve_time_s=time.perf_counter() - t0,
                    message=f"{sol.message}; memory: {len(active)} of {len(points)} liveness "
-                           f"constraints needed ({rounds} solve{'s' * (rounds > 1)})")
+                           f"constraints needed, {len(copies)} resharded copies ({rounds} "
+                           f"solve{'s' * (rounds > 1)})")
+
+
+def _live_copies(problem: IlpProblem, point: MemoryPoint, choice) -> list[int]:
+    """The copies `choice` makes that are live at `point`."""
+    out = []
+    for c, a, b in point.copies:
+        need = problem.copies[c].needs(choice)
+        if need[:a].any() and need[b:].any():
+            out.append(c)
+    return out
 
 
 def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:
@@ -419,7 +416,8 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
     ks = problem.num_strategies
     folded = problem.memory_points
     if not all(p.folded for p in folded):
-        folded = tuple(folded_point(t, c) for c, t in (_fold_point(p, ks) for p in folded))
+        folded = tuple(folded_point(t, c, p.copies)
+                       for p, (c, t) in zip(folded, (_fold_point(p, ks) for p in folded)))
     free = _presolve(replace(problem, memory_budget_bytes=None))
     if not any(p.terms for p in folded):
         choice = greedy(free)
@@ -436,7 +434,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         if reason:
             logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
             break
-        usage = rows.usage(choice)
+        usage = rows.usage(choice) + copy_usage(folded, problem.copies, choice)
         bound = float(usage[active].max())
         usage[active] = -np.inf
         over = np.flatnonzero(usage > bound * (1 + 1e-9))
@@ -483,10 +481,14 @@ def brute_force(problem: IlpProblem) -> IlpSolution:
     for e in problem.edges:
         obj += np.asarray(e.cost, float)[grid[:, e.u], grid[:, e.v]]
     peak = np.zeros(total) if not problem.memory_points else np.full(total, -np.inf)
+    need = [np.stack([~c.kept[grid[:, c.source]] & w[grid[:, g]] for g, w in c.readers], 1)
+            for c in problem.copies]      # per copy: (combination, reader) needs it
     for p in problem.memory_points:
         live = np.full(total, float(p.constant_bytes))
         for g, b in p.terms:
             live += np.asarray(b, float)[grid[:, g]]
+        for c, a, b in p.copies:
+            live += problem.copies[c].nbytes * (need[c][:, :a].any(1) & need[c][:, b:].any(1))
         peak = np.maximum(peak, live)
     budget = problem.memory_budget_bytes
     ok = np.ones(total, bool) if budget is None else peak <= budget

@@ -364,15 +364,16 @@ def collective_extra(graph: OpGraph, events: Schedule, collective) -> list[tuple
     return out
 
 
-def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
+def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None, reshards=()) -> float:
     """Max over the node order of the bytes per device of the live buffers (see the module
     docstring), every temporary in a buffer of its own: what `solve.peak_memory` and the ILP's
     memory points count (an upper bound of `predicted_peak_bytes`). `collective`: per node,
     (partial_bytes, collective_out_bytes) of its strategy (`collective_buffers`; None: not
-    counted)."""
+    counted); `reshards`: the resharded copies (`copy_buffers`)."""
     events = schedule(graph)
     return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes),
-                 collective_extra(graph, events, collective))
+                 collective_extra(graph, events, collective)
+                 + copy_buffers(graph, events, reshards, mesh_shape))
 
 
 def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> frozenset:

@@ -108,12 +108,13 @@ class ShardingAssignment:
                                              # collective's buffers (`collective_bytes`)
 
 
-def peak_memory(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
+def peak_memory(graph: OpGraph, specs, mesh_shape, collective=None, reshards=()) -> float:
     """Max over the schedule (node order) of the bytes per device of live buffers: the
     arguments and results throughout, the temporaries XLA writes from their producer to the
     last kernel reading them, the partial sums of the gradient collectives (`collective`, see
-    `memory.peak_bytes`; the ILP's memory points walk the same events)."""
-    return peak_bytes(graph, specs, mesh_shape, collective)
+    `memory.peak_bytes`; the ILP's memory points walk the same events), the resharded copies
+    (`reshards`: (tensor, consuming node, wanted spec))."""
+    return peak_bytes(graph, specs, mesh_shape, collective, reshards)
 
 
 def collective_bytes(strategies) -> tuple[tuple[float, float], ...]:
@@ -131,10 +132,19 @@ def _chosen(built, choice) -> tuple[list, list]:
     return specs, strat
 
 
+def _reshards(graph: OpGraph, built, specs, strat, mesh_shape) -> list:
+    """(tensor, consuming node, wanted spec) of every operand the plan moves."""
+    in_specs = [s.in_specs if s is not None else () for s in strat]
+    return [(t, n, want) for t, n, _, want in moved_operands(
+        graph, specs, in_specs, mesh_shape, built.constant_tensors)]
+
+
 def choice_peak(graph: OpGraph, built, choice, mesh_shape) -> float:
-    """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`."""
+    """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`, its resharded
+    copies included."""
     specs, strat = _chosen(built, choice)
-    return peak_memory(graph, specs, mesh_shape, collective_bytes(strat))
+    return peak_memory(graph, specs, mesh_shape, collective_bytes(strat),
+                       _reshards(graph, built, specs, strat, mesh_shape))
 
 
 def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:
@@ -248,10 +258,8 @@ def _predicted(graph: OpGraph, built, choice, mesh_shape) -> float:
     """`memory.predicted_peak_bytes` of the plan that picks `choice`, its resharded copies
     included (what the plan would report)."""
     specs, strat = _chosen(built, choice)
-    in_specs = [s.in_specs if s is not None else () for s in strat]
-    copies = [(t, n, want) for t, n, _, want in moved_operands(
-        graph, specs, in_specs, mesh_shape, built.constant_tensors)]
-    return predicted_peak_bytes(graph, specs, mesh_shape, collective_bytes(strat), copies)
+    return predicted_peak_bytes(graph, specs, mesh_shape, collective_bytes(strat),
+                                _reshards(graph, built, specs, strat, mesh_shape))
 
 
 def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
@@ -443,7 +451,8 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
     edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
     coll = collective_bytes(strat)
-    peak = peak_memory(graph, specs, mesh.shape, coll)
+    peak = peak_memory(graph, specs, mesh.shape, coll,
+                       _reshards(graph, built, specs, strat, mesh.shape))
     out_specs = []
     for pos, tid in enumerate(graph.outputs):
         target = output_targets.get(pos)
