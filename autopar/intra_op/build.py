@@ -7,7 +7,6 @@ follow an operand's group and add their outputs to it.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -281,9 +280,9 @@ class _Builder:
     def memory_points(self, budget: float | None, copies=()) -> list[MemoryPoint]:
         """One constraint per liveness point that could exceed the budget, skipping points
         whose live set only shrank since the previous one (they are dominated). Terms are
-        kept per group incrementally, so a point costs O(live groups) to record. `copies`:
-        (`CopyTerm`, its readers' positions) of `copies.copy_terms`; a point refers to those
-        whose span (first reader to last) holds it."""
+        kept per group incrementally, so a point costs O(live groups) to record. `copies`
+        (`CopyTerm`s): a point is also recorded where a copy may end, and where the copies
+        that may be live could take it over the budget."""
         if budget is None:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
@@ -292,11 +291,12 @@ class _Builder:
         for t in events.start:
             tracker.add(t)
         born_x, freed_x = self._collective_events(events)
-        starts: dict[int, list[int]] = {}
-        for c, (_, at) in enumerate(copies):
-            starts.setdefault(at[0], []).append(c)
-        ends = {at[-1] for _, at in copies}
-        points, grown, n, active = [], True, len(g.nodes), {}
+        starts: dict[int, float] = {}
+        stops: dict[int, float] = {}
+        for c in copies:
+            starts[c.positions[0]] = starts.get(c.positions[0], 0.0) + c.nbytes
+            stops[c.positions[-1]] = stops.get(c.positions[-1], 0.0) + c.nbytes
+        points, grown, n, live = [], True, len(g.nodes), 0.0
         for i in range(n + 1):
             if i < n:
                 for o in events.born.get(i, ()):
@@ -305,16 +305,13 @@ class _Builder:
                 for key, grp, vec in born_x.get(i, ()):
                     tracker.add_vector(key, grp, vec)
                     grown = True
-                for c in starts.get(i, ()):
-                    active[c], grown = copies[c], True
-            if (i in events.freed or i in freed_x or i in ends or i == n) and grown:
+                if i in starts:
+                    live, grown = live + starts[i], True
+            if (i in events.freed or i in freed_x or i in stops or i == n) and grown:
                 grown = False
-                if tracker.worst + sum(t.nbytes for t, _ in active.values()) > budget:
-                    points.append(tracker.point(tuple(
-                        (c, bisect.bisect_right(at, i), bisect.bisect_left(at, i))
-                        for c, (_, at) in active.items())))
-            for c in [c for c, (_, at) in active.items() if at[-1] <= i]:
-                del active[c]
+                if tracker.worst + live > budget:
+                    points.append(tracker.point(i))
+            live -= stops.get(i, 0.0)
             for t in events.freed.get(i, ()):
                 tracker.remove(t)
             for key, grp, vec in freed_x.get(i, ()):
@@ -408,11 +405,11 @@ class _LiveBytes:
             else:
                 self._set(grp, self.terms[grp] - vec)
 
-    def point(self, copies=()) -> MemoryPoint:
+    def point(self, at: int) -> MemoryPoint:
         folded = self.folded.values()
         const = max(self.const, 0.0) + math.fsum(lo for _, lo, _ in folded)
         return MemoryPoint(terms=tuple((g, f[0]) for g, f in self.folded.items() if f[2] > 0),
-                           constant_bytes=const, folded=True, copies=copies,
+                           constant_bytes=const, folded=True, at=at,
                            max_bytes=const + math.fsum(span for _, _, span in folded))
 
 
@@ -467,7 +464,7 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
         ctx.mesh_shape, constant)
     problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
                          memory_points=tuple(b.memory_points(budget, copies)),
-                         memory_budget_bytes=budget, copies=tuple(c for c, _ in copies))
+                         memory_budget_bytes=budget, copies=copies)
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,

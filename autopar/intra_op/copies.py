@@ -127,12 +127,12 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
 
 def copy_terms(graph, reads, tensor_specs: list[list[Spec]], tensor_group: list[int],
                node_group: list[int], pos, mesh_shape, constant=frozenset(),
-               ) -> tuple[tuple[CopyTerm, tuple[int, ...]], ...]:
+               ) -> tuple[CopyTerm, ...]:
     """The resharded copies a plan may make, for the ILP's memory rows: per (tensor, layout)
     that a read in `reads` may want and some option of the tensor's group does not already
     have (`memory.moves`), a `CopyTerm` of the copy's bytes per device and its readers in
-    program order (`pos`: node -> position), with the readers' positions. Reads of dead
-    nodes (XLA removes them) are left out."""
+    program order (`pos`: node -> position). Reads of dead nodes (XLA removes them) are left
+    out."""
     dead = dead_nodes(graph)
     by_copy: dict[tuple[int, Spec], dict[int, np.ndarray]] = {}
     for r in reads:
@@ -149,10 +149,10 @@ def copy_terms(graph, reads, tensor_specs: list[list[Spec]], tensor_group: list[
         if kept.all():
             continue
         nodes = sorted(at, key=lambda n: pos[n])
-        term = CopyTerm(source=tensor_group[tid], kept=kept, nbytes=graph.tensors[tid].nbytes
-                        / num_shards(w, mesh_shape),
-                        readers=tuple((node_group[n], at[n]) for n in nodes))
-        out.append((term, tuple(pos[n] for n in nodes)))
+        out.append(CopyTerm(source=tensor_group[tid], kept=kept,
+                            nbytes=graph.tensors[tid].nbytes / num_shards(w, mesh_shape),
+                            readers=tuple((node_group[n], at[n]) for n in nodes),
+                            positions=tuple(int(pos[n]) for n in nodes)))
     return tuple(out)
 
 

@@ -28,8 +28,10 @@ from autopar.intra_op.memory_points import (  # noqa: F401
     MemoryPoint,
     PointRows,
     _fold_point,
+    copy_bound,
     copy_usage,
     folded_point,
+    live_copies,
     point_rows,
     point_usage,
     points_with_extra,
@@ -78,7 +80,7 @@ class IlpProblem:
     edges: tuple[IlpEdge, ...]
     memory_points: tuple[MemoryPoint, ...] = ()
     memory_budget_bytes: float | None = None
-    copies: tuple[CopyTerm, ...] = ()      # resharded copies the points refer to
+    copies: tuple[CopyTerm, ...] = ()      # resharded copies, live at points by position
 
     def __post_init__(self):
         # Messages are formatted only on failure: this runs over every term of every point.
@@ -137,7 +139,8 @@ def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
     """A lower bound, in seconds, of every plan's `evaluate`: the LP relaxation without memory
     rows (usually tight: often the optimum); `memory=True`: with its memory rows at its budget,
     of the plans that fit it (-inf where no fractional plan fits: then no plan does)."""
-    red = _presolve(problem if memory else replace(problem, memory_points=()))
+    red = _presolve(replace(problem, copies=()) if memory      # fewer rows: still a bound
+                    else replace(problem, memory_points=(), copies=()))
     if not red.var_groups:
         return -math.inf if red.infeasible else evaluate(problem, red.choice)
     mip = build_mip(red)
@@ -196,8 +199,8 @@ def _presolve(problem: IlpProblem) -> _Reduced:
     mem_rows, row_copies, infeasible = [], [], False
     budget, copies = problem.memory_budget_bytes, problem.copies
     if budget is not None:
-        for p in problem.memory_points:
-            extra = sum(copies[c].nbytes for c, _, _ in p.copies)
+        bound = copy_bound(problem.memory_points, copies)
+        for p, extra in zip(problem.memory_points, bound):
             if p.folded and p.max_bytes + extra <= budget:
                 continue
             const, terms = _fold_point(p, ks)
@@ -205,7 +208,8 @@ def _presolve(problem: IlpProblem) -> _Reduced:
                 continue
             infeasible |= const > budget
             mem_rows.append((tuple(terms.items()), budget - const))
-            row_copies.append(p.copies)
+            row_copies.append(tuple((c, *ab) for c, ab in enumerate(
+                x.refs(p.at) for x in copies) if ab is not None))
     linked = {g for u, v, _ in edges for g in (u, v)}
     linked |= {g for terms, _ in mem_rows for g, _ in terms}
     linked |= {g for c in {c for refs in row_copies for c, _, _ in refs}
@@ -289,7 +293,7 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
     memory rows suffices. `hint`: a choice to start from (where it fits)."""
     points, budget = problem.memory_points, problem.memory_budget_bytes
     lazy_points = len(points) > LAZY_MEMORY_POINTS
-    if budget is None or not (lazy_points or any(p.copies for p in points)):
+    if budget is None or not (lazy_points or problem.copies):
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
     active: list[int] = [] if lazy_points else list(range(len(points)))
@@ -297,9 +301,8 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
     rounds, sol, rows = 0, None, point_rows(points)
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
-        sub = replace(problem, memory_points=tuple(
-            replace(points[i], copies=tuple(r for r in points[i].copies if r[0] in copies))
-            for i in active))
+        sub = replace(problem, memory_points=tuple(points[i] for i in active),
+                      copies=tuple(problem.copies[c] for c in sorted(copies)))
         sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False,
                           hint=hint if sol is None else sol.choice)
         rounds += 1
@@ -311,7 +314,8 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         taken = set(active)
         over = [int(i) for i in np.argsort(-usage) if usage[i] > budget]
         new = [i for i in over if i not in taken][:LAZY_BATCH]
-        made = {c for i in over for c in _live_copies(problem, points[i], sol.choice)} - copies
+        made = {c for i in over for c in live_copies(points[i], problem.copies, sol.choice)}
+        made -= copies
         if not (new or made) or sol.status is not SolveStatus.OPTIMAL:
             if over:
                 sol = replace(sol, message=f"{sol.message}; this plan needs {usage.max():.6g} "
@@ -323,16 +327,6 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
                    message=f"{sol.message}; memory: {len(active)} of {len(points)} liveness "
                            f"constraints needed, {len(copies)} resharded copies ({rounds} "
                            f"solve{'s' * (rounds > 1)})")
-
-
-def _live_copies(problem: IlpProblem, point: MemoryPoint, choice) -> list[int]:
-    """The copies `choice` makes that are live at `point`."""
-    out = []
-    for c, a, b in point.copies:
-        need = problem.copies[c].needs(choice)
-        if need[:a].any() and need[b:].any():
-            out.append(c)
-    return out
 
 
 def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:
@@ -416,7 +410,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
     ks = problem.num_strategies
     folded = problem.memory_points
     if not all(p.folded for p in folded):
-        folded = tuple(folded_point(t, c, p.copies)
+        folded = tuple(folded_point(t, c, p.at)
                        for p, (c, t) in zip(folded, (_fold_point(p, ks) for p in folded)))
     free = _presolve(replace(problem, memory_budget_bytes=None))
     if not any(p.terms for p in folded):
@@ -487,8 +481,9 @@ def brute_force(problem: IlpProblem) -> IlpSolution:
         live = np.full(total, float(p.constant_bytes))
         for g, b in p.terms:
             live += np.asarray(b, float)[grid[:, g]]
-        for c, a, b in p.copies:
-            live += problem.copies[c].nbytes * (need[c][:, :a].any(1) & need[c][:, b:].any(1))
+        for c, copy in enumerate(problem.copies):
+            if (ab := copy.refs(p.at)) is not None:
+                live += copy.nbytes * (need[c][:, :ab[0]].any(1) & need[c][:, ab[1]:].any(1))
         peak = np.maximum(peak, live)
     budget = problem.memory_budget_bytes
     ok = np.ones(total, bool) if budget is None else peak <= budget

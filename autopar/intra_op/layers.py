@@ -118,7 +118,7 @@ def tied_problem(problem: IlpProblem, tying: Tying) -> IlpProblem:
         for g, b in p.terms:
             r = int(rep[g])
             terms[r] = terms[r] + b if r in terms else np.array(b, float)
-        points.append(folded_point(terms, p.constant_bytes, p.copies))
+        points.append(folded_point(terms, p.constant_bytes, p.at))
     copies = tuple(replace(c, source=int(rep[c.source]),
                            readers=tuple((int(rep[g]), w) for g, w in c.readers))
                    for c in problem.copies)

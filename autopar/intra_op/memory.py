@@ -460,9 +460,9 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None,
     outputs + temp - aliased): `peak_bytes` without the temporaries that live in result
     buffers before the results are written (`hosted_temporaries`), plus the resharded copies
     `reshards` (tensor, consuming node, wanted spec) hold (`copy_buffers`). What a plan
-    reports (`Plan.peak_memory_bytes`). The ILP's memory points (`peak_bytes`) count no
-    copies: a copy's bytes depend on the shardings of two groups (an edge's), which the
-    per-group memory rows cannot express.
+    reports (`Plan.peak_memory_bytes`). The ILP's memory points count the copies of the
+    reads between groups outside loop bodies (`copies.copy_terms`, `memory_points.CopyTerm`:
+    a copy's bytes depend on the strategies of two groups, which the MIP linearizes).
 
     Example:
         >>> bound = peak_bytes(graph, specs, (2, 4))                    # doctest: +SKIP

@@ -315,8 +315,8 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
     tensor ids to a factor: that many more copies of the tensor (as sharded) count at every
     memory point, e.g. a parameter's optimizer state, or the activations of microbatches a
     pipeline keeps in flight. `share`: then solve the shared ILP (`copies`) from the plan
-    (untied problems without `held`, `perturb` or memory rows: the copies' bytes are not in
-    the rows, so a budget that can bind keeps the plan that charges every read).
+    (untied problems without `held`, `perturb` or memory rows: the shared ILP has no memory
+    rows, so a budget that can bind keeps the plan that charges every read).
 
     Raises:
       InfeasiblePlanError: no sharding fits; it says what the least-memory plan needs.

@@ -10,7 +10,7 @@ from autopar.intra_op import ilp
 from autopar.intra_op.heuristics import dominators
 from autopar.intra_op.ilp import CopyTerm, IlpEdge, IlpProblem, MemoryPoint, SolveStatus
 from autopar.intra_op.layers import Tying, tied_problem
-from autopar.intra_op.memory_points import point_usage
+from autopar.intra_op.memory_points import copy_usage, point_usage
 from autopar.intra_op.mip import build_mip, columns_of
 
 
@@ -25,24 +25,22 @@ def _problem(seed: int, num_points: int = 3) -> IlpProblem:
     for _ in range(n + 2):
         u, v = (int(g) for g in rng.choice(n, 2, replace=False))
         edges.append(IlpEdge(u=u, v=v, cost=rng.random((ks[u], ks[v]))))
-    copies, spans = [], []
+    copies = []
     for _ in range(int(rng.integers(2, 6))):
         src = int(rng.integers(n))
         m = int(rng.integers(1, 4))
         readers = tuple((int(g), rng.random(ks[g]) < 0.5)
                         for g in rng.integers(n, size=m))
         kept = rng.random(ks[src]) < 0.4
-        copies.append(CopyTerm(source=src, kept=kept, readers=readers,
+        at = tuple(int(x) for x in np.sort(rng.choice(10, m, replace=False)))
+        copies.append(CopyTerm(source=src, kept=kept, readers=readers, positions=at,
                                nbytes=float(rng.integers(100, 800))))
-        spans.append(np.sort(rng.choice(10, m, replace=m > 10)))
     points = []
     for at in np.sort(rng.choice(10, num_points, replace=False)):
-        refs = tuple((c, int(np.searchsorted(p, at, "right")), int(np.searchsorted(p, at)))
-                     for c, p in enumerate(spans) if p[0] <= at <= p[-1])
         groups = rng.choice(n, int(rng.integers(1, n)), replace=False)
         points.append(MemoryPoint(
             terms=tuple((int(g), rng.integers(0, 600, ks[g]).astype(float)) for g in groups),
-            constant_bytes=float(rng.integers(0, 300)), copies=refs))
+            constant_bytes=float(rng.integers(0, 300)), at=int(at)))
     problem = IlpProblem(node_costs=tuple(rng.random(k) for k in ks), edges=tuple(edges),
                          memory_points=tuple(points), copies=tuple(copies))
     grid = np.indices(ks).reshape(n, -1).T
@@ -55,9 +53,7 @@ def _problem(seed: int, num_points: int = 3) -> IlpProblem:
 
 def _copies_off(problem: IlpProblem) -> IlpProblem:
     return IlpProblem(node_costs=problem.node_costs, edges=problem.edges,
-                      memory_points=tuple(MemoryPoint(terms=p.terms,
-                                                      constant_bytes=p.constant_bytes)
-                                          for p in problem.memory_points),
+                      memory_points=problem.memory_points,
                       memory_budget_bytes=problem.memory_budget_bytes)
 
 
@@ -112,11 +108,11 @@ def test_dominance_keeps_the_strategy_that_avoids_a_copy():
     they would be identical (the first kept); with it, the other dominates it, and the plan
     is brute force's."""
     copy = CopyTerm(source=0, kept=np.array([False, True]),
-                    readers=((1, np.array([True, False])),), nbytes=500.0)
+                    readers=((1, np.array([True, False])),), positions=(3,), nbytes=500.0)
     problem = IlpProblem(
         node_costs=(np.array([0.0, 1.0]), np.array([1.0, 1.0])), edges=(),
         memory_points=(MemoryPoint(terms=((0, np.array([100.0, 0.0])),), constant_bytes=0.0,
-                                   copies=((0, 1, 0),)),),
+                                   at=3),),
         copies=(copy,), memory_budget_bytes=450.0)
     assert list(dominators(ilp._presolve(problem))[1]) == [1, 1]
     sol = ilp._solve_once(problem)
@@ -136,3 +132,20 @@ def test_tied_problem_maps_the_copies():
     choice = tuple(0 for _ in range(n))
     assert ilp.peak_memory_bytes(tied, choice) == pytest.approx(
         ilp.peak_memory_bytes(problem, choice))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_copy_usage_is_the_copies_live_at_each_point(seed):
+    """`copy_usage` (flat arrays, a sweep over positions) adds at each point the bytes of the
+    copies one of whose readers at or before it and one at or after it need them."""
+    problem = _problem(seed, num_points=6)
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        choice = [int(rng.integers(k)) for k in problem.num_strategies]
+        want = [sum(c.nbytes for c in problem.copies
+                    if c.positions[0] <= p.at <= c.positions[-1]
+                    and any(c.needs(choice)[k] for k, q in enumerate(c.positions) if q <= p.at)
+                    and any(c.needs(choice)[k] for k, q in enumerate(c.positions) if q >= p.at))
+                for p in problem.memory_points]
+        np.testing.assert_allclose(copy_usage(problem.memory_points, problem.copies, choice),
+                                   want)
