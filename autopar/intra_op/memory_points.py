@@ -124,18 +124,6 @@ def copy_bound(points: tuple[MemoryPoint, ...], copies: tuple[CopyTerm, ...]) ->
     return _spanned(points, [(c.positions[0], c.positions[-1], c.nbytes) for c in copies])
 
 
-def live_copies(point: MemoryPoint, copies: tuple[CopyTerm, ...], choice) -> list[int]:
-    """The indices of the copies `choice` makes that are live at `point`."""
-    out = []
-    for i, c in enumerate(copies):
-        ab = c.refs(point.at)
-        if ab is not None:
-            need = c.needs(choice)
-            if need[:ab[0]].any() and need[ab[1]:].any():
-                out.append(i)
-    return out
-
-
 def point_usage(points: tuple[MemoryPoint, ...], copies: tuple[CopyTerm, ...],
                 choice) -> np.ndarray:
     """Bytes per device at every point under `choice`, the copies' included."""

@@ -5,12 +5,13 @@ memory model's error and whatever the backend's scheduler does.
 The planner predicts the peak per device (`intra_op.memory`); XLA's scheduler and buffer
 assignment decide the real one. When the prediction is within `BINDING` of the budget,
 `verified_plan` compiles the lowered step (the executable is kept: the first call reuses it)
-and reads arguments + outputs + temp - aliased. A plan predicted within `HEADROOM` of the
-budget is first re-planned below (1 - HEADROOM) of it, before anything is compiled, when
-something fits there (`_with_headroom`): the memory model is within a few percent of XLA, not
-exact (measured within 5% on the recomputation plans of an attention LM under both of
-XLA:CPU's schedulers), so a plan at the very edge of the budget would often compile just over
-it. If the compiled plan exceeds the budget, it re-plans with the search budget that made it
+and reads arguments + outputs + temp - aliased. A budget the user set is searched at
+(1 - HEADROOM) of it first, and at the budget itself only where nothing fits below
+(`_first`); a plan still predicted within `HEADROOM` of the budget is re-planned below
+(1 - HEADROOM) of it, before anything is compiled, when something fits there
+(`_with_headroom`): the memory model is within a few percent of XLA, not exact (measured
+within 5% on the recomputation plans of an attention LM under both of XLA:CPU's
+schedulers), so a plan at the very edge of the budget would often compile just over it. If the compiled plan exceeds the budget, it re-plans with the search budget that made it
 scaled down by budget / compiled (at most `ROUNDS` times, each logged) and
 raises `InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
 records what XLA compiled to (`ParallelPlan.measured["compiled_bytes"]`; `autopar.dump` shows
@@ -124,7 +125,25 @@ def search_peak(plan: ParallelPlan) -> float:
     return float(plan.ilp.get("peak_bytes") or plan.peak_memory_bytes)
 
 
-def _with_headroom(method, plan_at, plan, graph, budget: float):
+def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float]:
+    """(plan, graph, the search budget that made it) of `plan_at(method)`; where the user set
+    a budget, made at (1 - HEADROOM) of it first (where a plan predicted near the budget would
+    be re-planned to, so that such a plan costs no second search), and at the budget itself
+    where nothing fits below. The plan carries the user's budget."""
+    budget = method.memory_budget_bytes
+    if budget is None:
+        plan, graph = plan_at(method)
+        return plan, graph, float(plan.memory_budget_bytes)
+    target = int((1 - HEADROOM) * budget)
+    try:
+        plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=target))
+    except InfeasiblePlanError:
+        plan, graph = plan_at(method)
+        return plan, graph, float(budget)
+    return dataclasses.replace(plan, memory_budget_bytes=budget), graph, float(target)
+
+
+def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: float):
     """(plan, graph, the search budget that made it): a plan predicted above (1 - HEADROOM)
     of `budget` re-planned, at most `ROUNDS` times, before anything is compiled, at a search
     budget scaled by target / predicted (the first time at most the target itself) and below
@@ -135,7 +154,7 @@ def _with_headroom(method, plan_at, plan, graph, budget: float):
     from a budget cut less than that slack (before the rows counted resharded copies, the
     attention LM under `jax.grad` at 70% took three re-plans to the same plan). Where a re-plan
     finds nothing, the last plan is kept (its compile check decides)."""
-    target, ilp_budget = (1 - HEADROOM) * budget, budget
+    target = (1 - HEADROOM) * budget
     for _ in range(ROUNDS):
         if plan.peak_memory_bytes <= target:
             break
@@ -168,11 +187,11 @@ def verified_plan(method: ShardParallel,
       InfeasiblePlanError: no plan compiles within the budget after `ROUNDS` re-plans (or the
         scaled budget leaves no plan at all); it names the predicted and compiled bytes.
     """
-    plan, graph = plan_at(method)
+    plan, graph, ilp_budget = _first(method, plan_at)
     if not binding(plan):
         return Verified(plan, graph)
     budget = float(plan.memory_budget_bytes)
-    plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget)
+    plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget, ilp_budget)
 
     def measure(planned, round_):
         nonlocal ilp_budget

@@ -58,18 +58,28 @@ def test_fitting_plan_is_compiled_once_and_records_the_compiled_bytes(base):
         return "built", _executable(950)
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                          _planner(base, calls), compile_plan)
-    assert calls == [1000] and len(compiled) == 1 and made.built == "built"
+    assert calls == [950] and len(compiled) == 1 and made.built == "built"   # at the target
     assert made.plan.measured["compiled_bytes"] == 950
     assert made.plan.measured["memory_check_rounds"] == 0
     assert "compiled by XLA to" in autopar.dump(made.plan)
+
+
+def test_plan_is_made_at_the_target_first_and_at_the_budget_where_nothing_fits_below(base):
+    """A user's budget is searched at (1 - HEADROOM) of it first (where a plan predicted near
+    the budget would be re-planned to); where nothing fits there, at the budget itself."""
+    calls = []
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
+                         _planner(base, calls, least=960), lambda p, g: (p, _executable(950)))
+    assert calls == [950, 1000] and made.plan.memory_budget_bytes == 1000
+    assert made.plan.measured == {"compiled_bytes": 950, "memory_check_rounds": 0}
 
 
 def test_over_budget_replans_at_the_scaled_budget_until_it_fits(base):
     calls, sizes = [], iter([1250, 1100, 990])
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                          _planner(base, calls), lambda p, g: (p, _executable(next(sizes))))
-    assert calls[0] == 1000
-    assert calls[1] == pytest.approx(1000 * 1000 / 1250, abs=1)        # budget / compiled
+    assert calls[0] == 950                                             # the target first
+    assert calls[1] == pytest.approx(950 * 1000 / 1250, abs=1)         # budget / compiled
     assert calls[2] == pytest.approx(calls[1] * 1000 / 1100, abs=1)
     assert made.plan.measured == {"compiled_bytes": 990, "memory_check_rounds": 2}
     assert made.plan.memory_budget_bytes == 1000       # the user's budget, not the scaled one
@@ -87,7 +97,7 @@ def test_never_fitting_raises_naming_predicted_and_compiled(base):
         verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                       _planner(base, calls, least=400),
                       lambda p, g: (p, _executable(3000)))
-    assert calls == [1000, 333] and "3,000" in str(e.value) and "found no plan" in str(e.value)
+    assert calls == [950, 316] and "3,000" in str(e.value) and "found no plan" in str(e.value)
 
 
 def test_loose_budget_is_not_compiled(base):
@@ -136,8 +146,8 @@ def test_plan_predicted_near_its_budget_is_replanned_before_compiling(base):
                                    + 60, memory_budget_bytes=method.memory_budget_bytes), graph
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000), plan_at,
                          lambda p, g: (p, _executable(next(compiled))))
-    assert calls[0] == 1000
-    assert calls[1] == int(1000 * target / 1040)          # scaled by target / predicted
+    assert calls[0] == target                             # made at the target first
+    assert calls[1] == int(target * target / (target + 40))   # scaled by target / predicted
     assert calls[2] == int(calls[1] * target / (calls[1] + 40))
     assert calls[2] + 40 <= target < calls[1] + 40       # then predicted within the target
     assert calls[3] == pytest.approx(calls[2] * 1000 / 1010, abs=1)   # compiled over: scaled
@@ -168,15 +178,15 @@ def test_replans_go_below_the_plans_own_search_peak(base):
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                          _slack_planner(base, calls, 940, 60),
                          lambda p, g: (p, _executable(int(p.peak_memory_bytes))))
-    assert calls == [1000, 890] and made.plan.peak_memory_bytes == 950
+    assert calls == [950, 890] and made.plan.peak_memory_bytes == 950
     assert made.plan.measured["memory_check_rounds"] == 0
     calls, compiled = [], iter([1100, 990])   # predicted 910 (no headroom re-plan), compiled over
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                          _slack_planner(base, calls, 900, 10),
                          lambda p, g: (p, _executable(next(compiled))))
-    assert calls == [1000, int(900 * 1000 / 1100)]
+    assert calls == [950, int(900 * 1000 / 1100)]
     assert made.plan.measured == {"compiled_bytes": 990, "memory_check_rounds": 1}
     calls = []           # copies far above the search peak: each cut at most halves it
     verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
                   _slack_planner(base, calls, 100, 2000), lambda p, g: (p, _executable(900)))
-    assert calls == [1000, 50, 23, 10] and min(calls) > 0
+    assert calls == [950, 50, 23, 10] and min(calls) > 0
