@@ -11,9 +11,10 @@ and reads arguments + outputs + temp - aliased. A budget the user set is searche
 (1 - HEADROOM) of it, before anything is compiled, when something fits there
 (`_with_headroom`): the memory model is within a few percent of XLA, not exact (measured
 within 5% on the recomputation plans of an attention LM under both of XLA:CPU's
-schedulers), so a plan at the very edge of the budget would often compile just over it. If the compiled plan exceeds the budget, it re-plans with the search budget that made it
-scaled down by budget / compiled (at most `ROUNDS` times, each logged) and
-raises `InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
+schedulers), so a plan at the very edge of the budget would often compile just over it. If
+the compiled plan exceeds the budget, it re-plans with the search budget that made it scaled
+down by budget / compiled (at most `ROUNDS` times, each logged) and raises
+`InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
 records what XLA compiled to (`ParallelPlan.measured["compiled_bytes"]`; `autopar.dump` shows
 it next to the prediction).
 
