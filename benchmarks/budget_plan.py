@@ -1,0 +1,129 @@
+"""Planning under a binding memory budget: searches, planning time, predicted vs compiled.
+
+    .venv/bin/python benchmarks/budget_plan.py            # -> benchmarks/results/budget_plan.md
+
+The attention LM of issue 24 (linen GPT: 4 layers, hidden 64, 4 heads, seq 256, vocab 256,
+batch 16, SGD) on a 2 x 4 mesh with `ShardParallel(memory_budget_bytes=B)`, `remat="auto"`
+(the default), B = 70% of the least memory any plan without recomputation needs (the
+`needed_bytes` of the InfeasiblePlanError a 1000-byte budget raises). Per gradient API: the
+budget, the wall time of `get_plan` (searches and the compile check included), how many plan
+searches ran (one, plus one per re-plan `autopar.verify.memory_check` logs), the plan's
+recomputation, its predicted peak, the peak its search counted (`plan.ilp["peak_bytes"]`:
+the ILP's memory rows, resharded copies included) and what XLA compiled it to.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from common import md_row, run_worker, section_head, section_main, section_tail
+
+APIS = ("jax.value_and_grad", "autopar.value_and_grad")
+
+
+def _case(api: str):
+    import jax
+    import optax
+    from flax.training import train_state
+
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    cfg = GPTConfig(vocab_size=256, seq_len=256, num_layers=4, hidden=64, num_heads=4)
+    net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 16, cfg)
+    state = train_state.TrainState.create(
+        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["tokens"]),
+        tx=optax.sgd(0.1))
+    vg = jax.value_and_grad if api == "jax.value_and_grad" else autopar.value_and_grad
+
+    def step(state, batch):
+        loss, grads = vg(
+            lambda p: gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"]))(state.params)
+        return state.apply_gradients(grads=grads), loss
+    return step, (state, batch)
+
+
+class _Replans(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "re-planning" in record.getMessage()
+
+
+def _worker(out_path: str) -> None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
+    import jax
+
+    import autopar
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    replans = _Replans()
+    logging.getLogger("autopar").addHandler(replans)
+    logging.getLogger("autopar").setLevel(logging.INFO)
+    rows = []
+    for api in APIS:
+        row = {"api": api}
+        try:
+            step, args = _case(api)
+            try:
+                autopar.parallelize(step, mesh=mesh, plan_cache=False, method=autopar.ShardParallel(
+                    remat="none", memory_budget_bytes=1000)).get_plan(*args)
+                raise RuntimeError("a 1000-byte budget was met")
+            except autopar.InfeasiblePlanError as e:
+                row["least"] = e.needed_bytes
+            row["budget"] = budget = int(0.7 * row["least"])
+            par = autopar.parallelize(step, mesh=mesh, plan_cache=False,
+                                      method=autopar.ShardParallel(memory_budget_bytes=budget))
+            replans.count = 0
+            t0 = time.perf_counter()
+            plan = par.get_plan(*args)
+            row["plan_s"] = time.perf_counter() - t0
+            row["searches"] = 1 + replans.count
+            row["remat"] = "/".join(plan.remat["layers"]) if plan.remat else "none"
+            row["predicted"] = plan.peak_memory_bytes
+            row["search_peak"] = plan.ilp.get("peak_bytes")
+            row["compiled"] = plan.measured.get("compiled_bytes")
+            row["check_rounds"] = plan.measured.get("memory_check_rounds")
+        except Exception as e:      # noqa: BLE001 - a failed case is reported in its row
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(f"budget_plan: {api} done", file=sys.stderr, flush=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def run(timeout_s: float = 1800) -> dict:
+    return run_worker(__file__, [], timeout_s)
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def section(res: dict, cmdline: str) -> str:
+    out = section_head("Planning under a binding memory budget", res, cmdline) + [
+        "The attention LM (4 layers, seq 256) on 2 x 4 at 70% of its least memory without "
+        "recomputation. *searches*: plan searches (1 + the re-plans logged); *search peak*: "
+        "the peak the ILP's memory rows count (resharded copies included); sizes in MB per "
+        "device.", "",
+        md_row(["gradient API", "budget", "plan (s)", "searches", "recomputation", "predicted",
+                "search peak", "compiled", "compile re-plans"]),
+        md_row(["---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:"])]
+    for row in res.get("rows", []):
+        if "error" in row:
+            out.append(md_row([row["api"], f"failed: {row['error']}"] + [""] * 7))
+            continue
+        out.append(md_row([row["api"], _mb(row["budget"]), f"{row['plan_s']:.1f}",
+                           str(row["searches"]), row["remat"], _mb(row["predicted"]),
+                           _mb(row["search_peak"]), _mb(row["compiled"]),
+                           str(row["check_rounds"])]))
+    return section_tail(out, res)
+
+
+if __name__ == "__main__":
+    sys.exit(section_main(sys.argv[1:], doc=__doc__, key="budget_plan",
+                          script="budget_plan.py", worker=_worker, run=run, section=section))
