@@ -9,7 +9,7 @@ batch 16, SGD) on a 2 x 4 mesh with `ShardParallel(memory_budget_bytes=B)`, `rem
 budget, the wall time of `get_plan` (searches and the compile check included), how many plan
 searches ran (one, plus one per re-plan `autopar.verify.memory_check` logs), the plan's
 recomputation, its predicted peak, the peak its search counted (`plan.ilp["peak_bytes"]`:
-the ILP's memory rows, resharded copies included) and what XLA compiled it to.
+the ILP's memory rows, which leave the resharded copies out) and what XLA compiled it to.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def section(res: dict, cmdline: str) -> str:
     out = section_head("Planning under a binding memory budget", res, cmdline) + [
         "The attention LM (4 layers, seq 256) on 2 x 4 at 70% of its least memory without "
         "recomputation. *searches*: plan searches (1 + the re-plans logged); *search peak*: "
-        "the peak the ILP's memory rows count (resharded copies included); sizes in MB per "
+        "the peak the ILP's memory rows count (resharded copies left out); sizes in MB per "
         "device.", "",
         md_row(["gradient API", "budget", "plan (s)", "searches", "recomputation", "predicted",
                 "search peak", "compiled", "compile re-plans"]),

@@ -32,6 +32,7 @@ processes x 4 devices next to 1 process x 8), `methods.py` (methods.md: each met
 collectives next to its plan's), `loops.py` (loops.md: a scanned GPT next to its unrolled
 twin), `shared_copies.py` (shared_copies.md: the plain ILP's plans next to the shared ILP's),
 `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
+`budget_plan.py` (budget_plan.md: planning under a binding memory budget),
 `memory.py` (memory.md: memory fidelity) and `runner_ups.py` (runner_ups.md: what pricing the
 runner-ups costs), run last. The other reports (`make bench-paper`'s fidelity.md and paper.md,
 gpu.md from a GPU machine, ...) are left as they are.
@@ -48,6 +49,7 @@ import statistics
 import sys
 import time
 
+import budget_plan as budget_plan_bench  # benchmarks/budget_plan.py (this script's folder)
 import loops as loops_bench  # benchmarks/loops.py (this script's folder)
 import memory as memory_bench  # benchmarks/memory.py (this script's folder)
 import methods as methods_bench  # benchmarks/methods.py (this script's folder)
@@ -513,6 +515,7 @@ def main(argv=None) -> int:
                                  ("loops", loops_bench, "loops"),
                                  ("shared_copies", shared_copies_bench, "shared copies"),
                                  ("real_world", real_world_bench, "real-world steps"),
+                                 ("budget_plan", budget_plan_bench, "planning under a budget"),
                                  ("memory", memory_bench, "memory fidelity"),
                                  ("runner_ups", runner_ups_bench, "runner-ups")):
             _progress(f"{what} ...")

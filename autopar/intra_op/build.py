@@ -24,7 +24,7 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
-from autopar.intra_op.copies import Read, copy_terms, mover
+from autopar.intra_op.copies import Read, mover
 from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -277,12 +277,10 @@ class _Builder:
         return sorted(unmet)
 
     # -------------------------------------------------------------------------- memory
-    def memory_points(self, budget: float | None, copies=()) -> list[MemoryPoint]:
+    def memory_points(self, budget: float | None) -> list[MemoryPoint]:
         """One constraint per liveness point that could exceed the budget, skipping points
         whose live set only shrank since the previous one (they are dominated). Terms are
-        kept per group incrementally, so a point costs O(live groups) to record. `copies`
-        (`CopyTerm`s): a point is also recorded where a copy may end, and where the copies
-        that may be live could take it over the budget."""
+        kept per group incrementally, so a point costs O(live groups) to record."""
         if budget is None:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
@@ -291,12 +289,7 @@ class _Builder:
         for t in events.start:
             tracker.add(t)
         born_x, freed_x = self._collective_events(events)
-        starts: dict[int, float] = {}
-        stops: dict[int, float] = {}
-        for c in copies:
-            starts[c.positions[0]] = starts.get(c.positions[0], 0.0) + c.nbytes
-            stops[c.positions[-1]] = stops.get(c.positions[-1], 0.0) + c.nbytes
-        points, grown, n, live = [], True, len(g.nodes), 0.0
+        points, grown, n = [], True, len(g.nodes)
         for i in range(n + 1):
             if i < n:
                 for o in events.born.get(i, ()):
@@ -305,13 +298,10 @@ class _Builder:
                 for key, grp, vec in born_x.get(i, ()):
                     tracker.add_vector(key, grp, vec)
                     grown = True
-                if i in starts:
-                    live, grown = live + starts[i], True
-            if (i in events.freed or i in freed_x or i in stops or i == n) and grown:
+            if (i in events.freed or i in freed_x or i == n) and grown:
                 grown = False
-                if tracker.worst + live > budget:
-                    points.append(tracker.point(i))
-            live -= stops.get(i, 0.0)
+                if tracker.worst > budget:
+                    points.append(tracker.point())
             for t in events.freed.get(i, ()):
                 tracker.remove(t)
             for key, grp, vec in freed_x.get(i, ()):
@@ -405,11 +395,11 @@ class _LiveBytes:
             else:
                 self._set(grp, self.terms[grp] - vec)
 
-    def point(self, at: int) -> MemoryPoint:
+    def point(self) -> MemoryPoint:
         folded = self.folded.values()
         const = max(self.const, 0.0) + math.fsum(lo for _, lo, _ in folded)
         return MemoryPoint(terms=tuple((g, f[0]) for g, f in self.folded.items() if f[2] > 0),
-                           constant_bytes=const, folded=True, at=at,
+                           constant_bytes=const, folded=True,
                            max_bytes=const + math.fsum(span for _, _, span in folded))
 
 
@@ -455,21 +445,18 @@ def build_ilp(graph: OpGraph, ctx: RuleContext, input_options: Callable[[int], l
     unmet = b.restrict(allowed) if allowed is not None else []
     node_costs = tuple(c + d for c, d in zip(b.costs, b.diag))
     edges = [IlpEdge(u=u, v=v, cost=m) for (u, v), m in b.edges.items()]
+    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
+                         memory_points=tuple(b.memory_points(budget)),
+                         memory_budget_bytes=budget)
     reads = tuple(r if r.group not in b.kept else Read(
         tensor=r.tensor, group=r.group, node=r.node,
         wanted=tuple(r.wanted[i] for i in b.kept[r.group])) for r in b.reads)
-    constant = frozenset(t for t, c in enumerate(cheap) if c)
-    copies = () if budget is None else copy_terms(
-        graph, reads, b.tensor_specs, b.tensor_group, b.node_group, schedule(graph).model.pos,
-        ctx.mesh_shape, constant)
-    problem = IlpProblem(node_costs=node_costs, edges=tuple(edges),
-                         memory_points=tuple(b.memory_points(budget, copies)),
-                         memory_budget_bytes=budget, copies=copies)
     return Built(problem=problem, tensor_group=b.tensor_group, tensor_specs=b.tensor_specs,
                  node_group=b.node_group, node_strategies=b.node_strategies,
                  group_size=[len(c) for c in b.costs], reshard_diag=b.diag, edges=edges,
                  owners=b.owners, fallbacks=b.fallbacks, unmet_pins=tuple(unmet),
-                 reads=reads, constant_tensors=constant)
+                 reads=reads,
+                 constant_tensors=frozenset(t for t, c in enumerate(cheap) if c))
 
 
 def default_input_options(graph: OpGraph, mesh_shape) -> Callable[[int], list[Spec]]:

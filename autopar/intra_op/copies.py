@@ -21,11 +21,8 @@ the copy gets a group c of two options, (absent, present):
 For every choice of u, `present` costs at most what `absent` costs, so an optimal plan has the
 copy present whenever a read wants w (`settled`), and its objective is the cost of moving
 each (value, layout) once. Reads inside a loop body (moved every iteration) keep their
-per-read charge.
-
-Whether or not the shared ILP runs, a copy's bytes are in the memory rows (`copy_terms`, a
-`memory_points.CopyTerm` per (value, layout): live from the first reader that needs it to the
-last), as the plan's prediction (`memory.predicted_peak_bytes`) counts them.
+per-read charge. The copy's bytes are not in the memory rows (the plan's prediction,
+`memory.predicted_peak_bytes`, counts them).
 
 The shared ILP is much harder for the MIP than the plain one (its LP relaxation lets half a
 copy serve two half-readers): on the 2-layer OPT-style decoder of tests/api/test_relu_kink.py
@@ -43,9 +40,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.core.spec import Spec, num_shards
-from autopar.intra_op.ilp import CopyTerm, IlpEdge, IlpProblem
-from autopar.intra_op.memory import dead_nodes, moves
+from autopar.core.spec import Spec
+from autopar.intra_op.ilp import IlpEdge, IlpProblem
 
 ABSENT, PRESENT = 0, 1
 
@@ -125,37 +121,6 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
     return shared, tuple(copies)
 
 
-def copy_terms(graph, reads, tensor_specs: list[list[Spec]], tensor_group: list[int],
-               node_group: list[int], pos, mesh_shape, constant=frozenset(),
-               ) -> tuple[CopyTerm, ...]:
-    """The resharded copies a plan may make, for the ILP's memory rows: per (tensor, layout)
-    that a read in `reads` may want and some option of the tensor's group does not already
-    have (`memory.moves`), a `CopyTerm` of the copy's bytes per device and its readers in
-    program order (`pos`: node -> position). Reads of dead nodes (XLA removes them) are left
-    out."""
-    dead = dead_nodes(graph)
-    by_copy: dict[tuple[int, Spec], dict[int, np.ndarray]] = {}
-    for r in reads:
-        if r.node in dead:
-            continue
-        for w in {w for w in r.wanted if w is not None}:
-            mask = np.array([x == w for x in r.wanted])
-            at = by_copy.setdefault((r.tensor, w), {})
-            at[r.node] = at[r.node] | mask if r.node in at else mask
-    out = []
-    for (tid, w), at in by_copy.items():
-        kept = np.array([not moves(graph, tid, s, w, mesh_shape, constant)
-                         for s in tensor_specs[tid]])
-        if kept.all():
-            continue
-        nodes = sorted(at, key=lambda n: pos[n])
-        out.append(CopyTerm(source=tensor_group[tid], kept=kept,
-                            nbytes=graph.tensors[tid].nbytes / num_shards(w, mesh_shape),
-                            readers=tuple((node_group[n], at[n]) for n in nodes),
-                            positions=tuple(int(pos[n]) for n in nodes)))
-    return tuple(out)
-
-
 def mover(graph, cost) -> Callable[[int, Spec, Spec], float]:
     """`reshard(tid, src, dst)`: seconds to move tensor `tid` of `graph` between layouts under
     the `cost.CostModel` `cost`, cached by (shape, itemsize, src, dst) (the builder's too)."""
@@ -210,5 +175,5 @@ def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     return (*(int(i) for i in choice), *extra)
 
 
-__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover", "copy_terms",
+__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover",
            "duplicate_moves_s", "reads_shared", "ABSENT", "PRESENT"]

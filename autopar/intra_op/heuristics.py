@@ -2,11 +2,10 @@
 improvement, dominated strategies, and the plan a solve starts from.
 
 A strategy i of group g is *dominated* by strategy j when j costs no more at the node, on every
-edge against every strategy of the neighbour, in bytes at every memory row, and in resharded
-copies (j wants a copy only where i does, and lacks a copy's layout only where i does), and is
-cheaper somewhere or comes first: swapping i for j in any plan never costs more or needs more
-memory, so an optimum without i exists. Identical strategies (equal cost rows everywhere) are
-the tie case: all but the first are dominated. The MIP fixes dominated columns to 0.
+edge against every strategy of the neighbour, and in bytes at every memory row (and is cheaper
+somewhere or comes first): swapping i for j in any plan never costs more or needs more memory,
+so an optimum without i exists. Identical strategies (equal cost rows everywhere) are the tie
+case: all but the first are dominated. The MIP fixes dominated columns to 0.
 
     >>> reps = dominators(red)      # {group: representative strategy of each strategy}
 """
@@ -79,12 +78,6 @@ def _cost_rows(red: _Reduced) -> dict[int, np.ndarray]:
     for terms, _ in red.mem_rows:
         for g, b in terms:
             cols[g].append(np.asarray(b, float)[:, None])
-    for c in sorted({c for refs in red.row_copies for c, _, _ in refs}):
-        # a copy needs a reader that wants it and a value that lacks it: either is more bytes
-        copy = red.copies[c]
-        for g, mask in ((copy.source, ~copy.kept), *copy.readers):
-            if g in cols:
-                cols[g].append(copy.nbytes * mask.astype(float)[:, None])
     return {g: np.concatenate(c, axis=1) for g, c in cols.items()}
 
 

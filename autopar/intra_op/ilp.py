@@ -24,16 +24,11 @@ from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError
 from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
 from autopar.intra_op.memory_points import (  # noqa: F401
-    CopyTerm,
     MemoryPoint,
     PointRows,
     _fold_point,
-    copy_bound,
-    copy_usage,
     folded_point,
     point_rows,
-    point_usage,
-    points_with_extra,
 )
 from autopar.intra_op.mip import (
     EXACT_REL_GAP,
@@ -63,12 +58,44 @@ class IlpEdge:
 
 def with_extra_bytes(problem: IlpProblem, extra: dict[int, np.ndarray]) -> IlpProblem:
     """The problem with `extra[g][i]` bytes added to every memory point when group g picks
-    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere;
-    `memory_points.points_with_extra`)."""
-    if not problem.memory_points:
+    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere).
+    Every term of every point is summed and folded at once (flat numpy arrays, as `PointRows`
+    holds them): a whole stage has thousands of points, each with hundreds of held groups."""
+    ks = problem.num_strategies
+    folded = [_fold_point(p, ks) for p in problem.memory_points]
+    if not folded:
         return problem
-    return replace(problem, memory_points=points_with_extra(
-        problem.memory_points, problem.num_strategies, extra))
+    zeros = {g: np.zeros(ks[g]) for g in extra}
+    tp, tg, chunks = [], [], []
+    for i, (_, terms) in enumerate(folded):
+        for g, b in terms.items():
+            tp.append(i), tg.append(g), chunks.append(b)
+        for g in extra:
+            if g not in terms:
+                tp.append(i), tg.append(g), chunks.append(zeros[g])
+    if not chunks:
+        return replace(problem, memory_points=tuple(
+            folded_point({}, const) for const, _ in folded))
+    tp, tg = np.array(tp, np.int64), np.array(tg, np.int64)
+    lens = np.fromiter((len(b) for b in chunks), np.int64, len(chunks))
+    first = np.cumsum(lens) - lens
+    off = np.concatenate([[0], np.cumsum(ks)]).astype(np.int64)
+    table = np.zeros(int(off[-1]))
+    for g, b in extra.items():
+        table[off[g]:off[g + 1]] += np.asarray(b, float)
+    vals = np.concatenate([np.asarray(b, float) for b in chunks])
+    vals += table[np.repeat(off[tg] - first, lens) + np.arange(vals.size)]
+    lo, hi = np.minimum.reduceat(vals, first), np.maximum.reduceat(vals, first)
+    vals -= np.repeat(lo, lens)
+    n = len(folded)
+    const = np.array([c for c, _ in folded]) + np.bincount(tp, weights=lo, minlength=n)
+    top = const + np.bincount(tp, weights=np.where(hi > lo, hi - lo, 0.0), minlength=n)
+    terms: list[list] = [[] for _ in range(n)]
+    for t in np.flatnonzero(hi > lo).tolist():
+        terms[tp[t]].append((int(tg[t]), vals[first[t]:first[t] + lens[t]]))
+    return replace(problem, memory_points=tuple(
+        MemoryPoint(terms=tuple(terms[i]), constant_bytes=float(const[i]), folded=True,
+                    max_bytes=float(top[i])) for i in range(n)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +106,6 @@ class IlpProblem:
     edges: tuple[IlpEdge, ...]
     memory_points: tuple[MemoryPoint, ...] = ()
     memory_budget_bytes: float | None = None
-    copies: tuple[CopyTerm, ...] = ()      # resharded copies, live at points by position
 
     def __post_init__(self):
         # Messages are formatted only on failure: this runs over every term of every point.
@@ -138,8 +164,7 @@ def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
     """A lower bound, in seconds, of every plan's `evaluate`: the LP relaxation without memory
     rows (usually tight: often the optimum); `memory=True`: with its memory rows at its budget,
     of the plans that fit it (-inf where no fractional plan fits: then no plan does)."""
-    red = _presolve(replace(problem, copies=()) if memory      # fewer rows: still a bound
-                    else replace(problem, memory_points=(), copies=()))
+    red = _presolve(problem if memory else replace(problem, memory_points=()))
     if not red.var_groups:
         return -math.inf if red.infeasible else evaluate(problem, red.choice)
     mip = build_mip(red)
@@ -155,7 +180,7 @@ def peak_memory_bytes(problem: IlpProblem, choice) -> float:
     c = _check_choice(problem, choice)
     if not problem.memory_points:
         return 0.0
-    return float(point_usage(problem.memory_points, problem.copies, c).max())
+    return float(point_rows(problem.memory_points).usage(c).max())
 
 
 def _require(ok, message: str) -> None:
@@ -195,32 +220,26 @@ def _presolve(problem: IlpProblem) -> _Reduced:
             nc[v] += r[0, :]
         else:
             edges.append((u, v, r))
-    mem_rows, row_copies, infeasible = [], [], False
-    budget, copies = problem.memory_budget_bytes, problem.copies
+    mem_rows, infeasible = [], False
+    budget = problem.memory_budget_bytes
     if budget is not None:
-        bound = copy_bound(problem.memory_points, copies)
-        for p, extra in zip(problem.memory_points, bound):
-            if p.folded and p.max_bytes + extra <= budget:
+        for p in problem.memory_points:
+            if p.folded and p.max_bytes <= budget:
                 continue
             const, terms = _fold_point(p, ks)
-            if const + sum(float(b.max()) for b in terms.values()) + extra <= budget:
+            if const + sum(float(b.max()) for b in terms.values()) <= budget:
                 continue
             infeasible |= const > budget
             mem_rows.append((tuple(terms.items()), budget - const))
-            row_copies.append(tuple((c, *ab) for c, ab in enumerate(
-                x.refs(p.at) for x in copies) if ab is not None))
     linked = {g for u, v, _ in edges for g in (u, v)}
     linked |= {g for terms, _ in mem_rows for g, _ in terms}
-    linked |= {g for c in {c for refs in row_copies for c, _, _ in refs}
-               for g in (copies[c].source, *(g for g, _ in copies[c].readers))}
     choice = np.full(len(ks), -1, dtype=np.int64)
     for g, k in enumerate(ks):
         if k == 1 or g not in linked:
             choice[g] = int(np.argmin(nc[g]))
     var_groups = tuple(g for g in range(len(ks)) if choice[g] < 0)
     return _Reduced(choice=choice, var_groups=var_groups, node_costs=tuple(nc), edges=tuple(edges),
-                    mem_rows=tuple(mem_rows), infeasible=infeasible, copies=copies,
-                    row_copies=tuple(row_copies))
+                    mem_rows=tuple(mem_rows), infeasible=infeasible)
 
 
 # ----------------------------------------------------------------------------- public solvers
@@ -256,8 +275,8 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
         if e.v in adj:
             adj[e.v].append((e.u, np.asarray(e.cost).T))
     budget = problem.memory_budget_bytes
-    points = problem.memory_points if budget else ()
-    peak = point_usage(points, problem.copies, c).max() if points else 0.0   # the plan's now
+    rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
+    peak = rows.usage(c).max() if rows is not None else 0.0    # of the plan as it stands
     for g, held in tie_bytes.items():
         cost = np.array(problem.node_costs[g], float)
         for v, r in adj[g]:
@@ -268,8 +287,8 @@ def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -
         if held[best] >= held[now]:
             continue
         c[g] = best
-        if points:
-            moved = point_usage(points, problem.copies, c).max()
+        if rows is not None:
+            moved = rows.usage(c).max()
             if moved > max(budget, peak):
                 c[g] = now
             else:
@@ -285,25 +304,19 @@ LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points e
 
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
               time_limit_s: float = 60.0, hint=None) -> IlpSolution:
-    """Solve the ILP. Many memory points, and the resharded copies, are added lazily (exact):
-    solve with the points and copies added so far, add the most violated of the other points
-    and every copy that may be live at a violated point (the copies the plan makes there
-    alone: 4 rounds instead of 2 on the attention LM's memory-bound ILPs), and repeat until
-    the plan fits every point with its copies; usually the first plan already fits and one
-    solve without memory rows suffices. `hint`: a choice to start from (where it fits)."""
+    """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
+    so far, add the most violated of the rest, and repeat until the plan fits every point;
+    usually the first plan already fits and one solve without memory rows suffices. `hint`: a
+    choice to start from (where it fits)."""
     points, budget = problem.memory_points, problem.memory_budget_bytes
-    lazy_points = len(points) > LAZY_MEMORY_POINTS
-    if budget is None or not (lazy_points or problem.copies):
+    if budget is None or len(points) <= LAZY_MEMORY_POINTS:
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
-    active: list[int] = [] if lazy_points else list(range(len(points)))
-    copies: set[int] = set()
+    active: list[int] = []
     rounds, sol, rows = 0, None, point_rows(points)
-    spans = np.array([(c.positions[0], c.positions[-1]) for c in problem.copies], np.int64)
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
-        sub = replace(problem, memory_points=tuple(points[i] for i in active),
-                      copies=tuple(problem.copies[c] for c in sorted(copies)))
+        sub = replace(problem, memory_points=tuple(points[i] for i in active))
         sol = _solve_once(sub, backend=backend, time_limit_s=remaining, least_memory=False,
                           hint=hint if sol is None else sol.choice)
         rounds += 1
@@ -311,24 +324,18 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
             need, choice = min_peak_memory(problem, backend=backend, time_limit_s=time_limit_s)
             sol = replace(sol, choice=tuple(choice), objective=evaluate(problem, choice))
             break
-        usage = rows.usage(sol.choice) + copy_usage(points, problem.copies, sol.choice)
+        usage = rows.usage(sol.choice)
         taken = set(active)
-        over = [int(i) for i in np.argsort(-usage) if usage[i] > budget]
-        new = [i for i in over if i not in taken][:LAZY_BATCH]
-        at = np.array([points[i].at for i in over if i in taken or i in new], np.int64)
-        made = set() if not (at.size and spans.size) else set(np.flatnonzero(
-            ((spans[:, :1] <= at) & (at <= spans[:, 1:])).any(axis=1)).tolist()) - copies
-        if not (new or made) or sol.status is not SolveStatus.OPTIMAL:
+        over = [int(i) for i in np.argsort(-usage) if usage[i] > budget and int(i) not in taken]
+        if not over or sol.status is not SolveStatus.OPTIMAL:
             if over:
                 sol = replace(sol, message=f"{sol.message}; this plan needs {usage.max():.6g} "
                               f"bytes, over the budget of {budget:.6g}")
             break
-        active.extend(new)
-        copies |= made
+        active.extend(over[:LAZY_BATCH])
     return replace(sol, solve_time_s=time.perf_counter() - t0,
                    message=f"{sol.message}; memory: {len(active)} of {len(points)} liveness "
-                           f"constraints needed, {len(copies)} resharded copies ({rounds} "
-                           f"solve{'s' * (rounds > 1)})")
+                           f"constraints needed ({rounds} solve{'s' * (rounds > 1)})")
 
 
 def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:
@@ -412,8 +419,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
     ks = problem.num_strategies
     folded = problem.memory_points
     if not all(p.folded for p in folded):
-        folded = tuple(folded_point(t, c, p.at)
-                       for p, (c, t) in zip(folded, (_fold_point(p, ks) for p in folded)))
+        folded = tuple(folded_point(t, c) for c, t in (_fold_point(p, ks) for p in folded))
     free = _presolve(replace(problem, memory_budget_bytes=None))
     if not any(p.terms for p in folded):
         choice = greedy(free)
@@ -430,7 +436,7 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         if reason:
             logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
             break
-        usage = rows.usage(choice) + copy_usage(folded, problem.copies, choice)
+        usage = rows.usage(choice)
         bound = float(usage[active].max())
         usage[active] = -np.inf
         over = np.flatnonzero(usage > bound * (1 + 1e-9))
@@ -477,15 +483,10 @@ def brute_force(problem: IlpProblem) -> IlpSolution:
     for e in problem.edges:
         obj += np.asarray(e.cost, float)[grid[:, e.u], grid[:, e.v]]
     peak = np.zeros(total) if not problem.memory_points else np.full(total, -np.inf)
-    need = [np.stack([~c.kept[grid[:, c.source]] & w[grid[:, g]] for g, w in c.readers], 1)
-            for c in problem.copies]      # per copy: (combination, reader) needs it
     for p in problem.memory_points:
         live = np.full(total, float(p.constant_bytes))
         for g, b in p.terms:
             live += np.asarray(b, float)[grid[:, g]]
-        for c, copy in enumerate(problem.copies):
-            if (ab := copy.refs(p.at)) is not None:
-                live += copy.nbytes * (need[c][:, :ab[0]].any(1) & need[c][:, ab[1]:].any(1))
         peak = np.maximum(peak, live)
     budget = problem.memory_budget_bytes
     ok = np.ones(total, bool) if budget is None else peak <= budget

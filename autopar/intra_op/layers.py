@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -96,7 +96,7 @@ def tie(keys, period: int, family: str, num_layers: int) -> Tying:
 
 def tied_problem(problem: IlpProblem, tying: Tying) -> IlpProblem:
     """The ILP over tied variables: member costs summed, edges mapped (an edge inside one tied
-    variable contributes its diagonal), memory terms and resharded copies mapped."""
+    variable contributes its diagonal), memory terms mapped."""
     rep = tying.rep
     n = int(rep.max()) + 1 if len(rep) else 0
     costs: list[np.ndarray | None] = [None] * n
@@ -118,11 +118,7 @@ def tied_problem(problem: IlpProblem, tying: Tying) -> IlpProblem:
         for g, b in p.terms:
             r = int(rep[g])
             terms[r] = terms[r] + b if r in terms else np.array(b, float)
-        points.append(folded_point(terms, p.constant_bytes, p.at))
-    copies = tuple(replace(c, source=int(rep[c.source]),
-                           readers=tuple((int(rep[g]), w) for g, w in c.readers))
-                   for c in problem.copies)
+        points.append(folded_point(terms, p.constant_bytes))
     return IlpProblem(node_costs=tuple(costs), edges=tuple(IlpEdge(u=u, v=v, cost=m)
                                                             for (u, v), m in edges.items()),
-                      memory_points=tuple(points), memory_budget_bytes=problem.memory_budget_bytes,
-                      copies=copies)
+                      memory_points=tuple(points), memory_budget_bytes=problem.memory_budget_bytes)

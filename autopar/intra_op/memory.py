@@ -364,16 +364,15 @@ def collective_extra(graph: OpGraph, events: Schedule, collective) -> list[tuple
     return out
 
 
-def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None, reshards=()) -> float:
+def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     """Max over the node order of the bytes per device of the live buffers (see the module
     docstring), every temporary in a buffer of its own: what `solve.peak_memory` and the ILP's
     memory points count (an upper bound of `predicted_peak_bytes`). `collective`: per node,
     (partial_bytes, collective_out_bytes) of its strategy (`collective_buffers`; None: not
-    counted); `reshards`: the resharded copies (`copy_buffers`)."""
+    counted)."""
     events = schedule(graph)
     return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes),
-                 collective_extra(graph, events, collective)
-                 + copy_buffers(graph, events, reshards, mesh_shape))
+                 collective_extra(graph, events, collective))
 
 
 def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> frozenset:
@@ -460,9 +459,9 @@ def predicted_peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None,
     outputs + temp - aliased): `peak_bytes` without the temporaries that live in result
     buffers before the results are written (`hosted_temporaries`), plus the resharded copies
     `reshards` (tensor, consuming node, wanted spec) hold (`copy_buffers`). What a plan
-    reports (`Plan.peak_memory_bytes`). The ILP's memory points count the copies of the
-    reads between groups outside loop bodies (`copies.copy_terms`, `memory_points.CopyTerm`:
-    a copy's bytes depend on the strategies of two groups, which the MIP linearizes).
+    reports (`Plan.peak_memory_bytes`). The ILP's memory points (`peak_bytes`) count no
+    copies: a copy's bytes depend on the shardings of two groups (an edge's), which the
+    per-group memory rows cannot express.
 
     Example:
         >>> bound = peak_bytes(graph, specs, (2, 4))                    # doctest: +SKIP

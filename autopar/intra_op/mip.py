@@ -74,8 +74,6 @@ class Mip:
         self.scale = 1.0                     # seconds per unit of the model's objective
         self.start: np.ndarray | None = None    # a feasible column vector to start from
         self.rel_gap: float | None = None     # None: by size (see MIP_REL_GAP)
-        # per copy (`_add_copies`): (CopyTerm, first y, first P, first Q, (((a, b), z), ...))
-        self.copy_cols: list[tuple] = []
 
     def add_cols(self, cost, *, integer: bool, lower: float = 0.0, upper: float = 1.0) -> int:
         n = np.size(cost)
@@ -152,68 +150,13 @@ def build_mip(red: _Reduced, reps: dict[int, np.ndarray] | None = None) -> Mip:
         mip.add_entries(r0 + nr + c_idx[keep], e0 + np.flatnonzero(keep), 1.0)
         keep_v = c_of < ncl - 1
         mip.add_entries(r0 + nr + c_of[keep_v], off[v] + np.flatnonzero(keep_v), -1.0)
-    rows = []
     for terms, rhs in red.mem_rows:
         s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
-        rows.append((mip.add_rows(1, -np.inf, rhs / s), s))
-        mip.add_bytes(rows[-1][0], terms, off, s)
-    _add_copies(mip, red, off, rows)
+        mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
     mip.freeze()
     for g, rep in (reps or {}).items():
         mip.upper[off[g] + np.flatnonzero(rep != np.arange(rep.size))] = 0.0
     return mip
-
-
-def _add_copies(mip: Mip, red: _Reduced, off: dict[int, int], rows) -> None:
-    """The resharded copies the memory rows refer to (`memory_points.CopyTerm`), each with
-    continuous columns: y_k >= [reader k wants it] - [the value has it] (one row per reader,
-    a group fixed by presolve as a constant), their prefix and suffix maxima P_a >= y_k
-    (k < a) and Q_b >= y_k (k >= b), and per (a, b) a point refers to, z >= P_a + Q_b - 1
-    (z >= y_k too where reader k is among both): at an integral plan the least z is 1 exactly
-    where the copy is live, and the rows count `nbytes` z."""
-    uses: dict[int, list[tuple[int, float, int, int]]] = {}
-    for (row, scale), refs in zip(rows, red.row_copies):
-        for c, a, b in refs:
-            uses.setdefault(c, []).append((row, scale, a, b))
-    fixed = red.choice
-
-    def indicator(g: int, mask: np.ndarray, sign: float, to: dict) -> float:
-        """Adds sign * [group g picks a strategy in mask] to `to` (column -> coefficient), or
-        returns it where presolve fixed g."""
-        if fixed[g] >= 0:
-            return sign * float(mask[fixed[g]])
-        for i in np.flatnonzero(mask):
-            to[off[g] + int(i)] = to.get(off[g] + int(i), 0.0) + sign
-        return 0.0
-
-    for c, where in uses.items():
-        copy = red.copies[c]
-        n = len(copy.readers)
-        y = mip.add_cols(np.zeros(n), integer=False)
-        for k, (g, wants) in enumerate(copy.readers):
-            coef = {y + k: 1.0}
-            const = indicator(g, wants, -1.0, coef) + indicator(copy.source, copy.kept, 1.0, coef)
-            cols = np.fromiter(coef, np.int64, len(coef))
-            mip.add_entries(mip.add_rows(1, -const, np.inf), cols, [coef[j] for j in cols])
-        pre = mip.add_cols(np.zeros(n), integer=False)      # P_(k+1): max of y_0..y_k
-        suf = mip.add_cols(np.zeros(n), integer=False)      # Q_k: max of y_k..y_(n-1)
-        for k in range(n):
-            for col, other in ((pre + k, y + k), (suf + k, y + k)):
-                mip.add_entries(mip.add_rows(1, 0.0, np.inf), [col, other], [1.0, -1.0])
-            if k:
-                mip.add_entries(mip.add_rows(1, 0.0, np.inf), [pre + k, pre + k - 1], [1.0, -1.0])
-                mip.add_entries(mip.add_rows(1, 0.0, np.inf), [suf + n - 1 - k, suf + n - k],
-                                [1.0, -1.0])
-        live: dict[tuple[int, int], int] = {}
-        for row, scale, a, b in where:
-            if (a, b) not in live:
-                z = live[(a, b)] = mip.add_cols([0.0], integer=False)
-                mip.add_entries(mip.add_rows(1, -1.0, np.inf), [z, pre + a - 1, suf + b],
-                                [1.0, -1.0, -1.0])
-                for k in range(b, a):
-                    mip.add_entries(mip.add_rows(1, 0.0, np.inf), [z, y + k], [1.0, -1.0])
-            mip.add_entries(row, [live[(a, b)]], copy.nbytes / scale)
-        mip.copy_cols.append((copy, y, pre, suf, tuple(live.items())))
 
 
 # ----------------------------------------------------------------------------- backends
@@ -397,13 +340,6 @@ def columns_of(mip: Mip, choice) -> np.ndarray:
         x[start + choice[g]] = 1.0
     for u, v, e0, r_of, c_of, ncl in mip.edge_cols:
         x[e0 + r_of[choice[u]] * ncl + c_of[choice[v]]] = 1.0
-    for copy, y, pre, suf, live in mip.copy_cols:
-        need = copy.needs(choice).astype(float)
-        n = need.size
-        x[y:y + n], x[pre:pre + n] = need, np.maximum.accumulate(need)
-        x[suf:suf + n] = np.maximum.accumulate(need[::-1])[::-1]
-        for (a, b), z in live:
-            x[z] = float(need[:a].any() and need[b:].any())
     return x
 
 

@@ -9,13 +9,10 @@ import numpy as np
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Reduced:
     """The problem after presolve. Groups with `choice[g] >= 0` are fixed; `var_groups` keep
-    variables. Memory rows are (terms with bytes shifted to min 0, rhs = budget - constant),
-    plus the resharded copies each row's point refers to (`memory_points.CopyTerm`)."""
+    variables. Memory rows are (terms with bytes shifted to min 0, rhs = budget - constant)."""
     choice: np.ndarray
     var_groups: tuple[int, ...]
     node_costs: tuple[np.ndarray, ...]
     edges: tuple[tuple[int, int, np.ndarray], ...]
     mem_rows: tuple[tuple[tuple[tuple[int, np.ndarray], ...], float], ...]
     infeasible: bool
-    copies: tuple = ()        # the problem's `CopyTerm`s
-    row_copies: tuple = ()    # per memory row, its point's copies ((copy, a, b), ...)

@@ -108,13 +108,12 @@ class ShardingAssignment:
                                              # collective's buffers (`collective_bytes`)
 
 
-def peak_memory(graph: OpGraph, specs, mesh_shape, collective=None, reshards=()) -> float:
+def peak_memory(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     """Max over the schedule (node order) of the bytes per device of live buffers: the
     arguments and results throughout, the temporaries XLA writes from their producer to the
     last kernel reading them, the partial sums of the gradient collectives (`collective`, see
-    `memory.peak_bytes`; the ILP's memory points walk the same events), the resharded copies
-    (`reshards`: (tensor, consuming node, wanted spec))."""
-    return peak_bytes(graph, specs, mesh_shape, collective, reshards)
+    `memory.peak_bytes`; the ILP's memory points walk the same events)."""
+    return peak_bytes(graph, specs, mesh_shape, collective)
 
 
 def collective_bytes(strategies) -> tuple[tuple[float, float], ...]:
@@ -132,19 +131,10 @@ def _chosen(built, choice) -> tuple[list, list]:
     return specs, strat
 
 
-def _reshards(graph: OpGraph, built, specs, strat, mesh_shape) -> list:
-    """(tensor, consuming node, wanted spec) of every operand the plan moves."""
-    in_specs = [s.in_specs if s is not None else () for s in strat]
-    return [(t, n, want) for t, n, _, want in moved_operands(
-        graph, specs, in_specs, mesh_shape, built.constant_tensors)]
-
-
 def choice_peak(graph: OpGraph, built, choice, mesh_shape) -> float:
-    """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`, its resharded
-    copies included."""
+    """`peak_memory` of the plan that picks `choice[g]` in every ILP group `g`."""
     specs, strat = _chosen(built, choice)
-    return peak_memory(graph, specs, mesh_shape, collective_bytes(strat),
-                       _reshards(graph, built, specs, strat, mesh_shape))
+    return peak_memory(graph, specs, mesh_shape, collective_bytes(strat))
 
 
 def _solve(graph: OpGraph, built, method: ShardParallel, budget: float) -> tuple[IlpSolution, str]:
@@ -258,8 +248,10 @@ def _predicted(graph: OpGraph, built, choice, mesh_shape) -> float:
     """`memory.predicted_peak_bytes` of the plan that picks `choice`, its resharded copies
     included (what the plan would report)."""
     specs, strat = _chosen(built, choice)
-    return predicted_peak_bytes(graph, specs, mesh_shape, collective_bytes(strat),
-                                _reshards(graph, built, specs, strat, mesh_shape))
+    in_specs = [s.in_specs if s is not None else () for s in strat]
+    copies = [(t, n, want) for t, n, _, want in moved_operands(
+        graph, specs, in_specs, mesh_shape, built.constant_tensors)]
+    return predicted_peak_bytes(graph, specs, mesh_shape, collective_bytes(strat), copies)
 
 
 def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
@@ -315,8 +307,8 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
     tensor ids to a factor: that many more copies of the tensor (as sharded) count at every
     memory point, e.g. a parameter's optimizer state, or the activations of microbatches a
     pipeline keeps in flight. `share`: then solve the shared ILP (`copies`) from the plan
-    (untied problems without `held`, `perturb` or memory rows: the shared ILP has no memory
-    rows, so a budget that can bind keeps the plan that charges every read).
+    (untied problems without `held`, `perturb` or memory rows: the copies' bytes are not in
+    the rows, so a budget that can bind keeps the plan that charges every read).
 
     Raises:
       InfeasiblePlanError: no sharding fits; it says what the least-memory plan needs.
@@ -451,8 +443,7 @@ def assignment_of(graph: OpGraph, built, choice, mesh,
     diag = sum(float(d[choice[g]]) for g, d in enumerate(built.reshard_diag))
     edges = sum(float(e.cost[choice[e.u], choice[e.v]]) for e in built.edges)
     coll = collective_bytes(strat)
-    peak = peak_memory(graph, specs, mesh.shape, coll,
-                       _reshards(graph, built, specs, strat, mesh.shape))
+    peak = peak_memory(graph, specs, mesh.shape, coll)
     out_specs = []
     for pos, tid in enumerate(graph.outputs):
         target = output_targets.get(pos)

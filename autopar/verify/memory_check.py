@@ -139,6 +139,8 @@ def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float
     try:
         plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=target))
     except InfeasiblePlanError:
+        log.info("autopar: nothing fits %.0f%% of the budget %s; re-planning at the budget",
+                 100 * (1 - HEADROOM), f"{budget:,}")
         plan, graph = plan_at(method)
         return plan, graph, float(budget)
     return dataclasses.replace(plan, memory_budget_bytes=budget), graph, float(target)
@@ -149,11 +151,10 @@ def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: floa
     of `budget` re-planned, at most `ROUNDS` times, before anything is compiled, at a search
     budget scaled by target / predicted (the first time at most the target itself) and below
     the plan's own search peak by what the prediction exceeds the target (at most by half).
-    The prediction can count what the search's memory rows do not (copies inside loop bodies
-    or of a value its own group reads), so a plan the search made for its budget can be
-    predicted above it, and a plan well inside its search budget would come back unchanged
-    from a budget cut less than that slack (before the rows counted resharded copies, the
-    attention LM under `jax.grad` at 70% took three re-plans to the same plan). Where a re-plan
+    The prediction counts what the search's memory rows do not (resharded copies), so a
+    plan the search made for its budget can be predicted above it, and a plan well inside its
+    search budget would come back unchanged from a budget cut less than that slack (the
+    attention LM under `jax.grad` at 70%: three re-plans, the same plan). Where a re-plan
     finds nothing, the last plan is kept (its compile check decides)."""
     target = (1 - HEADROOM) * budget
     for _ in range(ROUNDS):
