@@ -126,15 +126,17 @@ def search_peak(plan: ParallelPlan) -> float:
     return float(plan.ilp.get("peak_bytes") or plan.peak_memory_bytes)
 
 
-def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float]:
-    """(plan, graph, the search budget that made it) of `plan_at(method)`; where the user set
-    a budget, made at (1 - HEADROOM) of it first (where a plan predicted near the budget would
-    be re-planned to, so that such a plan costs no second search), and at the budget itself
-    where nothing fits below. The plan carries the user's budget."""
+def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float, bool]:
+    """(plan, graph, the search budget that made it, whether a plan may fit (1 - HEADROOM) of
+    the budget) of `plan_at(method)`; where the user set a budget, made at (1 - HEADROOM) of
+    it first (where a plan predicted near the budget would be re-planned to, so that such a
+    plan costs no second search), and at the budget itself where nothing fits below (then no
+    headroom re-plan can find one either: each searches at most that). The plan carries the
+    user's budget."""
     budget = method.memory_budget_bytes
     if budget is None:
         plan, graph = plan_at(method)
-        return plan, graph, float(plan.memory_budget_bytes)
+        return plan, graph, float(plan.memory_budget_bytes), True
     target = int((1 - HEADROOM) * budget)
     try:
         plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=target))
@@ -142,8 +144,8 @@ def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float
         log.info("autopar: nothing fits %.0f%% of the budget %s; re-planning at the budget",
                  100 * (1 - HEADROOM), f"{budget:,}")
         plan, graph = plan_at(method)
-        return plan, graph, float(budget)
-    return dataclasses.replace(plan, memory_budget_bytes=budget), graph, float(target)
+        return plan, graph, float(budget), False
+    return dataclasses.replace(plan, memory_budget_bytes=budget), graph, float(target), True
 
 
 def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: float):
@@ -189,11 +191,13 @@ def verified_plan(method: ShardParallel,
       InfeasiblePlanError: no plan compiles within the budget after `ROUNDS` re-plans (or the
         scaled budget leaves no plan at all); it names the predicted and compiled bytes.
     """
-    plan, graph, ilp_budget = _first(method, plan_at)
+    plan, graph, ilp_budget, room = _first(method, plan_at)
     if not binding(plan):
         return Verified(plan, graph)
     budget = float(plan.memory_budget_bytes)
-    plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget, ilp_budget)
+    if room:
+        plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget,
+                                                 ilp_budget)
 
     def measure(planned, round_):
         nonlocal ilp_budget

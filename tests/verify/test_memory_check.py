@@ -74,6 +74,27 @@ def test_plan_is_made_at_the_target_first_and_at_the_budget_where_nothing_fits_b
     assert made.plan.measured == {"compiled_bytes": 950, "memory_check_rounds": 0}
 
 
+def test_no_headroom_replan_below_a_target_that_fits_nothing(base):
+    """Where nothing fits (1 - HEADROOM) of the budget, the plan made at the budget is not
+    re-planned below the target (each such search would find nothing): two searches, then the
+    compile check."""
+    plan, graph = base
+    calls = []
+
+    def plan_at(method):
+        budget = method.memory_budget_bytes
+        calls.append(budget)
+        if budget < 960:
+            raise autopar.InfeasiblePlanError("memory: nothing fits", needed_bytes=960,
+                                              budget_bytes=budget)
+        return dataclasses.replace(plan, peak_memory_bytes=0.98 * budget,
+                                   memory_budget_bytes=budget), graph
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000), plan_at,
+                         lambda p, g: (p, _executable(990)))
+    assert calls == [950, 1000]
+    assert made.plan.measured == {"compiled_bytes": 990, "memory_check_rounds": 0}
+
+
 def test_over_budget_replans_at_the_scaled_budget_until_it_fits(base):
     calls, sizes = [], iter([1250, 1100, 990])
     made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000),
