@@ -121,7 +121,7 @@ class _Builder:
             self.diag[group] += self._scale * np.array([self.reshard(tid, specs[a], w)
                                                         for a, w in enumerate(wanted)])
             return
-        mat = self._scale * np.array([[self.reshard(tid, s, w) for w in wanted] for s in specs])
+        mat = self._scale * self.reshard.matrix(tid, specs, wanted)
         if not mat.any():
             return
         key = (gu, group)

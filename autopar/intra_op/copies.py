@@ -121,20 +121,39 @@ def with_shared_copies(problem: IlpProblem, reads: list[Read], tensor_group: lis
     return shared, tuple(copies)
 
 
-def mover(graph, cost) -> Callable[[int, Spec, Spec], float]:
-    """`reshard(tid, src, dst)`: seconds to move tensor `tid` of `graph` between layouts under
-    the `cost.CostModel` `cost`, cached by (shape, itemsize, src, dst) (the builder's too)."""
-    cache: dict = {}
+class Mover:
+    """`mover(tid, src, dst)`: seconds to move tensor `tid` of `graph` between layouts under the
+    `cost.CostModel` `cost`, cached by (shape, itemsize, src, dst); `mover.matrix(tid, srcs,
+    dsts)`: the [len(srcs), len(dsts)] table of those seconds (read-only), cached by the shape,
+    itemsize and both layout lists. A model's repeated layers ask for the same tables, so each
+    is computed once per build."""
 
-    def reshard(tid: int, src: Spec, dst: Spec | None) -> float:
+    def __init__(self, graph, cost):
+        self._graph, self._cost, self._one, self._tables = graph, cost, {}, {}
+
+    def __call__(self, tid: int, src: Spec, dst: Spec | None) -> float:
         if dst is None or src == dst:
             return 0.0
-        t = graph.tensors[tid]
+        t = self._graph.tensors[tid]
         key = (t.shape, t.itemsize, src, dst)
-        if key not in cache:
-            cache[key] = cost.reshard_s(t.shape, t.itemsize, src, dst)
-        return cache[key]
-    return reshard
+        if key not in self._one:
+            self._one[key] = self._cost.reshard_s(t.shape, t.itemsize, src, dst)
+        return self._one[key]
+
+    def matrix(self, tid: int, srcs, dsts) -> np.ndarray:
+        t = self._graph.tensors[tid]
+        key = (t.shape, t.itemsize, tuple(srcs), tuple(dsts))
+        table = self._tables.get(key)
+        if table is None:
+            table = np.array([[self(tid, s, d) for d in dsts] for s in srcs], float)
+            table.setflags(write=False)
+            self._tables[key] = table
+        return table
+
+
+def mover(graph, cost) -> Mover:
+    """The `Mover` of tensors of `graph` under the `cost.CostModel` `cost` (the builder's)."""
+    return Mover(graph, cost)
 
 
 def duplicate_moves_s(reads, tensor_group: list[int], tensor_specs: list[list[Spec]], choice,
@@ -175,5 +194,5 @@ def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     return (*(int(i) for i in choice), *extra)
 
 
-__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover",
+__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover", "Mover",
            "duplicate_moves_s", "reads_shared", "ABSENT", "PRESENT"]
