@@ -94,6 +94,7 @@ def _outcome(plan):
             plan.predicted_step_s, plan.peak_memory_bytes)
 
 
+@pytest.mark.slow      # the worker pool itself: tests/inter_op/test_parallel.py (make test)
 def test_gpt_pipeline_planned_with_two_workers_matches_one_and_jax_jit():
     step, state, batches = _gpt_case()
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2))

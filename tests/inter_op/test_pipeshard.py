@@ -76,7 +76,9 @@ def test_adam_with_global_norm_clipping_is_exact_across_stages():
 
 
 @pytest.mark.parametrize("api,stages,schedule,microbatches", [
-    ("linen", 2, F, 4), ("nnx", 2, G, 4),
+    ("linen", 2, F, 4),
+    # NNX pipelines: the MNIST step of test_nnx_grad.py; GPipe: the MLP pipelines here
+    pytest.param("nnx", 2, G, 4, marks=pytest.mark.slow),
     pytest.param("linen", 4, F, 8, marks=pytest.mark.slow)])   # 4 stages: the MLP and manual GPT
 def test_gpt_pipeline_matches_single_device(api, stages, schedule, microbatches):
     _check("gpt", api, _method(stages, schedule, microbatches))

@@ -69,6 +69,7 @@ def test_recomputing_stages_keep_fewer_activations(long_lm):
         assert acts["none_lat"][p] < acts["full_lat"][p]      # recomputing costs time
 
 
+@pytest.mark.slow      # recomputing stages under a binding budget: the 70% test above (make test)
 def test_auto_stage_search_chooses_remat_when_memory_binds(long_lm, least):
     # 58% of the 2-stage layout's least: one stage on the whole mesh without recomputation
     # needs about 60% of it (intra_op/memory.py), so only recomputing stages fit.

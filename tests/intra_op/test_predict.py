@@ -334,7 +334,8 @@ def cases():
 
 
 def _slow_if(m, s):      # GPT, MoE and Wide-ResNet on 1x8 repeat their 2x4 case: make test-slow
-    return [pytest.mark.slow] if m in ("gpt", "moe", "wide_resnet") and s == (1, 8) else []
+    return [pytest.mark.slow] if m in ("gpt", "moe", "wide_resnet") and s == (1, 8) \
+        or m == "wide_resnet" else []   # the CNN: test_wide_resnet.py and test_constraints.py
 
 
 @pytest.mark.parametrize("name,mesh_shape", [

@@ -74,7 +74,8 @@ def _assert_bit_identical(got, create_state):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
 
 
-@pytest.mark.parametrize("method", [autopar.Zero3Parallel, autopar.ShardParallel])
+@pytest.mark.parametrize("method", [      # ZeRO-3 splits everything; ShardParallel: make test-slow
+    autopar.Zero3Parallel, pytest.param(autopar.ShardParallel, marks=pytest.mark.slow)])
 def test_state_larger_than_the_budget_is_created_sharded(method):
     cfg = GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128, num_heads=4)
     create_state, train_step, batches = gpt_case(cfg, optax.adam(1e-3), batch_size=8)
@@ -156,6 +157,7 @@ def test_pipeline_init_creates_each_stage_leaf_on_its_submesh():
     assert len(step._cache) == 1
 
 
+@pytest.mark.slow      # the parts machinery of a pipeline's init: the test above (make test)
 def test_gradient_accumulation_init():
     """num_microbatches > 1 runs on the pipeline machinery (one stage on the whole mesh)."""
     create_state, train_step, batches = gpt_case(TINY_GPT, sgd_momentum_clip(),
