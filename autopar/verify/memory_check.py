@@ -11,7 +11,9 @@ and reads arguments + outputs + temp - aliased. A budget the user set is searche
 (1 - HEADROOM) of it, before anything is compiled, when something fits there
 (`_with_headroom`): the memory model is within a few percent of XLA, not exact (measured
 within 5% on the recomputation plans of an attention LM under both of XLA:CPU's
-schedulers), so a plan at the very edge of the budget would often compile just over it. If
+schedulers), so a plan at the very edge of the budget would often compile just over it. A
+plan whose search's rows bind and count it well above its prediction is searched once more
+at a search budget raised by the excess (`_loosened`), and the faster plan kept. If
 the compiled plan exceeds the budget, it re-plans with the search budget that made it scaled
 down by budget / compiled (at most `ROUNDS` times, each logged) and raises
 `InfeasiblePlanError` naming the predicted and compiled bytes if none fits. The plan
