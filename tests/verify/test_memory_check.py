@@ -138,6 +138,22 @@ def test_a_looser_plan_predicted_over_the_target_is_not_taken(base):
     assert made.plan.peak_memory_bytes == pytest.approx(0.8 * 950)
 
 
+def test_a_looser_search_that_finds_nothing_keeps_the_first_plan(base):
+    calls, first = [], _over_counting(base, [], 0.8)
+
+    def plan_at(method):
+        calls.append(method.memory_budget_bytes)
+        if len(calls) > 1:
+            raise autopar.InfeasiblePlanError("memory: nothing fits", needed_bytes=2000,
+                                              budget_bytes=method.memory_budget_bytes)
+        return first(method)
+    made = verified_plan(autopar.ShardParallel(memory_budget_bytes=1000), plan_at,
+                         lambda p, g: (p, _executable(900)))
+    assert calls == [950, int(950 + 0.2 * 950)]
+    assert made.plan.peak_memory_bytes == pytest.approx(0.8 * 950)
+    assert made.plan.memory_budget_bytes == 1000
+
+
 def test_rows_close_to_the_prediction_are_not_loosened(base):
     """Rows within LOOSEN of the target above the prediction: no second search."""
     calls = []
