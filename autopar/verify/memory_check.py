@@ -129,29 +129,28 @@ def search_peak(plan: ParallelPlan) -> float:
     return float(plan.ilp.get("peak_bytes") or plan.peak_memory_bytes)
 
 
-def _first(method: ShardParallel, plan_at) -> tuple[ParallelPlan, OpGraph, float, bool]:
+def _first(budget: int | None, search) -> tuple[ParallelPlan, OpGraph, float, bool]:
     """(plan, graph, the search budget that made it, whether a plan may fit (1 - HEADROOM) of
-    the budget) of `plan_at(method)`; where the user set a budget, made at (1 - HEADROOM) of
-    it first (where a plan predicted near the budget would be re-planned to, so that such a
-    plan costs no second search), and at the budget itself where nothing fits below (then no
-    headroom re-plan can find one either: each searches at most that). The plan carries the
-    user's budget."""
-    budget = method.memory_budget_bytes
+    the budget) of `search` (`search(None)`: at the user's `budget`, which may be None);
+    where the user set one, made at (1 - HEADROOM) of it first (where a plan predicted near
+    the budget would be re-planned to, so that such a plan costs no second search), and at the
+    budget itself where nothing fits below (then no headroom re-plan can find one either: each
+    searches at most that). The plan carries the user's budget."""
     if budget is None:
-        plan, graph = plan_at(method)
+        plan, graph = search(None)
         return plan, graph, float(plan.memory_budget_bytes), True
     target = int((1 - HEADROOM) * budget)
     try:
-        plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=target))
+        plan, graph = search(target)
     except InfeasiblePlanError:
         log.info("autopar: nothing fits %.0f%% of the budget %s; re-planning at the budget",
                  100 * (1 - HEADROOM), f"{budget:,}")
-        plan, graph = plan_at(method)
+        plan, graph = search(None)
         return plan, graph, float(budget), False
     return dataclasses.replace(plan, memory_budget_bytes=budget), graph, float(target), True
 
 
-def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: float):
+def _with_headroom(search, plan, graph, budget: float, ilp_budget: float):
     """(plan, graph, the search budget that made it): a plan predicted above (1 - HEADROOM)
     of `budget` re-planned, at most `ROUNDS` times, before anything is compiled, at a search
     budget scaled by target / predicted (the first time at most the target itself) and below
@@ -173,7 +172,7 @@ def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: floa
                  f"{plan.peak_memory_bytes:,.0f}", 100 * (1 - HEADROOM), f"{budget:,.0f}",
                  f"{scaled:,.0f}")
         try:
-            plan, graph = plan_at(dataclasses.replace(method, memory_budget_bytes=int(scaled)))
+            plan, graph = search(scaled)
         except InfeasiblePlanError:
             log.info("autopar: nothing fits a search budget of %s bytes; the plan predicted at "
                      "%s is compiled and checked", f"{scaled:,.0f}",
@@ -183,7 +182,7 @@ def _with_headroom(method, plan_at, plan, graph, budget: float, ilp_budget: floa
     return plan, graph, ilp_budget
 
 
-def _loosened(method, plan_at, plan, graph, budget: float, ilp_budget: float):
+def _loosened(search, plan, graph, budget: float, ilp_budget: float):
     """(plan, graph, the search budget that made it): where the search's memory rows bound the
     plan (its search peak within `LOOSEN` of the search budget) and count it more than
     `LOOSEN` of the target above its prediction, one more search at the search budget raised
@@ -203,14 +202,14 @@ def _loosened(method, plan_at, plan, graph, budget: float, ilp_budget: float):
              "its prediction; searching once more at a search budget of %s",
              f"{peak:,.0f}", f"{excess:,.0f}", f"{looser:,.0f}")
     try:
-        again, again_graph = plan_at(dataclasses.replace(method, memory_budget_bytes=int(looser)))
+        again, again_graph = search(looser)
     except InfeasiblePlanError:
         return plan, graph, ilp_budget
     if again.peak_memory_bytes <= target and again.predicted_step_s < plan.predicted_step_s:
         log.info("autopar: taken: predicted %s bytes per device, %.3gx the step time",
                  f"{again.peak_memory_bytes:,.0f}",
                  again.predicted_step_s / plan.predicted_step_s)
-        return dataclasses.replace(again, memory_budget_bytes=int(budget)), again_graph, looser
+        return again, again_graph, looser
     log.info("autopar: not taken: predicted %s bytes per device (target %s), %.3gx the step "
              "time", f"{again.peak_memory_bytes:,.0f}", f"{target:,.0f}",
              again.predicted_step_s / plan.predicted_step_s)
@@ -228,14 +227,17 @@ def verified_plan(method: ShardParallel,
       InfeasiblePlanError: no plan compiles within the budget after `ROUNDS` re-plans (or the
         scaled budget leaves no plan at all); it names the predicted and compiled bytes.
     """
-    plan, graph, ilp_budget, room = _first(method, plan_at)
+    def search(at):       # `plan_at` at the search budget `at` (None: the method's own)
+        return plan_at(method if at is None else
+                       dataclasses.replace(method, memory_budget_bytes=int(at)))
+
+    plan, graph, ilp_budget, room = _first(method.memory_budget_bytes, search)
     if not binding(plan):
         return Verified(plan, graph)
     budget = float(plan.memory_budget_bytes)
     if room:
-        plan, graph, ilp_budget = _with_headroom(method, plan_at, plan, graph, budget,
-                                                 ilp_budget)
-        plan, graph, ilp_budget = _loosened(method, plan_at, plan, graph, budget, ilp_budget)
+        plan, graph, ilp_budget = _with_headroom(search, plan, graph, budget, ilp_budget)
+        plan, graph, ilp_budget = _loosened(search, plan, graph, budget, ilp_budget)
 
     def measure(planned, round_):
         nonlocal ilp_budget
@@ -250,7 +252,6 @@ def verified_plan(method: ShardParallel,
         return (plan, graph), built, Over("the plan", plan.peak_memory_bytes, got, ilp_budget)
 
     (plan, graph), built = replan_until_it_fits(
-        (plan, graph), budget, measure,
-        lambda b: plan_at(dataclasses.replace(method, memory_budget_bytes=int(b))),
+        (plan, graph), budget, measure, search,
         "Fix: raise memory_budget_bytes, use more devices, a smaller batch, or remat='full'.")
     return Verified(plan, graph, built)
