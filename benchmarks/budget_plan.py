@@ -21,35 +21,35 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 
-from common import md_row, run_worker, section_head, section_main, section_tail
+from common import (
+    gpt_state_fn,
+    gpt_train_step,
+    md_row,
+    run_worker,
+    section_head,
+    section_main,
+    section_tail,
+    setup_worker,
+)
 
 APIS = ("jax.value_and_grad", "autopar.value_and_grad")
 OVER_COUNT = (1.05, 1.2)     # budgets for the small GPT, times its free plan's predicted peak
+LM = dict(vocab_size=256, seq_len=256, num_layers=4, hidden=64, num_heads=4)
+SMALL = dict(vocab_size=128, seq_len=16, num_layers=2, hidden=32, num_heads=4)
 
 
-def _case(api: str):
+def _case(cfg_kw: dict, tx, value_and_grad):
+    """(step, (state, batch)) of a linen GPT with `GPTConfig(**cfg_kw)`, batch 16."""
     import jax
-    import optax
-    from flax.training import train_state
 
-    import autopar
     from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-    cfg = GPTConfig(vocab_size=256, seq_len=256, num_layers=4, hidden=64, num_heads=4)
-    net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 16, cfg)
-    state = train_state.TrainState.create(
-        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["tokens"]),
-        tx=optax.sgd(0.1))
-    vg = jax.value_and_grad if api == "jax.value_and_grad" else autopar.value_and_grad
-
-    def step(state, batch):
-        loss, grads = vg(
-            lambda p: gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"]))(state.params)
-        return state.apply_gradients(grads=grads), loss
-    return step, (state, batch)
+    cfg = GPTConfig(**cfg_kw)
+    state = gpt_state_fn(GPT(cfg), tx, cfg.seq_len)(jax.random.key(0))
+    return (gpt_train_step(gpt_loss, value_and_grad),
+            (state, make_gpt_batch(jax.random.key(1), 16, cfg)))
 
 
 class _Replans(logging.Handler):
@@ -60,25 +60,6 @@ class _Replans(logging.Handler):
     def emit(self, record):
         msg = record.getMessage()
         self.count += "re-planning" in msg or "searching once more" in msg
-
-
-def _small_gpt():
-    import jax
-    import optax
-    from flax.training import train_state
-
-    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-    cfg = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, num_heads=4)
-    net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 16, cfg)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
-    state = train_state.TrainState.create(
-        apply_fn=net.apply, params=net.init(jax.random.key(0), batch["tokens"]), tx=tx)
-
-    def step(state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"]))(state.params)
-        return state.apply_gradients(grads=grads), loss
-    return step, (state, batch)
 
 
 def _measure(row: dict, par, args, replans) -> object:
@@ -96,9 +77,9 @@ def _measure(row: dict, par, args, replans) -> object:
 
 
 def _worker(out_path: str) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8")
+    setup_worker(8)
     import jax
+    import optax
 
     import autopar
     mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -106,39 +87,50 @@ def _worker(out_path: str) -> None:
     logging.getLogger("autopar").addHandler(replans)
     logging.getLogger("autopar").setLevel(logging.INFO)
     rows = []
+
+    def add(row: dict, fill) -> None:
+        """`fill(row)`, or the error it raised in the row; the rows so far saved."""
+        try:
+            fill(row)
+        except Exception as e:      # noqa: BLE001 - a failed case is reported in its row
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(f"budget_plan: {row['api']} done", file=sys.stderr, flush=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+    def at_budget(step, budget):
+        return autopar.parallelize(step, mesh=mesh, plan_cache=False, method=(
+            autopar.ShardParallel(memory_budget_bytes=budget)))
+
+    def lm(row):
+        vg = jax.value_and_grad if row["api"] == "jax.value_and_grad" else \
+            autopar.value_and_grad
+        step, args = _case(LM, optax.sgd(0.1), vg)
+        try:
+            autopar.parallelize(step, mesh=mesh, plan_cache=False, method=autopar.ShardParallel(
+                remat="none", memory_budget_bytes=1000)).get_plan(*args)
+            raise RuntimeError("a 1000-byte budget was met")
+        except autopar.InfeasiblePlanError as e:
+            row["least"] = e.needed_bytes
+        row["budget"] = int(0.7 * row["least"])
+        _measure(row, at_budget(step, row["budget"]), args, replans)
+
     for api in APIS:
-        row = {"api": api}
-        try:
-            step, args = _case(api)
-            try:
-                autopar.parallelize(step, mesh=mesh, plan_cache=False, method=autopar.ShardParallel(
-                    remat="none", memory_budget_bytes=1000)).get_plan(*args)
-                raise RuntimeError("a 1000-byte budget was met")
-            except autopar.InfeasiblePlanError as e:
-                row["least"] = e.needed_bytes
-            row["budget"] = budget = int(0.7 * row["least"])
-            _measure(row, autopar.parallelize(step, mesh=mesh, plan_cache=False, method=(
-                autopar.ShardParallel(memory_budget_bytes=budget))), args, replans)
-        except Exception as e:      # noqa: BLE001 - a failed case is reported in its row
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-        print(f"budget_plan: {api} done", file=sys.stderr, flush=True)
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
-    step, args = _small_gpt()
+        add({"api": api}, lm)
+    step, args = _case(SMALL, optax.chain(optax.clip_by_global_norm(1.0),
+                                          optax.sgd(0.05, momentum=0.9)), jax.value_and_grad)
     free = autopar.parallelize(step, mesh=mesh, plan_cache=False).get_plan(*args)
-    for factor in OVER_COUNT:
-        row = {"api": f"small GPT at {factor}x its free peak", "small": True,
-               "budget": int(factor * free.peak_memory_bytes)}
-        try:
-            plan = _measure(row, autopar.parallelize(step, mesh=mesh, plan_cache=False, method=(
-                autopar.ShardParallel(memory_budget_bytes=row["budget"]))), args, replans)
+
+    def small(factor):
+        def fill(row):
+            row["budget"] = int(factor * free.peak_memory_bytes)
+            plan = _measure(row, at_budget(step, row["budget"]), args, replans)
             row["vs_free"] = plan.predicted_step_s / free.predicted_step_s
-        except Exception as e:      # noqa: BLE001 - a failed case is reported in its row
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+        return fill
+
+    for factor in OVER_COUNT:
+        add({"api": f"small GPT at {factor}x its free peak"}, small(factor))
 
 
 def run(timeout_s: float = 1800) -> dict:
