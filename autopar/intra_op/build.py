@@ -24,7 +24,7 @@ from autopar.core.graph import (
 from autopar.core.primitives import CONTROL_FLOW, LOOP_EXIT
 from autopar.core.spec import Spec, enumerate_specs, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
-from autopar.intra_op.copies import Read, mover
+from autopar.intra_op.copies import Mover, Read
 from autopar.intra_op.fallbacks import Fallback, warn_fallback
 from autopar.intra_op.follow import FOLLOW_RULES, main_operand
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint
@@ -97,7 +97,7 @@ class _Builder:
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.fallbacks: list[Fallback] = []
         self.owners: list[tuple[str, int]] = []
-        self.reshard = mover(graph, ctx.cost)   # (tid, src, dst) -> seconds, cached
+        self.reshard = Mover(graph, ctx.cost)   # (tid, src, dst) -> seconds, cached
         self.expanded = expanded_tensors(graph)
         self.trips = graph.node_trips()     # runs per step: body operators x trip count
         self._scale = 1                    # the trips of the node being connected

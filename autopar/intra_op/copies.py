@@ -151,11 +151,6 @@ class Mover:
         return table
 
 
-def mover(graph, cost) -> Mover:
-    """The `Mover` of tensors of `graph` under the `cost.CostModel` `cost` (the builder's)."""
-    return Mover(graph, cost)
-
-
 def duplicate_moves_s(reads, tensor_group: list[int], tensor_specs: list[list[Spec]], choice,
                       reshard: Callable[[int, Spec, Spec], float]) -> float:
     """Seconds the plain ILP's edges charge more than once under `choice`: for every (tensor,
@@ -194,5 +189,5 @@ def settled(copies: tuple[SharedCopy, ...], choice) -> tuple[int, ...]:
     return (*(int(i) for i in choice), *extra)
 
 
-__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "mover", "Mover",
+__all__ = ["Read", "SharedCopy", "with_shared_copies", "settled", "Mover",
            "duplicate_moves_s", "reads_shared", "ABSENT", "PRESENT"]

@@ -28,8 +28,8 @@ from autopar.intra_op.constraints import (
     update_statistics,
 )
 from autopar.intra_op.copies import (
+    Mover,
     duplicate_moves_s,
-    mover,
     reads_shared,
     settled,
     with_shared_copies,
@@ -269,7 +269,7 @@ def _shared(built, sol: IlpSolution, method: ShardParallel, budget: float,
             reshard) -> IlpSolution:
     """`sol` (the plain ILP's optimum), or the shared ILP's plan (`copies`, built here) where
     it proves one faster within its time (`SHARED_TIME_FACTOR`); the message says which.
-    `reshard(tid, src, dst)`: seconds to move (`copies.mover`)."""
+    `reshard(tid, src, dst)`: seconds to move (`copies.Mover`)."""
     shared, copies = with_shared_copies(
         dataclasses.replace(built.problem, memory_budget_bytes=budget), list(built.reads),
         built.tensor_group, built.tensor_specs, reshard)
@@ -333,7 +333,7 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
             needed_bytes=int(needed), budget_bytes=int(budget))
     if sol.status in (SolveStatus.FEASIBLE, SolveStatus.FALLBACK):
         log.warning("autopar intra-op ILP: %s", sol.message)
-    reshard, plain = mover(graph, CostModel(mesh=mesh)), sol.choice
+    reshard, plain = Mover(graph, CostModel(mesh=mesh)), sol.choice
     if share and built.reads and not held and perturb is None and not reuse \
             and sol.status == SolveStatus.OPTIMAL and not built.problem.memory_points:
         sol = _shared(built, sol, p.method, budget, reshard)
