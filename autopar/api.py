@@ -27,6 +27,7 @@ import numpy as np
 
 from autopar import passes
 from autopar.core import _compat, progress
+from autopar.core.collector import no_full_collections
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
 from autopar.core.graph import OpGraph
 from autopar.core.options import ShardParallel
@@ -136,7 +137,7 @@ class ParallelizedFunction:
         key = self._key(args)
         entry = self._cache.get(key)
         if entry is None:
-            with self._progress():
+            with self._progress(), no_full_collections():
                 entry = self._cache[key] = under_mesh_if_needed(
                     self._mesh, lambda: self._new_entry(args))
         return entry

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from autopar.core import progress
+from autopar.core.collector import no_full_collections
 from autopar.core.errors import InvalidArgumentError, PlanMismatchError
 from autopar.core.graph import InputRole, OpGraph
 from autopar.core.options import PipeshardParallel, ShardParallel
@@ -116,7 +117,7 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
 
     `verbose`: progress while planning, as in `parallelize` (see `autopar.progress`).
     """
-    with progress.session(verbose, getattr(fun, "__name__", "step")):
+    with progress.session(verbose, getattr(fun, "__name__", "step")), no_full_collections():
         return _plan(fun, *args, cluster=cluster, method=method, mesh_shape=mesh_shape,
                      axis_names=axis_names, batch_argnums=batch_argnums,
                      static_argnums=static_argnums, donate_argnums=donate_argnums)
