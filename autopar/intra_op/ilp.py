@@ -8,8 +8,9 @@ per device of the chosen strategies. This module imports no `jax`: it is numbers
 OPTIMAL means within `mip.MIP_REL_GAP` (0.1%) of the optimum of the whole objective for
 models of more than `mip.EXACT_MAX_BINARIES` binary columns, exact for smaller ones. Dominated
 strategies (`heuristics.dominators`) are left out; a solve starts from the best of the greedy
-plan, the caller's hint and an LP dive (`mip.solve_highs`), and the same problem gives the
-same plan run to run.
+plan, the caller's hint, the LP solution rounded to fit (`heuristics.lp_rounded`; the answer
+where within the gap of the LP bound) and an LP dive (`mip.solve_highs`), and the same
+problem gives the same plan run to run.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError
-from autopar.intra_op.heuristics import dominators, greedy, undominated_choice
+from autopar.intra_op.heuristics import dominators, greedy, rounded_columns, undominated_choice
 from autopar.intra_op.memory_points import (  # noqa: F401
     MemoryPoint,
     PointRows,
@@ -195,8 +196,6 @@ def _check_choice(problem: IlpProblem, choice) -> tuple[int, ...]:
     return c
 
 
-# ----------------------------------------------------------------------------- presolve
-
 
 def _presolve(problem: IlpProblem) -> _Reduced:
     """Apply the presolve rules: fold single-strategy groups (1), sum parallel edges (2), fold
@@ -241,8 +240,6 @@ def _presolve(problem: IlpProblem) -> _Reduced:
     return _Reduced(choice=choice, var_groups=var_groups, node_costs=tuple(nc), edges=tuple(edges),
                     mem_rows=tuple(mem_rows), infeasible=infeasible)
 
-
-# ----------------------------------------------------------------------------- public solvers
 
 def _check_args(backend, time_limit_s) -> None:
     _require(isinstance(backend, SolverBackend),
@@ -367,6 +364,7 @@ def _solve_once(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.H
         reps = dominators(red)
         mip = build_mip(red, reps)
         mip.start = _start(problem, red, reps, mip, hint)
+        mip.rounding = lambda x: rounded_columns(red, reps, mip, x)
     n_var, n_con = (0, 0) if mip is None else (mip.cost.size, mip.row_lower.size)
     res = MipResult(kind=SolveStatus.INFEASIBLE if red.infeasible else SolveStatus.OPTIMAL,
                      x=None, reason="") if mip is None else run_mip(mip, backend, time_limit_s)

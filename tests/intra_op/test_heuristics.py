@@ -167,3 +167,33 @@ def test_same_plan_run_to_run_and_same_optimum_from_any_hint():
             for hint in ((0,) * 5, tuple(k - 1 for k in problem.num_strategies)):
                 hinted = ilp._solve_once(problem, hint=hint)
                 assert abs(hinted.objective - plain.objective) <= 1e-9 * max(1.0, plain.objective)
+
+
+def test_lp_rounding_fits_the_budget_and_is_priced_like_evaluate():
+    """`lp_rounded` of the LP relaxation on random problems with binding memory: every plan it
+    returns fits the budget, and `rounded_columns` prices it as `evaluate` does; on most
+    problems it returns one (the check is not empty)."""
+    from autopar.intra_op.heuristics import lp_rounded, rounded_columns
+    rng = np.random.default_rng(11)
+    found = 0
+    for _ in range(12):
+        problem = _problem(rng, memory=True)
+        red = ilp._presolve(problem)
+        if not red.var_groups or red.infeasible:
+            continue
+        reps = dominators(red)
+        model = mip.build_mip(red, reps)
+        h = mip._highs(model, 10.0, relaxed=True)
+        h.run()
+        x = np.asarray(h.getSolution().col_value)
+        choice = lp_rounded(red, {g: x[s:s + k] for g, s, k in model.group_cols})
+        if choice is None:
+            continue
+        found += 1
+        assert peak_memory_bytes(problem, choice) <= problem.memory_budget_bytes
+        cols = rounded_columns(red, reps, model, x)
+        better = undominated_choice(choice, reps)
+        assert np.isclose((model.cost @ cols + model.offset) * model.scale,
+                          evaluate(problem, better))
+        assert evaluate(problem, better) <= evaluate(problem, choice) + 1e-12
+    assert found >= 6

@@ -519,3 +519,33 @@ def test_polish_ties_takes_the_leaner_of_equally_cheap_strategies():
     assert ilp.polish_ties(tight, (0, 0), held) == (0, 0)
     # a cheaper strategy is never traded for bytes (group 1's strategy 1 costs 4 more)
     assert ilp.polish_ties(problem, (0, 0), {1: np.array([100.0, 1.0])}) == (0, 0)
+
+
+def _knapsack(n: int, budget_fast: float) -> IlpProblem:
+    """n groups of a fast strategy (cost 0, 10 bytes) and a lean one (cost 1 + g / 1000, no
+    bytes), one memory point, a budget for `budget_fast` fast groups: the LP takes the cheapest
+    lean groups whole and half of the next one."""
+    return IlpProblem(
+        node_costs=tuple(np.array([1000.0, 1001.0 + g / 1000]) for g in range(n)), edges=(),
+        memory_points=(MemoryPoint(terms=tuple((g, np.array([10.0, 0.0])) for g in range(n)),
+                                   constant_bytes=0.0),),
+        memory_budget_bytes=10.0 * budget_fast)
+
+
+def test_a_rounding_within_the_gap_of_the_lp_needs_no_mip(monkeypatch):
+    """Where the LP solution, rounded and repaired to fit the memory rows, is within the MIP's
+    relative gap of the LP bound, it is the answer (optimal within the gap): no MIP runs. With
+    the exact gap of small models the same problem goes on to the MIP, and both answers are
+    the brute-force optimum here."""
+    problem = _knapsack(12, 7.5)      # 4.5 lean groups in the LP: 5 of them
+    best = brute_force(problem).objective
+    calls = _count_highs(monkeypatch)
+    sol = solve_ilp(problem)                       # 12 binaries: the exact gap
+    assert calls == [True, False] and sol.status is SolveStatus.OPTIMAL
+    _assert_close(sol.objective, best)
+    monkeypatch.setattr(mip, "EXACT_MAX_BINARIES", 0)     # the 0.1% gap of large models
+    calls.clear()
+    sol = solve_ilp(problem)
+    assert calls == [True] and sol.status is SolveStatus.OPTIMAL
+    _assert_close(sol.objective, best)
+    assert peak_memory_bytes(problem, sol.choice) <= problem.memory_budget_bytes

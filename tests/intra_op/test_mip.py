@@ -18,7 +18,7 @@ _SOLVE = textwrap.dedent("""
               "cols", "vals"):
         setattr(x, k, z[k])
     x.group_cols = [tuple(map(int, g)) for g in z["group_cols"]]
-    x.offset, x.scale, x.rel_gap = float(z["offset"]), float(z["scale"]), None
+    x.offset, x.scale, x.rel_gap, x.rounding = float(z["offset"]), float(z["scale"]), None, None
     r = m.solve_highs(x, 20.0)
     print(r.kind.value, float(x.cost @ r.x))
 """)
