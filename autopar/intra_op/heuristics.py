@@ -1,5 +1,6 @@
 """Heuristics and reductions for the intra-op ILP (no JAX): the greedy plan with local
-improvement, dominated strategies, and the plan a solve starts from.
+improvement, the LP solution rounded to a plan that fits (`lp_rounded`), dominated
+strategies, and the plan a solve starts from.
 
 A strategy i of group g is *dominated* by strategy j when j costs no more at the node, on every
 edge against every strategy of the neighbour, and in bytes at every memory row (and is cheaper
