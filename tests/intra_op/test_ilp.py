@@ -549,3 +549,21 @@ def test_a_rounding_within_the_gap_of_the_lp_needs_no_mip(monkeypatch):
     assert calls == [True] and sol.status is SolveStatus.OPTIMAL
     _assert_close(sol.objective, best)
     assert peak_memory_bytes(problem, sol.choice) <= problem.memory_budget_bytes
+
+
+@pytest.mark.parametrize("ipm", [True, False])
+def test_memory_bound_problems_solve_alike_by_interior_point_or_simplex(monkeypatch, ipm):
+    """The LP relaxation with memory rows by the interior-point method (with crossover, so
+    the dive and the rounding start from a vertex) or by dual simplex: the same optimum on
+    random memory-bound problems (brute force)."""
+    monkeypatch.setattr(mip, "LP_IPM_WITH_MEMORY_ROWS", ipm)
+    rng = np.random.default_rng(21)
+    checked = 0
+    while checked < 4:
+        problem = _random_problem(rng, with_memory=True)
+        best = brute_force(problem)
+        if best.status is SolveStatus.OPTIMAL:
+            _assert_close(solve_ilp(problem).objective, best.objective)
+            checked += 1
+    _assert_close(solve_ilp(_knapsack(12, 7.5)).objective,
+                  brute_force(_knapsack(12, 7.5)).objective)
