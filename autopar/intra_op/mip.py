@@ -50,10 +50,12 @@ MIP_RUN_RENS = False
 # 84.2 -> 80.5 s (benchmarks/results/gpt39b.md).
 MIP_MIN_RELIABLE = 0
 # The LP relaxation with memory rows by the interior-point method (with crossover, so the
-# dive re-solves from a basis): on GPT-39B layer ILPs of a (1, 8) submesh as (2, 4) (73k
-# columns, 32 memory rows) 4.3 s against 8.8 s by dual simplex; without memory rows the
-# simplex is the faster (1.8 s against 2.9 s) and stays.
+# dive re-solves from a basis) where it has at least LP_IPM_MIN_COLUMNS columns: on GPT-39B
+# layer ILPs of a (1, 8) submesh as (2, 4) (73k columns, 32 memory rows) 4.3 s against 8.8 s
+# by dual simplex; without memory rows the simplex is the faster (1.8 s against 2.9 s), and
+# on the 6k-column ILPs of the same search IPM gained nothing (2.5 against 2.2 CPU s).
 LP_IPM_WITH_MEMORY_ROWS = True
+LP_IPM_MIN_COLUMNS = 20_000
 _MIP_ABS_GAP = 1e-10
 
 
@@ -269,7 +271,8 @@ def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
     t0 = time.perf_counter()
     status_enum = highspy.HighsModelStatus
     h = _highs(mip, time_limit_s, relaxed=True)
-    ipm = LP_IPM_WITH_MEMORY_ROWS and bool(np.any(np.isinf(mip.row_lower)))
+    ipm = (LP_IPM_WITH_MEMORY_ROWS and mip.cost.size >= LP_IPM_MIN_COLUMNS
+           and bool(np.any(np.isinf(mip.row_lower))))
     if ipm:
         h.setOptionValue("solver", "ipm")
     h.run()

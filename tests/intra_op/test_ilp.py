@@ -557,6 +557,7 @@ def test_memory_bound_problems_solve_alike_by_interior_point_or_simplex(monkeypa
     the dive and the rounding start from a vertex) or by dual simplex: the same optimum on
     random memory-bound problems (brute force)."""
     monkeypatch.setattr(mip, "LP_IPM_WITH_MEMORY_ROWS", ipm)
+    monkeypatch.setattr(mip, "LP_IPM_MIN_COLUMNS", 0)
     rng = np.random.default_rng(21)
     checked = 0
     while checked < 4:
