@@ -43,6 +43,12 @@ MIP_ALLOW_RESTART = False
 # to optimality in 2.6 s (tests/intra_op/test_mip.py). RENS off costs nothing measurable on
 # the captured ILPs (benchmarks/results/ilp.md).
 MIP_RUN_RENS = False
+# The same presolve (`strengthenInequalities`) ran for more than 10 minutes, with a 60 s limit,
+# in the sub-MIP of HiGHS's root-reduced-cost heuristic (`rootReducedCost` -> `solveSubMip`)
+# on a layer ILP of GPT-39B K=8 M=128 with the default 2-D views (the stage search never
+# finished). Off: on the 18 captured ILPs of that search (benchmarks/results/ilp.md) the same
+# objectives, 137 against 139 CPU s.
+MIP_RUN_ROOT_REDUCED_COST = False
 # HiGHS strong-branches on a column until its pseudo-costs rest on this many branchings
 # (its default: 8). On the memory-bound layer ILPs across hosts of GPT-39B (K=8, M=128; 12
 # captured, 2-21 s each) 0 took 104.8 -> 77.1 s in all (p0001 10.6 -> 5.7 s), the same
@@ -247,6 +253,7 @@ def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
                         ("mip_rel_gap", _rel_gap(mip)), ("mip_abs_gap", _MIP_ABS_GAP),
                         ("mip_allow_restart", MIP_ALLOW_RESTART),
                         ("mip_heuristic_run_rens", MIP_RUN_RENS),
+                        ("mip_heuristic_run_root_reduced_cost", MIP_RUN_ROOT_REDUCED_COST),
                         ("mip_pscost_minreliable", MIP_MIN_RELIABLE)):
         h.setOptionValue(name, value)
     n, m = mip.cost.size, mip.row_lower.size
