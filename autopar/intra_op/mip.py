@@ -272,8 +272,9 @@ def _highs(mip: Mip, time_limit_s: float, *, relaxed: bool):
 
 def solve_highs(mip: Mip, time_limit_s: float) -> MipResult:
     """Solve with HiGHS: the LP relaxation first, which is the answer where it comes out
-    integral (often, e.g. where no memory row binds: then no branch and bound runs); else an LP
-    dive (`_dive`) gives a plan, and the MIP starts from the better of it and `mip.start`."""
+    integral (often, e.g. where no memory row binds: then no branch and bound runs), or where
+    its rounding (`mip.rounding`) is within the gap of its bound; else an LP dive (`_dive`)
+    gives a plan, and the MIP starts from the best of it, the rounding and `mip.start`."""
     import highspy
     t0 = time.perf_counter()
     status_enum = highspy.HighsModelStatus
