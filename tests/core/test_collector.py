@@ -20,8 +20,9 @@ def _full_collections(work) -> int:
 
 
 def _grow():
-    """Enough long-lived containers that CPython's default thresholds collect in full."""
-    keep = [[i] for i in range(300_000)]
+    """Enough long-lived containers that CPython's default thresholds collect in full: a full
+    collection waits until the long-lived objects grew by a quarter, so half the heap more."""
+    keep = [[i] for i in range(max(300_000, len(gc.get_objects()) // 2))]
     return len(keep)
 
 
