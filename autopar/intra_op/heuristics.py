@@ -51,9 +51,6 @@ class _Loads:
             self.load[row] += b[i] - (b[cur] if cur >= 0 else 0.0)
         self.choice[g] = int(i)
 
-    def excess(self) -> float:
-        return float(np.maximum(self.load - self.rhs, 0.0).sum())
-
     def improve(self, movable) -> None:
         """Single-group moves to a cheaper strategy that put no row further over its budget,
         until none is left (at most IMPROVE_PASSES sweeps)."""
