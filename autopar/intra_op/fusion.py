@@ -206,20 +206,25 @@ def _single_output_kernels(graph: OpGraph, fused: list[bool], materialized: list
     """SINGLE_OUTPUT: one kernel per fused node that writes a result: it and, recursively, the
     fused producers of its unmaterialized operands (recomputed in every kernel that needs
     them, as XLA:CPU duplicates cheap producers). Returns (the writing node, its nodes)."""
+    return [(node.id, kernel_members(graph, fused, materialized, node.id))
+            for node in graph.nodes
+            if fused[node.id] and any(materialized[o] for o in node.outputs)]
+
+
+def kernel_members(graph: OpGraph, fused: list[bool], materialized: list[bool],
+                   node: int) -> list[int]:
+    """The nodes a SINGLE_OUTPUT kernel that computes node `node` runs: it and, recursively,
+    the fused producers of its unmaterialized operands (sorted)."""
     nodes, tensors = graph.nodes, graph.tensors
-    out = []
-    for node in nodes:
-        if not fused[node.id] or not any(materialized[o] for o in node.outputs):
-            continue
-        members, stack = {node.id}, [node.id]
-        while stack:
-            for i in nodes[stack.pop()].inputs:
-                p = tensors[i].producer
-                if not materialized[i] and p is not None and fused[p] and p not in members:
-                    members.add(p)
-                    stack.append(p)
-        out.append((node.id, sorted(members)))
-    return out
+    members, stack = {node}, [node]
+    while stack:
+        for i in nodes[stack.pop()].inputs:
+            p = tensors[i].producer
+            if not materialized[i] and p is not None and fused[p] and p not in members:
+                members.add(p)
+                stack.append(p)
+    return sorted(members)
 
 
-__all__ = ["FusionCosts", "OpKind", "fusion_costs", "op_kind", "single_output_kernels"]
+__all__ = ["FusionCosts", "OpKind", "fusion_costs", "kernel_members", "op_kind",
+           "single_output_kernels"]

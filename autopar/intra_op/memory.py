@@ -37,7 +37,6 @@ read by the matmul and so materialized; it is counted, `exp(x)` is not:
 """
 from __future__ import annotations
 
-import bisect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,7 +45,15 @@ from autopar.core.graph import OpGraph, TensorKind, cheap_source_tensors
 from autopar.core.spec import normalize, num_shards
 from autopar.cost.cluster import FusionStyle
 from autopar.frontend.loops import stacks_born_early
-from autopar.intra_op.fusion import OpKind, fusion_costs, op_kind, single_output_kernels
+from autopar.intra_op.dot_copies import recomputed_in_copies
+from autopar.intra_op.fusion import (
+    OpKind,
+    fusion_costs,
+    kernel_members,
+    op_kind,
+    single_output_kernels,
+)
+from autopar.intra_op.hosting import hosted_temporaries
 from autopar.intra_op.phases import tail_nodes
 
 # Elementwise primitives XLA's fusion does not duplicate into several consumers (its
@@ -70,6 +77,8 @@ class MemoryModel:
     end: tuple[int, ...]
     size_of: tuple[int, ...]
     pos: tuple[int, ...]                 # per node, its position in `run_order`
+    late: tuple[tuple[int, int], ...] = ()     # (tensor, node): written just before that
+                                         # node, not at its producer (`dot_copies`)
 
 
 def _cheap(graph: OpGraph) -> list[bool]:
@@ -119,8 +128,11 @@ def _expensive(graph: OpGraph, n: int) -> bool:
         graph.tensors[graph.nodes[src].inputs[0]].shape) >= size
 
 
-def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], list]:
-    """(materialized, fused, kernels) with the expensive shared values written once."""
+def _materialized(graph: OpGraph, consumers, keep) -> tuple[list[bool], list[bool], list,
+                                                            dict]:
+    """(materialized, fused, kernels, copies) with the expensive shared values written once;
+    `copies`: the cheap values matmuls' operand copies compute (`dot_copies`), and of those,
+    the ones in `keep` are written only for their other readers (never, if none)."""
     fc = fusion_costs(graph, FusionStyle.SINGLE_OUTPUT)
     materialized = list(fc.materialized)
     kinds = [op_kind(n.primitive) for n in graph.nodes]
@@ -133,6 +145,9 @@ def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], li
                 view[o] = True
     fused = [k not in reads_memory and not (n.outputs and all(view[o] for o in n.outputs))
              for n, k in zip(graph.nodes, kinds)]
+    copies = recomputed_in_copies(graph, fused, materialized, lambda n: _expensive(graph, n))
+    for t in keep:
+        materialized[t] = bool(copies[t][1])
     for _ in range(4):                 # writing one value changes the kernels: a few rounds
         kernels = single_output_kernels(graph, fused, materialized)
         in_kernels: dict[int, int] = {}
@@ -147,7 +162,7 @@ def _materialized(graph: OpGraph, consumers) -> tuple[list[bool], list[bool], li
                     materialized[o] = changed = True
         if not changed:
             break
-    return materialized, fused, kernels
+    return materialized, fused, kernels, copies
 
 
 def run_order(graph: OpGraph) -> list[int]:
@@ -177,7 +192,24 @@ def dead_nodes(graph: OpGraph, consumers=None) -> frozenset[int]:
 
 def memory_model(graph: OpGraph) -> MemoryModel:
     """The buffers of `graph` (see the module docstring); times are positions in
-    `run_order(graph)`."""
+    `run_order(graph)`.
+
+    A cheap value that a matmul reads through an operand copy (`dot_copies`) is computed in
+    that copy and, for its other readers, just before the first of them (XLA:CPU keeps no
+    buffer of it between); applied where its inputs live that long anyway (a softmax's
+    exponentials and sums, which the backward reads), so that recomputing it extends no
+    buffer: Gemma's grouped-query attention reads its probabilities so."""
+    model, read_at, copies, recompute = _memory_model(graph, ())
+    keep = [t for t, (dots, direct) in copies.items() if dots and all(
+        not model.counted[i] or read_at[i] >= max(*dots, *direct[:1]) for i in recompute[t])]
+    return _memory_model(graph, keep)[0] if keep else model
+
+
+def _memory_model(graph: OpGraph, keep) -> tuple[MemoryModel, list[int], dict, dict]:
+    """(the model with the rule of `memory_model` applied to the values `keep`, the
+    position of each tensor's last read, the candidates of that rule: value -> (positions
+    of the copies, positions of its other readers, first first), and per candidate the
+    written tensors its kernel reads)."""
     tensors, nodes, last = graph.tensors, graph.nodes, graph.last_use()
     consumers = graph.consumers()
     n_nodes = len(nodes)
@@ -191,8 +223,20 @@ def memory_model(graph: OpGraph) -> MemoryModel:
         out, arg = graph.outputs[out_pos], graph.inputs[in_pos]
         if arg in donated and tensors[out].nbytes == tensors[arg].nbytes and out != arg:
             whole[out] = False        # written into the donated argument's buffer
-    materialized, fused, kernels = _materialized(graph, consumers)
+    materialized, fused, kernels, copies = _materialized(graph, consumers, keep)
     dead = dead_nodes(graph, consumers)     # XLA removes them: they read and write nothing
+    # A matmul reading a value of `keep` through an operand copy that computes it reads the
+    # value's own inputs there (the copy's kernel); the value's other readers read it from a
+    # buffer written just before the first of them.
+    live = {t: ([d for d in dots if d not in dead],
+                sorted((n for n in direct if n not in dead), key=pos.__getitem__))
+            for t, (dots, direct) in copies.items()}
+    recompute = {t: [i for n in kernel_members(graph, fused, materialized, tensors[t].producer)
+                     for i in nodes[n].inputs if materialized[i]] for t in copies}
+    late = tuple((t, live[t][1][0]) for t in keep if live[t][1])
+    kernels = kernels + [(n, kernel_members(graph, fused, materialized, tensors[t].producer))
+                         for t in keep for n in live[t][0] + live[t][1][:1]]
+    skip = {(d, t) for t in keep for d in live[t][0]}
     counted = [materialized[t.id] and not whole[t.id] and t.kind != TensorKind.CONST
                and last[t.id] >= 0 and t.id not in graph.outputs and t.producer not in dead
                for t in tensors]
@@ -202,7 +246,8 @@ def memory_model(graph: OpGraph) -> MemoryModel:
     for node in nodes:
         if not fused[node.id] and node.id not in dead:
             for i in node.inputs:
-                read_at[i] = max(read_at[i], pos[node.id])
+                if (node.id, i) not in skip:
+                    read_at[i] = max(read_at[i], pos[node.id])
     in_kernel = [False] * n_nodes
     for root, members in kernels:
         for n in members:
@@ -251,15 +296,10 @@ def memory_model(graph: OpGraph) -> MemoryModel:
             made = tensors[t].producer
             end[t] = max(end[t], pos[made] if made is not None else 0)
     return MemoryModel(whole=tuple(whole), counted=tuple(counted), end=tuple(end),
-                       size_of=tuple(_sized_like(graph, consumers)), pos=tuple(pos))
-
-
-def written_results(graph: OpGraph, model: MemoryModel) -> frozenset[int]:
-    """The results with a buffer of their own that a node of the step writes (not an argument
-    passed through, not a result carried into a donated argument)."""
-    inputs = set(graph.inputs)
-    return frozenset(t for t in graph.outputs if model.whole[t] and t not in inputs
-                     and graph.tensors[t].producer is not None)
+                       size_of=tuple(_sized_like(graph, consumers)), pos=tuple(pos),
+                       late=late), read_at, {
+        t: ([pos[d] for d in dots], [pos[n] for n in direct]) for t, (dots, direct) in
+        live.items()}, recompute
 
 
 def tensor_bytes(graph: OpGraph, model: MemoryModel, specs, mesh_shape) -> list[float]:
@@ -296,7 +336,8 @@ def schedule(graph: OpGraph) -> Schedule:
         _CACHE.move_to_end(id(graph))
         return hit[1]
     model = memory_model(graph)
-    early = stacks_born_early(graph)      # a loop's stacked ys exist from its first node
+    # a loop's stacked ys exist from its first node; values written late (`MemoryModel.late`)
+    early = {**stacks_born_early(graph), **dict(model.late)}
     born: dict[int, list[int]] = {}
     freed: dict[int, list[int]] = {}
     for t in graph.tensors:
@@ -373,43 +414,6 @@ def peak_bytes(graph: OpGraph, specs, mesh_shape, collective=None) -> float:
     events = schedule(graph)
     return _walk(events, tensor_bytes(graph, events.model, specs, mesh_shape), len(graph.nodes),
                  collective_extra(graph, events, collective))
-
-
-def hosted_temporaries(graph: OpGraph, events: Schedule, per, extra=()) -> frozenset:
-    """The temporaries XLA places in a result's buffer before the result is written.
-
-    XLA's buffer assignment gives every result (a live-out value) an allocation for the whole
-    step, and then, taking temporaries largest first, puts each into the smallest allocation
-    already made that is at least its size and holds no value live at the same time; only the
-    rest go to the temporaries' heap (`temp_size_in_bytes`). A result's own value occupies its
-    allocation from the node that writes it to the end, so the allocations of the results the
-    optimizer writes last hold the activations of the forward and backward. This does the
-    same greedy assignment with the bytes per device `per` (live ranges: positions in
-    `run_order`); the result buffers are `written_results`. `extra`: more temporaries
-    (born, freed after, bytes), e.g. the collectives' buffers (`collective_extra`), hosted
-    ones named by their index ("x", i).
-
-    Example (`per` from `tensor_bytes`): the peak without the hosted temporaries:
-        >>> hosted = hosted_temporaries(graph, schedule(graph), per)     # doctest: +SKIP
-    """
-    model = events.model
-    results = sorted(written_results(graph, model), key=lambda r: (per[r], r))
-    sizes = [per[r] for r in results]
-    busy = {r: [(model.pos[graph.tensors[r].producer], len(graph.nodes))] for r in results}
-    temps = [(per[t], p, model.end[t], t) for p, ts in events.born.items() for t in ts]
-    temps += [(size, a, b, ("x", i)) for i, (a, b, size) in enumerate(extra)]
-    hosted = []
-    for size, a, b, t in sorted(temps, key=lambda x: (-x[0], x[1], isinstance(x[3], tuple),
-                                                      x[3][1] if isinstance(x[3], tuple)
-                                                      else x[3])):
-        if size <= 0:
-            continue
-        for r in results[bisect.bisect_left(sizes, size):]:
-            if all(b < s or a > e for s, e in busy[r]):
-                busy[r].append((a, b))
-                hosted.append(t)
-                break
-    return frozenset(hosted)
 
 
 def moves(graph: OpGraph, tid: int, spec, want, mesh_shape, constant=frozenset()) -> bool:

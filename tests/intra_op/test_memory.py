@@ -9,15 +9,14 @@ import pytest
 import autopar
 from autopar.cost.model import CostModel
 from autopar.intra_op import ilp
+from autopar.intra_op.hosting import hosted_temporaries, written_results
 from autopar.intra_op.memory import (
     dead_nodes,
-    hosted_temporaries,
     memory_model,
     predicted_peak_bytes,
     run_order,
     schedule,
     tensor_bytes,
-    written_results,
 )
 from autopar.intra_op.solve import build_intra_op, choice_peak, peak_memory, solve_built
 from support.steps import make_case, mesh_of, run_under_memory_scheduler, sgd_momentum_clip
