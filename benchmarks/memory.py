@@ -26,7 +26,8 @@ from common import md_row, run_worker, section_head, section_main, section_tail
 SCHEDULERS = {"memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false",
               "default": ""}
 MESHES = ((1, 8), (2, 4))
-BAND = 0.15           # the issue's goal: predicted within 15% of compiled
+BAND = 0.15           # predicted within 15% of compiled (issue 15's goal)
+GOAL = 0.10           # within 10% (issue 24's)
 
 
 def _linen(net, init_args, loss, tx=None, value_and_grad=None):
@@ -223,11 +224,11 @@ def section(res: dict, cmdline: str) -> str:
         cells.append(" / ".join(_mib(mem[k]) for k in ("argument", "output", "temp", "alias"))
                      if "compiled" in mem else "")
         out.append(md_row(cells))
-    inside = [pred_ok for (m, s, rm), rs in by.items() if "compiled" in rs.get("memory", {})
-              for pred_ok in [abs(rs["memory"]["predicted"] / rs["memory"]["compiled"] - 1)
-                              <= BAND]]
-    out += ["", f"Within {BAND:.0%} under the memory-minimizing scheduler: "
-            f"{sum(inside)} of {len(inside)} cases."]
+    errors = [abs(rs["memory"]["predicted"] / rs["memory"]["compiled"] - 1)
+              for rs in by.values() if "compiled" in rs.get("memory", {})]
+    out += [""] + [f"Within {band:.0%} under the memory-minimizing scheduler: "
+                   f"{sum(e <= band for e in errors)} of {len(errors)} cases."
+                   for band in (BAND, GOAL)]
     if os.path.exists(NOTES):
         with open(NOTES) as f:
             out += ["", f.read().strip()]
