@@ -30,6 +30,7 @@ from autopar.intra_op.memory_points import (  # noqa: F401
     _fold_point,
     folded_point,
     point_rows,
+    with_extra_bytes,
 )
 from autopar.intra_op.mip import (
     EXACT_REL_GAP,
@@ -55,48 +56,6 @@ class IlpEdge:
     u: int
     v: int
     cost: np.ndarray
-
-
-def with_extra_bytes(problem: IlpProblem, extra: dict[int, np.ndarray]) -> IlpProblem:
-    """The problem with `extra[g][i]` bytes added to every memory point when group g picks
-    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere).
-    Every term of every point is summed and folded at once (flat numpy arrays, as `PointRows`
-    holds them): a whole stage has thousands of points, each with hundreds of held groups."""
-    ks = problem.num_strategies
-    folded = [_fold_point(p, ks) for p in problem.memory_points]
-    if not folded:
-        return problem
-    zeros = {g: np.zeros(ks[g]) for g in extra}
-    tp, tg, chunks = [], [], []
-    for i, (_, terms) in enumerate(folded):
-        for g, b in terms.items():
-            tp.append(i), tg.append(g), chunks.append(b)
-        for g in extra:
-            if g not in terms:
-                tp.append(i), tg.append(g), chunks.append(zeros[g])
-    if not chunks:
-        return replace(problem, memory_points=tuple(
-            folded_point({}, const) for const, _ in folded))
-    tp, tg = np.array(tp, np.int64), np.array(tg, np.int64)
-    lens = np.fromiter((len(b) for b in chunks), np.int64, len(chunks))
-    first = np.cumsum(lens) - lens
-    off = np.concatenate([[0], np.cumsum(ks)]).astype(np.int64)
-    table = np.zeros(int(off[-1]))
-    for g, b in extra.items():
-        table[off[g]:off[g + 1]] += np.asarray(b, float)
-    vals = np.concatenate([np.asarray(b, float) for b in chunks])
-    vals += table[np.repeat(off[tg] - first, lens) + np.arange(vals.size)]
-    lo, hi = np.minimum.reduceat(vals, first), np.maximum.reduceat(vals, first)
-    vals -= np.repeat(lo, lens)
-    n = len(folded)
-    const = np.array([c for c, _ in folded]) + np.bincount(tp, weights=lo, minlength=n)
-    top = const + np.bincount(tp, weights=np.where(hi > lo, hi - lo, 0.0), minlength=n)
-    terms: list[list] = [[] for _ in range(n)]
-    for t in np.flatnonzero(hi > lo).tolist():
-        terms[tp[t]].append((int(tg[t]), vals[first[t]:first[t] + lens[t]]))
-    return replace(problem, memory_points=tuple(
-        MemoryPoint(terms=tuple(terms[i]), constant_bytes=float(const[i]), folded=True,
-                    max_bytes=float(top[i])) for i in range(n)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -309,8 +268,9 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
     if budget is None or len(points) <= LAZY_MEMORY_POINTS:
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
-    active: list[int] = []
-    rounds, sol, rows = 0, None, point_rows(points)
+    rows = point_rows(points)
+    active = _lp_points(problem, rows, time_limit_s)
+    rounds, sol = 0, None
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
         sub = replace(problem, memory_points=tuple(points[i] for i in active))
@@ -333,6 +293,47 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
     return replace(sol, solve_time_s=time.perf_counter() - t0,
                    message=f"{sol.message}; memory: {len(active)} of {len(points)} liveness "
                            f"constraints needed ({rounds} solve{'s' * (rounds > 1)})")
+
+
+LP_POINTS_MAX_COLUMNS = 20_000   # larger LPs cost as much as the MIP round they would spare
+LP_POINTS_MARGIN = 0.05   # and the points the LP fills within this fraction of the budget
+
+
+def _lp_points(problem: IlpProblem, rows: PointRows, time_limit_s: float) -> list[int]:
+    """The memory points the first MIP of `solve_ilp` starts with: the LP relaxation's
+    solution with the points added so far is priced at every point, the most violated
+    (`LAZY_BATCH`) are added, until the LP fits them all; then those it fills within
+    `LP_POINTS_MARGIN` of the budget, which an integral plan near it often breaks. An LP costs
+    a fraction of a MIP, so the lazy rounds' MIPs (each solved to optimality only to find its
+    plan over a point not yet added) mostly vanish. Empty where the LP is large
+    (`LP_POINTS_MAX_COLUMNS`) or does not solve."""
+    budget, active = problem.memory_budget_bytes, []
+    deadline = time.perf_counter() + 0.25 * time_limit_s
+    while time.perf_counter() < deadline:
+        red = _presolve(replace(problem, memory_points=tuple(
+            problem.memory_points[i] for i in active)))
+        if red.infeasible:
+            break
+        weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
+                   for g, k in enumerate(problem.num_strategies)}
+        if red.var_groups:
+            mip = build_mip(red)
+            if mip.cost.size > LP_POINTS_MAX_COLUMNS:
+                break
+            mip.integer = np.zeros_like(mip.integer)
+            res = run_mip(mip, SolverBackend.HIGHS, max(deadline - time.perf_counter(), 1e-3))
+            if res.kind is not SolveStatus.OPTIMAL:
+                break
+            for g, s0, k in mip.group_cols:
+                weights[g] = res.x[s0:s0 + k]
+        usage = rows.mixed_usage(weights)
+        usage[active] = -np.inf
+        over = np.flatnonzero(usage > budget * (1 + 1e-9))
+        if not over.size:       # and the points the LP nearly fills
+            near = np.flatnonzero(usage > budget * (1 - LP_POINTS_MARGIN))
+            return active + [int(i) for i in near[np.argsort(-usage[near])][:LAZY_BATCH]]
+        active += [int(i) for i in over[np.argsort(-usage[over])][:LAZY_BATCH]]
+    return active
 
 
 def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:

@@ -9,7 +9,7 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,6 +56,22 @@ class PointRows:
                                         minlength=self.const.size)
 
 
+    def mixed_usage(self, weights: dict[int, np.ndarray]) -> np.ndarray:
+        """Bytes per device at every point when group g takes strategy i with weight
+        `weights[g][i]` (an LP relaxation's solution; a one-hot vector is a choice)."""
+        term = np.repeat(np.arange(self.first.size), np.diff(np.append(self.first,
+                                                                      self.vals.size)))
+        start = np.zeros(int(self.term_group.max(initial=-1)) + 1, np.int64)
+        flat, n = [], 0
+        for g in np.unique(self.term_group).tolist():
+            start[g], n = n, n + len(weights[g])
+            flat.append(np.asarray(weights[g], float))
+        flat = np.concatenate(flat) if flat else np.zeros(0)
+        w = flat[start[self.term_group[term]] + np.arange(self.vals.size) - self.first[term]]
+        return self.const + np.bincount(self.term_point[term], weights=self.vals * w,
+                                        minlength=self.const.size)
+
+
 _POINT_ROWS: dict[int, tuple[tuple, PointRows]] = {}   # id(points) -> (points, rows)
 
 
@@ -93,3 +109,46 @@ def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
         if ks[g] > 1 and b.max() > b.min():
             terms[g] = b - b.min()
     return const, terms
+
+
+def with_extra_bytes(problem, extra: dict[int, np.ndarray]):
+    """The problem (an `ilp.IlpProblem`) with `extra[g][i]` bytes added to every memory point
+    when group g picks
+    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere).
+    Every term of every point is summed and folded at once (flat numpy arrays, as `PointRows`
+    holds them): a whole stage has thousands of points, each with hundreds of held groups."""
+    ks = problem.num_strategies
+    folded = [_fold_point(p, ks) for p in problem.memory_points]
+    if not folded:
+        return problem
+    zeros = {g: np.zeros(ks[g]) for g in extra}
+    tp, tg, chunks = [], [], []
+    for i, (_, terms) in enumerate(folded):
+        for g, b in terms.items():
+            tp.append(i), tg.append(g), chunks.append(b)
+        for g in extra:
+            if g not in terms:
+                tp.append(i), tg.append(g), chunks.append(zeros[g])
+    if not chunks:
+        return replace(problem, memory_points=tuple(
+            folded_point({}, const) for const, _ in folded))
+    tp, tg = np.array(tp, np.int64), np.array(tg, np.int64)
+    lens = np.fromiter((len(b) for b in chunks), np.int64, len(chunks))
+    first = np.cumsum(lens) - lens
+    off = np.concatenate([[0], np.cumsum(ks)]).astype(np.int64)
+    table = np.zeros(int(off[-1]))
+    for g, b in extra.items():
+        table[off[g]:off[g + 1]] += np.asarray(b, float)
+    vals = np.concatenate([np.asarray(b, float) for b in chunks])
+    vals += table[np.repeat(off[tg] - first, lens) + np.arange(vals.size)]
+    lo, hi = np.minimum.reduceat(vals, first), np.maximum.reduceat(vals, first)
+    vals -= np.repeat(lo, lens)
+    n = len(folded)
+    const = np.array([c for c, _ in folded]) + np.bincount(tp, weights=lo, minlength=n)
+    top = const + np.bincount(tp, weights=np.where(hi > lo, hi - lo, 0.0), minlength=n)
+    terms: list[list] = [[] for _ in range(n)]
+    for t in np.flatnonzero(hi > lo).tolist():
+        terms[tp[t]].append((int(tg[t]), vals[first[t]:first[t] + lens[t]]))
+    return replace(problem, memory_points=tuple(
+        MemoryPoint(terms=tuple(terms[i]), constant_bytes=float(const[i]), folded=True,
+                    max_bytes=float(top[i])) for i in range(n)))

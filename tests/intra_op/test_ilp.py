@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -461,6 +462,50 @@ def test_point_rows_price_every_point_at_once():
             want = [p.constant_bytes + sum(float(b[c[g]]) for g, b in p.terms) for p in points]
             np.testing.assert_allclose(rows.usage(c), want, rtol=1e-12)
             _assert_close(peak_memory_bytes(problem, c), max(want[:-1]))
+
+
+def test_point_rows_price_a_mixed_plan():
+    """`PointRows.mixed_usage` (what `solve_ilp` prices the LP relaxation with) is the
+    weighted sum of the strategies' bytes at every point: `usage` for one-hot weights."""
+    rng = np.random.default_rng(11)
+    for _ in range(10):
+        problem = _random_problem(rng, with_memory=True)
+        rows, ks = ilp.point_rows(problem.memory_points), problem.num_strategies
+        weights = {g: rng.dirichlet(np.ones(k)) for g, k in enumerate(ks)}
+        want = [p.constant_bytes + sum(float(b @ weights[g]) for g, b in p.terms)
+                for p in problem.memory_points]
+        np.testing.assert_allclose(rows.mixed_usage(weights), want, rtol=1e-12)
+        c = [int(rng.integers(k)) for k in ks]
+        np.testing.assert_allclose(rows.mixed_usage({g: np.eye(k)[c[g]] for g, k in
+                                                     enumerate(ks)}), rows.usage(c))
+
+
+def test_lazy_points_start_from_the_lp_that_fits_them(monkeypatch):
+    """The lazy rounds start with the points the LP relaxation needs (and those it nearly
+    fills): fewer MIPs than adding points only as integral plans break them (`_lp_points`
+    returning nothing, as before), the same optimum (brute force)."""
+    solves, real, lp_points = [], ilp._solve_once, ilp._lp_points
+    monkeypatch.setattr(ilp, "_solve_once", lambda *a, **k: solves.append(1) or real(*a, **k))
+    counts = {True: [], False: []}
+    for seed in range(6):
+        rng = np.random.default_rng(100 + seed)
+        k = [3, 4, 3, 4, 3, 2]
+        costs = tuple(rng.uniform(0, 1, n) for n in k)
+        edges = tuple(_edge(u, u + 1, rng.uniform(0, 1, (k[u], k[u + 1]))) for u in range(5))
+        points = tuple(_many_points(rng, k, ilp.LAZY_MEMORY_POINTS + 20))
+        loose = IlpProblem(node_costs=costs, edges=edges, memory_points=points,
+                           memory_budget_bytes=1e9)
+        free = ilp.peak_memory_bytes(loose, ilp.brute_force(loose).choice)
+        problem = replace(loose, memory_budget_bytes=0.5 * (_all_peaks(loose).min() + free))
+        best = ilp.brute_force(problem).objective
+        for from_lp in (True, False):
+            monkeypatch.setattr(ilp, "_lp_points", lp_points if from_lp else lambda *a: [])
+            solves.clear()
+            sol = ilp.solve_ilp(problem)
+            _assert_close(sol.objective, best)
+            counts[from_lp].append(len(solves))
+    assert all(a <= b for a, b in zip(counts[True], counts[False])), counts
+    assert sum(counts[True]) < sum(counts[False]), counts
 
 
 def test_with_extra_bytes_is_the_points_with_the_bytes_added():
