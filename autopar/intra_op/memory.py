@@ -206,9 +206,9 @@ def memory_model(graph: OpGraph) -> MemoryModel:
 
 
 def _memory_model(graph: OpGraph, keep) -> tuple[MemoryModel, list[int], dict, dict]:
-    """(the model with the rule of `memory_model` applied to the values `keep`, the
-    position of each tensor's last read, the candidates of that rule: value -> (positions
-    of the copies, positions of its other readers, first first), and per candidate the
+    """(the model with the rule of `memory_model` applied to the values `keep`; the
+    position of each tensor's last read; the rule's candidates: value -> (positions of the
+    copies that compute it, positions of its other readers in run order); per candidate, the
     written tensors its kernel reads)."""
     tensors, nodes, last = graph.tensors, graph.nodes, graph.last_use()
     consumers = graph.consumers()
