@@ -201,7 +201,7 @@ def memory_model(graph: OpGraph) -> MemoryModel:
     buffer: Gemma's grouped-query attention reads its probabilities so."""
     model, read_at, copies, recompute = _memory_model(graph, ())
     keep = [t for t, (dots, direct) in copies.items() if dots and all(
-        not model.counted[i] or read_at[i] >= max(*dots, *direct[:1]) for i in recompute[t])]
+        not model.counted[i] or read_at[i] >= max([*dots, *direct[:1]]) for i in recompute[t])]
     return _memory_model(graph, keep)[0] if keep else model
 
 

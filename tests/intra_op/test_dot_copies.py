@@ -92,3 +92,13 @@ def test_gqa_probabilities_are_written_late_and_lower_the_peak(monkeypatch):
             assert 0 < without - with_rule <= graph.tensors[p].nbytes
         else:
             assert without == with_rule
+
+
+def test_a_value_only_a_copy_reads_is_left_where_recomputing_it_would_extend_its_inputs():
+    """Forward only: the grouped-query probabilities are read by the copy of one matmul and
+    by nothing else. Computing them in the copy would keep the exponentials (read only to
+    make them) alive up to that matmul, so the rule leaves the model as it is."""
+    graph = _attention(GQA, grad=False)
+    plain, _, copies, _ = memory._memory_model(graph, ())
+    assert _probs(graph) in copies                        # a candidate of the rule
+    assert memory.memory_model(graph) == plain and not plain.late
