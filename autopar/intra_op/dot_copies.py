@@ -1,22 +1,23 @@
-"""Matmul operands that XLA reads through a layout copy, and the cheap values it recomputes
-in those copies instead of keeping them (the memory model's rule, `memory._materialized`).
+"""Matmul operands that XLA reads through a layout copy, and the cheap values those copies
+compute (the candidates of the memory model's rule, `memory.memory_model`).
 
 XLA's dot canonicalization (`DotDecomposer`) rewrites a `dot_general` that is not canonical
 (one contracting dimension, at most one free dimension per operand, the batch dimensions
 leading and in order) into one that is: it transposes the left operand to (batch, free,
 contracting) and the right one to (batch, contracting, free). A transpose that moves no
-dimension is a bitcast; any other is a copy, a loop fusion that XLA's fusion gives the
-operand's cheap elementwise producers. So a cheap value (`exp(s) * (1 / sum)`, a softmax's
-probabilities) that only such copies read from memory is never written: each copy computes it
-from its inputs and lives just at its matmul. Read off the compiled Gemma step (grouped-query
-attention: `bkgqs,bskd->bqkgd` reads the probabilities through `copy_bitcast_fusion`s, none
-kept from the forward to the backward) against GPT's (`bnqk,bknd->bqnd` is canonical: its
-matmuls read the probabilities as written, kept for the backward); see
-benchmarks/memory_notes.md.
+dimension is a bitcast, a swap of an operand's two matrix dimensions is folded into the
+matmul; any other is a copy, a loop fusion that XLA's fusion gives the operand's cheap
+elementwise producers. So a cheap value (`exp(s) * (1 / sum)`, a softmax's probabilities)
+read through such a copy is computed in it, and its other readers get it from a buffer XLA
+writes just before the first of them. Read off the compiled Gemma step (grouped-query
+attention: `bkgqs,bskd->bqkgd` reads the probabilities through a `copy_bitcast_fusion`, the
+backward's matmul through a fusion of its own; none kept from the forward to the backward)
+against GPT's (`bnqk,bknd->bqnd` is canonical: its matmuls read the probabilities as
+written, kept for the backward); see benchmarks/memory_notes.md.
 
-Example (`p = exp(x) * r` read by a grouped-query attention matmul only):
-    >>> copies = recomputed_in_copies(graph, fused, materialized)    # doctest: +SKIP
-    >>> copies[p]            # the matmul nodes whose operand copy computes p
+Example (`p = exp(x) * r` read by a grouped-query attention matmul):
+    >>> found = recomputed_in_copies(graph, fused, materialized, expensive)   # doctest: +SKIP
+    >>> copies, others = found[p]     # the matmuls that copy p, its other readers
 """
 from __future__ import annotations
 
