@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.core.errors import InvalidArgumentError
+from autopar.intra_op.memory_points import point_rows
 from autopar.intra_op.mip import Mip, columns_of
 from autopar.intra_op.reduced import _Reduced
 
@@ -179,3 +181,46 @@ def undominated_choice(choice: np.ndarray, reps: dict[int, np.ndarray]) -> np.nd
         if choice[g] >= 0:
             choice[g] = rep[choice[g]]
     return choice
+
+
+def polish_ties(problem, choice, tie_bytes: dict[int, np.ndarray]) -> tuple[int, ...]:
+    """Break ties by memory (`problem`: an `ilp.IlpProblem`): `choice` with each group g of
+    `tie_bytes` moved, in index order, to the strategy holding the fewest `tie_bytes[g]`
+    bytes among those that cost no more than its current one (its node cost plus its edges
+    to the other groups' choices), as long as the memory points still fit the budget. The
+    objective never grows; a plan changes only where two strategies cost the same, e.g. a
+    matrix read sliced by its one consumer, whole or split at no extra cost: the split one
+    is kept.
+
+        >>> choice = polish_ties(problem, sol.choice, {g: bytes_per_strategy})
+    """
+    c = [int(i) for i in choice]
+    if len(c) != len(problem.node_costs):
+        raise InvalidArgumentError(f"polish_ties: choice has {len(c)} entries; the problem has "
+                                   f"{len(problem.node_costs)} groups (one strategy each).")
+    adj: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in tie_bytes}
+    for e in problem.edges:
+        if e.u in adj:
+            adj[e.u].append((e.v, np.asarray(e.cost)))
+        if e.v in adj:
+            adj[e.v].append((e.u, np.asarray(e.cost).T))
+    budget = problem.memory_budget_bytes
+    rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
+    peak = rows.usage(c).max() if rows is not None else 0.0    # of the plan as it stands
+    for g, held in tie_bytes.items():
+        cost = np.array(problem.node_costs[g], float)
+        for v, r in adj[g]:
+            cost = cost + r[:, c[v]]
+        now = c[g]
+        tied = np.flatnonzero(cost <= cost[now] + 1e-12 * abs(cost[now]))
+        best = int(tied[np.argmin(np.asarray(held, float)[tied])])
+        if held[best] >= held[now]:
+            continue
+        c[g] = best
+        if rows is not None:
+            moved = rows.usage(c).max()
+            if moved > max(budget, peak):
+                c[g] = now
+            else:
+                peak = moved
+    return tuple(c)

@@ -39,6 +39,7 @@ from autopar.intra_op.mip import (
     SolveStatus,
     build_mip,
     columns_of,
+    is_integral,
     round_solution,
     run_mip,
 )
@@ -213,45 +214,6 @@ def _rank(problem: IlpProblem, choice) -> tuple[bool, float]:
     return over, evaluate(problem, choice)
 
 
-def polish_ties(problem: IlpProblem, choice, tie_bytes: dict[int, np.ndarray]) -> tuple[int, ...]:
-    """Break ties by memory: `choice` with each group g of `tie_bytes` moved, in index order, to
-    the strategy holding the fewest `tie_bytes[g]` bytes among those that cost no more than its
-    current one (its node cost plus its edges to the other groups' choices), as long as the
-    memory points still fit the budget. The objective never grows; a plan changes only where
-    two strategies cost the same, e.g. a matrix read sliced by its one consumer, whole or
-    split at no extra cost: the split one is kept.
-
-        >>> choice = polish_ties(problem, sol.choice, {g: bytes_per_strategy})
-    """
-    c = list(_check_choice(problem, choice))
-    adj: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in tie_bytes}
-    for e in problem.edges:
-        if e.u in adj:
-            adj[e.u].append((e.v, np.asarray(e.cost)))
-        if e.v in adj:
-            adj[e.v].append((e.u, np.asarray(e.cost).T))
-    budget = problem.memory_budget_bytes
-    rows = point_rows(problem.memory_points) if problem.memory_points and budget else None
-    peak = rows.usage(c).max() if rows is not None else 0.0    # of the plan as it stands
-    for g, held in tie_bytes.items():
-        cost = np.array(problem.node_costs[g], float)
-        for v, r in adj[g]:
-            cost = cost + r[:, c[v]]
-        now = c[g]
-        tied = np.flatnonzero(cost <= cost[now] + 1e-12 * abs(cost[now]))
-        best = int(tied[np.argmin(np.asarray(held, float)[tied])])
-        if held[best] >= held[now]:
-            continue
-        c[g] = best
-        if rows is not None:
-            moved = rows.usage(c).max()
-            if moved > max(budget, peak):
-                c[g] = now
-            else:
-                peak = moved
-    return tuple(c)
-
-
 LAZY_MEMORY_POINTS = 64    # above this many liveness points, add them as they are violated
 LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points each, 1 x 32 and
                    # 1 x 64 views) took 11 s in all instead of 30 s with 16 (2 rounds instead of
@@ -269,7 +231,10 @@ def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIG
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
     t0 = time.perf_counter()
     rows = point_rows(points)
-    active = _lp_points(problem, rows, time_limit_s)
+    active, exact = (_lp_points(problem, rows, time_limit_s)
+                     if backend is SolverBackend.HIGHS else ([], None))
+    if exact is not None:
+        return exact
     rounds, sol = 0, None
     while True:
         remaining = max(time_limit_s - (time.perf_counter() - t0), 1e-3)
@@ -299,16 +264,18 @@ LP_POINTS_MAX_COLUMNS = 20_000   # larger LPs cost as much as the MIP round they
 LP_POINTS_MARGIN = 0.05   # and the points the LP fills within this fraction of the budget
 
 
-def _lp_points(problem: IlpProblem, rows: PointRows, time_limit_s: float) -> list[int]:
+def _lp_points(problem: IlpProblem, rows: PointRows,
+               time_limit_s: float) -> tuple[list[int], IlpSolution | None]:
     """The memory points the first MIP of `solve_ilp` starts with: the LP relaxation's
     solution with the points added so far is priced at every point, the most violated
     (`LAZY_BATCH`) are added, until the LP fits them all; then those it fills within
     `LP_POINTS_MARGIN` of the budget, which an integral plan near it often breaks. An LP costs
     a fraction of a MIP, so the lazy rounds' MIPs (each solved to optimality only to find its
     plan over a point not yet added) mostly vanish. Empty where the LP is large
-    (`LP_POINTS_MAX_COLUMNS`) or does not solve."""
-    budget, active = problem.memory_budget_bytes, []
-    deadline = time.perf_counter() + 0.25 * time_limit_s
+    (`LP_POINTS_MAX_COLUMNS`) or does not solve. Returns (the points, the solution where an
+    LP's is integral and fits every point: then it is the optimum, and no MIP is needed)."""
+    budget, active, t0 = problem.memory_budget_bytes, [], time.perf_counter()
+    deadline = t0 + 0.25 * time_limit_s
     while time.perf_counter() < deadline:
         red = _presolve(replace(problem, memory_points=tuple(
             problem.memory_points[i] for i in active)))
@@ -316,24 +283,46 @@ def _lp_points(problem: IlpProblem, rows: PointRows, time_limit_s: float) -> lis
             break
         weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
                    for g, k in enumerate(problem.num_strategies)}
+        mip = integral = None
         if red.var_groups:
             mip = build_mip(red)
             if mip.cost.size > LP_POINTS_MAX_COLUMNS:
                 break
-            mip.integer = np.zeros_like(mip.integer)
+            integer, mip.integer = mip.integer, np.zeros_like(mip.integer)
             res = run_mip(mip, SolverBackend.HIGHS, max(deadline - time.perf_counter(), 1e-3))
             if res.kind is not SolveStatus.OPTIMAL:
                 break
             for g, s0, k in mip.group_cols:
                 weights[g] = res.x[s0:s0 + k]
+            mip.integer = integer
+            integral = is_integral(mip, res.x)
         usage = rows.mixed_usage(weights)
+        if integral is not False and usage.max() <= budget:
+            choice = red.choice if mip is None else round_solution(mip, res.x, red.choice)
+            return active, _lp_solution(problem, choice, mip, active, time.perf_counter() - t0)
         usage[active] = -np.inf
         over = np.flatnonzero(usage > budget * (1 + 1e-9))
         if not over.size:       # and the points the LP nearly fills
             near = np.flatnonzero(usage > budget * (1 - LP_POINTS_MARGIN))
-            return active + [int(i) for i in near[np.argsort(-usage[near])][:LAZY_BATCH]]
+            return active + [int(i) for i in near[np.argsort(-usage[near])][:LAZY_BATCH]], None
         active += [int(i) for i in over[np.argsort(-usage[over])][:LAZY_BATCH]]
-    return active
+    return active, None
+
+
+def _lp_solution(problem: IlpProblem, choice, mip: Mip | None, active, took: float,
+                 ) -> IlpSolution:
+    """The plan of an integral LP solution that fits every memory point (`_lp_points`)."""
+    choice = tuple(int(i) for i in choice)
+    n_var, n_con = (0, 0) if mip is None else (mip.cost.size, mip.row_lower.size)
+    logger.info("intra-op ILP: optimal in %.3f s (%d groups -> %d variables, %d constraints; "
+                "the LP relaxation is integral)", took, len(problem.node_costs), n_var, n_con)
+    return IlpSolution(choice=choice, objective=evaluate(problem, choice),
+                       status=SolveStatus.OPTIMAL,
+                       backend=None if mip is None else SolverBackend.HIGHS, solve_time_s=took,
+                       num_variables=n_var, num_constraints=n_con,
+                       message=f"optimal (the LP relaxation is integral and fits all "
+                               f"{len(problem.memory_points)} liveness constraints; "
+                               f"{len(active)} of them in the LP)")
 
 
 def _start(problem: IlpProblem, red: _Reduced, reps, mip: Mip, hint) -> np.ndarray | None:

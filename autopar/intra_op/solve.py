@@ -34,13 +34,13 @@ from autopar.intra_op.copies import (
     settled,
     with_shared_copies,
 )
+from autopar.intra_op.heuristics import polish_ties
 from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
     evaluate,
     lp_bound,
     min_peak_memory,
-    polish_ties,
     solve_ilp,
     with_extra_bytes,
 )

@@ -9,7 +9,7 @@ import pytest
 
 from autopar.core.enums import SolverBackend
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
-from autopar.intra_op import ilp, mip
+from autopar.intra_op import heuristics, ilp, mip
 from autopar.intra_op.ilp import (
     IlpEdge,
     IlpProblem,
@@ -499,13 +499,29 @@ def test_lazy_points_start_from_the_lp_that_fits_them(monkeypatch):
         problem = replace(loose, memory_budget_bytes=0.5 * (_all_peaks(loose).min() + free))
         best = ilp.brute_force(problem).objective
         for from_lp in (True, False):
-            monkeypatch.setattr(ilp, "_lp_points", lp_points if from_lp else lambda *a: [])
+            monkeypatch.setattr(ilp, "_lp_points",
+                                lp_points if from_lp else lambda *a: ([], None))
             solves.clear()
             sol = ilp.solve_ilp(problem)
             _assert_close(sol.objective, best)
             counts[from_lp].append(len(solves))
     assert all(a <= b for a, b in zip(counts[True], counts[False])), counts
     assert sum(counts[True]) < sum(counts[False]), counts
+
+
+def test_an_integral_lp_that_fits_every_point_needs_no_mip(monkeypatch):
+    """Where the LP relaxation comes out integral and fits every memory point, it is the
+    optimum: `solve_ilp` returns it without a MIP (brute force agrees)."""
+    solves, real = [], ilp._solve_once
+    monkeypatch.setattr(ilp, "_solve_once", lambda *a, **k: solves.append(1) or real(*a, **k))
+    rng = np.random.default_rng(5)
+    k = [3, 4, 3, 4]
+    points = tuple(_many_points(rng, k, ilp.LAZY_MEMORY_POINTS + 5))
+    problem = IlpProblem(node_costs=tuple(rng.uniform(0, 1, n) for n in k), edges=(),
+                         memory_points=points, memory_budget_bytes=1e9)
+    sol = ilp.solve_ilp(problem)
+    assert not solves and sol.status is SolveStatus.OPTIMAL and "LP relaxation" in sol.message
+    _assert_close(sol.objective, ilp.brute_force(problem).objective)
 
 
 def test_with_extra_bytes_is_the_points_with_the_bytes_added():
@@ -555,15 +571,15 @@ def test_polish_ties_takes_the_leaner_of_equally_cheap_strategies():
     problem = IlpProblem(node_costs=(np.array([1.0, 1.0, 1.0]), np.array([0.0, 3.0])),
                          edges=edges)
     held = {0: np.array([400.0, 100.0, 50.0])}
-    got = ilp.polish_ties(problem, (0, 0), held)
+    got = heuristics.polish_ties(problem, (0, 0), held)
     assert got == (1, 0) and ilp.evaluate(problem, got) == ilp.evaluate(problem, (0, 0))
     # strategy 1 needs more at a memory point than the budget allows: the plan stays
     point = MemoryPoint(terms=((0, np.array([10.0, 90.0, 0.0])),), constant_bytes=0.0)
     tight = IlpProblem(node_costs=problem.node_costs, edges=edges, memory_points=(point,),
                        memory_budget_bytes=50.0)
-    assert ilp.polish_ties(tight, (0, 0), held) == (0, 0)
+    assert heuristics.polish_ties(tight, (0, 0), held) == (0, 0)
     # a cheaper strategy is never traded for bytes (group 1's strategy 1 costs 4 more)
-    assert ilp.polish_ties(problem, (0, 0), {1: np.array([100.0, 1.0])}) == (0, 0)
+    assert heuristics.polish_ties(problem, (0, 0), {1: np.array([100.0, 1.0])}) == (0, 0)
 
 
 def _knapsack(n: int, budget_fast: float) -> IlpProblem:
