@@ -223,9 +223,10 @@ LAZY_BATCH = 32    # points added per round: 4 GPT-39B layer ILPs (~270 points e
 def solve_ilp(problem: IlpProblem, *, backend: SolverBackend = SolverBackend.HIGHS,
               time_limit_s: float = 60.0, hint=None) -> IlpSolution:
     """Solve the ILP. Many memory points are added lazily (exact): solve with the points added
-    so far, add the most violated of the rest, and repeat until the plan fits every point;
-    usually the first plan already fits and one solve without memory rows suffices. `hint`: a
-    choice to start from (where it fits)."""
+    so far, add the most violated of the rest, and repeat until the plan fits every point. The
+    first MIP starts with the points its LP relaxation needs (`_lp_points`), so one MIP
+    usually suffices, and none where that LP is integral. `hint`: a choice to start from
+    (where it fits)."""
     points, budget = problem.memory_points, problem.memory_budget_bytes
     if budget is None or len(points) <= LAZY_MEMORY_POINTS:
         return _solve_once(problem, backend=backend, time_limit_s=time_limit_s, hint=hint)
