@@ -129,11 +129,20 @@ def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
     if not red.var_groups:
         return -math.inf if red.infeasible else evaluate(problem, red.choice)
     mip = build_mip(red)
-    mip.integer = np.zeros_like(mip.integer)
-    res = run_mip(mip, SolverBackend.HIGHS, 60.0)
-    if res.kind is not SolveStatus.OPTIMAL:      # only an optimal LP value bounds
+    x = _relaxed(mip, 60.0)
+    if x is None:                                # only an optimal LP value bounds
         return -math.inf
-    return float((mip.cost @ res.x + mip.offset) * mip.scale)
+    return float((mip.cost @ x + mip.offset) * mip.scale)
+
+
+def _relaxed(mip: Mip, time_limit_s: float) -> np.ndarray | None:
+    """The optimal solution of `mip`'s LP relaxation by HiGHS (None where it has none)."""
+    integer, mip.integer = mip.integer, np.zeros_like(mip.integer)
+    try:
+        res = run_mip(mip, SolverBackend.HIGHS, time_limit_s)
+    finally:
+        mip.integer = integer
+    return res.x if res.kind is SolveStatus.OPTIMAL else None
 
 
 def peak_memory_bytes(problem: IlpProblem, choice) -> float:
@@ -289,17 +298,15 @@ def _lp_points(problem: IlpProblem, rows: PointRows,
             mip = build_mip(red)
             if mip.cost.size > LP_POINTS_MAX_COLUMNS:
                 break
-            integer, mip.integer = mip.integer, np.zeros_like(mip.integer)
-            res = run_mip(mip, SolverBackend.HIGHS, max(deadline - time.perf_counter(), 1e-3))
-            if res.kind is not SolveStatus.OPTIMAL:
+            x = _relaxed(mip, max(deadline - time.perf_counter(), 1e-3))
+            if x is None:
                 break
             for g, s0, k in mip.group_cols:
-                weights[g] = res.x[s0:s0 + k]
-            mip.integer = integer
-            integral = is_integral(mip, res.x)
+                weights[g] = x[s0:s0 + k]
+            integral = is_integral(mip, x)
         usage = rows.mixed_usage(weights)
         if integral is not False and usage.max() <= budget:
-            choice = red.choice if mip is None else round_solution(mip, res.x, red.choice)
+            choice = red.choice if mip is None else round_solution(mip, x, red.choice)
             return active, _lp_solution(problem, choice, mip, active, time.perf_counter() - t0)
         usage[active] = -np.inf
         over = np.flatnonzero(usage > budget * (1 + 1e-9))

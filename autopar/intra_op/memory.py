@@ -209,7 +209,7 @@ def _memory_model(graph: OpGraph, keep) -> tuple[MemoryModel, list[int], dict, d
     """(the model with the rule of `memory_model` applied to the values `keep`; the
     position of each tensor's last read; the rule's candidates: value -> (positions of the
     copies that compute it, positions of its other readers in run order); per candidate, the
-    written tensors its kernel reads)."""
+    written tensors its kernel reads (only where `keep` is empty: the first pass))."""
     tensors, nodes, last = graph.tensors, graph.nodes, graph.last_use()
     consumers = graph.consumers()
     n_nodes = len(nodes)
@@ -231,8 +231,9 @@ def _memory_model(graph: OpGraph, keep) -> tuple[MemoryModel, list[int], dict, d
     live = {t: ([d for d in dots if d not in dead],
                 sorted((n for n in direct if n not in dead), key=pos.__getitem__))
             for t, (dots, direct) in copies.items()}
-    recompute = {t: [i for n in kernel_members(graph, fused, materialized, tensors[t].producer)
-                     for i in nodes[n].inputs if materialized[i]] for t in copies}
+    recompute = {} if keep else {   # what the first pass decides `keep` by
+        t: [i for n in kernel_members(graph, fused, materialized, tensors[t].producer)
+            for i in nodes[n].inputs if materialized[i]] for t in copies}
     late = tuple((t, live[t][1][0]) for t in keep if live[t][1])
     kernels = kernels + [(n, kernel_members(graph, fused, materialized, tensors[t].producer))
                          for t in keep for n in live[t][0] + live[t][1][:1]]
