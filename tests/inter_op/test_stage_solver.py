@@ -112,3 +112,21 @@ def test_leanest_plan_takes_the_least_memory(loss, bounds, cluster):
     lean = solver.lean(sl, (1, 8), (2, 4))
     assert leanest.peak_memory_bytes <= least * LEANEST_SLACK
     assert lean.peak_memory_bytes <= least * 1.05 and lean.latency_s <= leanest.latency_s
+
+
+def test_lean_solves_only_at_the_lean_budget(loss, bounds, cluster):
+    """`lean` does not solve the fastest plan to see whether it is lean (where memory binds,
+    that is the costly solve): one ILP, at the lean budget. A fastest plan solved already
+    and within the slack is the answer, with no ILP."""
+    sl = slice_range(loss, bounds[0], bounds[4], 0)
+    solver = StageSolver(loss, cluster, method(autopar.AutoStageOption()), tuple(bounds))
+    prob, key = solver.problem(sl, (1, 8), (2, 4))
+    least = solver.least_of(prob, key)
+    lean = solver.lean(sl, (1, 8), (2, 4))
+    assert solver.num_ilps == 1 and (key, None) not in solver.cache
+    assert lean.peak_memory_bytes <= least * 1.05
+    fast = solver.solve(sl, (1, 8), (2, 4))
+    assert solver.num_ilps == 2 and fast.latency_s <= lean.latency_s
+    assert fast.peak_memory_bytes > least * 1.05      # memory binds the lean plan here
+    loose = fast.peak_memory_bytes / least
+    assert solver.lean(sl, (1, 8), (2, 4), slack=loose) is fast and solver.num_ilps == 2
