@@ -121,20 +121,6 @@ def evaluate(problem: IlpProblem, choice) -> float:
     return total + math.fsum(float(e.cost[c[e.u], c[e.v]]) for e in problem.edges)
 
 
-def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
-    """A lower bound, in seconds, of every plan's `evaluate`: the LP relaxation without memory
-    rows (usually tight: often the optimum); `memory=True`: with its memory rows at its budget,
-    of the plans that fit it (-inf where no fractional plan fits: then no plan does)."""
-    red = _presolve(problem if memory else replace(problem, memory_points=()))
-    if not red.var_groups:
-        return -math.inf if red.infeasible else evaluate(problem, red.choice)
-    mip = build_mip(red)
-    x = _relaxed(mip, 60.0)
-    if x is None:                                # only an optimal LP value bounds
-        return -math.inf
-    return float((mip.cost @ x + mip.offset) * mip.scale)
-
-
 def _relaxed(mip: Mip, time_limit_s: float) -> np.ndarray | None:
     """The optimal solution of `mip`'s LP relaxation by HiGHS (None where it has none)."""
     integer, mip.integer = mip.integer, np.zeros_like(mip.integer)

@@ -20,6 +20,7 @@ from autopar.cost.cluster import LogicalMesh
 from autopar.cost.model import CostModel
 from autopar.intra_op.annotations import annotation_specs, both, pin_rule
 from autopar.intra_op.batch_dims import batch_dims
+from autopar.intra_op.bounds import lp_bound
 from autopar.intra_op.build import Built, Fallback, build_ilp, option_bytes
 from autopar.intra_op.constraints import (
     ZERO,
@@ -39,7 +40,6 @@ from autopar.intra_op.ilp import (
     IlpSolution,
     SolveStatus,
     evaluate,
-    lp_bound,
     min_peak_memory,
     solve_ilp,
     with_extra_bytes,
