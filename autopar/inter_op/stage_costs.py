@@ -81,16 +81,13 @@ RERANK = 3      # the DP's best candidates re-ranked by their whole-stage solves
 RERANK_WITHIN = 2.0
 
 
-def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None, bound=None):
+def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None):
     """The DP's choice and its best alternatives with fewer stages (the DP rerun with
     `max_stages` = 1 .. S - 1), `RERANK` in all by the DP's latency, each solved whole: the
     one whose solved stages give the shortest pipeline wins (the DP sums separately solved
-    layers; a stage solved whole shares shardings across them: GPT-39B K=8 M=128, 0.82x the
-    DP's latency). Ties keep the DP's order. `bound(candidate)`: a lower bound of the
-    pipeline latency its solve can give; a candidate bounded at or above the best solved
-    one is not solved (it cannot win; GPT-39B K=8 M=128: the whole model on 8x8, a 44 s
-    solve). `seen` (a list) receives (stages or None, pipeline latency or None, error or
-    None) per candidate solved, for the plan's runner-ups."""
+    layers; a stage solved whole shares shardings across them). Ties keep the DP's order.
+    `seen` (a list) receives (stages or None, pipeline latency or None, error or None) per
+    candidate solved, for the plan's runner-ups."""
     cands = {(choice.layer_spans, choice.submeshes): choice}
     for k in range(1, choice.num_stages):
         alt = try_dp(dp, options, budget, max_stages=k,
@@ -100,12 +97,6 @@ def reranked(choice, dp, options, budget, solved, num_microbatches, seen=None, b
     ranked = sorted(cands.values(), key=lambda c: c.total_latency_s)[:RERANK]
     best, best_t, error = None, np.inf, None
     for cand in ranked:
-        if bound is not None and best is not None:
-            low = bound(cand)
-            if low >= best_t * (1 - 1e-9):
-                log.info("autopar: a stage layout (%d stage(s)) not solved whole: bounded at "
-                         "%.4g s per step, the best solved %.4g s", cand.num_stages, low, best_t)
-                continue
         try:
             stages = solved(cand)
         except InfeasiblePlanError as e:

@@ -401,24 +401,12 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         return [dataclasses.replace(st, activation_bytes_without_remat=_kept_without_remat(
             kinds, options, span, p % n)) for st, span, p in zip(
                 stages, choice.layer_spans, choice.submeshes)]
-    def bounded(choice) -> float:
-        """A lower bound of the pipeline latency `solved(choice)` gives: per stage, the least
-        over the recomputations its solve may take of `StageSolver.bound` with the memory
-        rows (each plan it may return fits the budget; ZeRO's gather only adds)."""
-        lat = []
-        for s, ((i, j), p) in enumerate(zip(choice.layer_spans, choice.submeshes)):
-            k, (remat, _, _) = ks[p % n], kinds[p // n]
-            sl = slice_range(loss, boundaries[i], boundaries[j + 1], s)
-            sub = (submeshes[k].num_hosts, submeshes[k].devices_per_host)
-            lat.append(min(solver.bound(sl, sub, shapes_per_k[k][vs[p % n]], r, rows=True)[0]
-                           for r in remats[:remats.index(remat) + 1]))
-        return sum(lat) + (method.num_microbatches - 1) * max(lat)
     banned: list[tuple[int, int, int]] = []
     for redo in range(REDO_DP + 1):
         seen = []
         try:
             stages = reranked(choice, dp, options, budget, solved, method.num_microbatches,
-                              seen, bounded)
+                              seen)
             break
         except _StageDoesNotFit as e:
             # The DP's layer sums missed what the stage needs whole: no span holding these

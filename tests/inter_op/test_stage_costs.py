@@ -55,29 +55,6 @@ def test_rerank_takes_the_layout_whose_whole_stage_solves_are_fastest():
     assert len(reranked(two, dp, [], 1.0, infeasible, 4)) == 1
 
 
-def test_rerank_does_not_solve_a_layout_bounded_above_the_best_solved():
-    """A candidate whose lower bound is at or above the best pipeline solved so far cannot
-    win: it is not solved (nor recorded); one bounded below it is solved and may win."""
-    from types import SimpleNamespace as NS
-
-    from autopar.inter_op.stage_costs import reranked
-    two = NS(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0), total_latency_s=1.0, num_stages=2)
-    one = NS(layer_spans=((0, 1),), submeshes=(1,), total_latency_s=1.1, num_stages=1)
-    stage = lambda t: NS(solution=NS(latency_s=t, zero_gather_s=0.0), zero=False)
-    dp = lambda options, budget, max_stages, within=None: one if max_stages == 1 else two
-    whole = {2: [stage(0.3), stage(0.3)], 1: [stage(0.35)]}   # 1.5 s and 1.4 s per step
-    calls, seen = [], []
-
-    def solved(c):
-        calls.append(c.num_stages)
-        return whole[c.num_stages]
-    got = reranked(two, dp, [], 1.0, solved, 4, seen, bound=lambda c: 1.5)
-    assert calls == [2] and len(got) == 2 and len(seen) == 1    # 1.5 >= 1.5: not solved
-    calls.clear()
-    got = reranked(two, dp, [], 1.0, solved, 4, bound=lambda c: 1.3)
-    assert calls == [2, 1] and len(got) == 1                     # bounded below: it wins
-
-
 def test_span_memory_counts_every_layers_parameters_and_gradients(loss, bounds):
     """On one device (one plan per stage), the DP's memory of a span of layers (their held
     and resident bytes summed, their working memory's largest, their activations summed)
