@@ -178,11 +178,14 @@ def _presolve(problem: IlpProblem) -> _Reduced:
     budget = problem.memory_budget_bytes
     if budget is not None:
         for p in problem.memory_points:
-            if p.folded and p.max_bytes <= budget:
-                continue
-            const, terms = _fold_point(p, ks)
-            if const + sum(float(b.max()) for b in terms.values()) <= budget:
-                continue
+            if p.folded:      # its constant and most are known
+                if p.max_bytes <= budget:
+                    continue
+                const, terms = p.constant_bytes, dict(p.terms)
+            else:
+                const, terms = _fold_point(p, ks)
+                if const + sum(float(b.max()) for b in terms.values()) <= budget:
+                    continue
             infeasible |= const > budget
             mem_rows.append((tuple(terms.items()), budget - const))
     linked = {g for u, v, _ in edges for g in (u, v)}

@@ -18,7 +18,7 @@ import numpy as np
 
 from autopar.core.graph import OpGraph
 from autopar.intra_op.ilp import IlpEdge, IlpProblem
-from autopar.intra_op.memory_points import folded_point
+from autopar.intra_op.memory_points import fold_terms, point_rows
 
 _NUMBERED = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z][A-Za-z0-9]*)_(\d+)(?![A-Za-z0-9_])")
 MIN_REPEATS = 4
@@ -112,13 +112,11 @@ def tied_problem(problem: IlpProblem, tying: Tying) -> IlpProblem:
         mat = e.cost if u < v else e.cost.T
         key = (min(u, v), max(u, v))
         edges[key] = edges[key] + mat if key in edges else np.array(mat, float)
-    points = []
-    for p in problem.memory_points:
-        terms: dict[int, np.ndarray] = {}
-        for g, b in p.terms:
-            r = int(rep[g])
-            terms[r] = terms[r] + b if r in terms else np.array(b, float)
-        points.append(folded_point(terms, p.constant_bytes))
+    points: tuple = ()
+    if problem.memory_points:
+        rows = point_rows(problem.memory_points)
+        points = fold_terms(rows.const, rows.term_point, rep[rows.term_group],
+                            rows.lens, rows.vals)
     return IlpProblem(node_costs=tuple(costs), edges=tuple(IlpEdge(u=u, v=v, cost=m)
                                                             for (u, v), m in edges.items()),
-                      memory_points=tuple(points), memory_budget_bytes=problem.memory_budget_bytes)
+                      memory_points=points, memory_budget_bytes=problem.memory_budget_bytes)

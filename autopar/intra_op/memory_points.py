@@ -49,6 +49,11 @@ class PointRows:
     first: np.ndarray
     vals: np.ndarray
 
+    @property
+    def lens(self) -> np.ndarray:
+        """Per term, its number of strategies."""
+        return np.diff(np.append(self.first, self.vals.size))
+
     def usage(self, choice) -> np.ndarray:
         """Bytes per device at every point under `choice` (one strategy per group)."""
         picked = self.vals[self.first + np.asarray(choice, np.int64)[self.term_group]]
@@ -59,8 +64,7 @@ class PointRows:
     def mixed_usage(self, weights: dict[int, np.ndarray]) -> np.ndarray:
         """Bytes per device at every point when group g takes strategy i with weight
         `weights[g][i]` (an LP relaxation's solution; a one-hot vector is a choice)."""
-        term = np.repeat(np.arange(self.first.size), np.diff(np.append(self.first,
-                                                                      self.vals.size)))
+        term = np.repeat(np.arange(self.first.size), self.lens)
         start = np.zeros(int(self.term_group.max(initial=-1)) + 1, np.int64)
         flat, n = [], 0
         for g in np.unique(self.term_group).tolist():
@@ -90,10 +94,14 @@ def point_rows(points: tuple[MemoryPoint, ...]) -> PointRows:
         first=np.cumsum(lens) - lens,
         vals=np.concatenate([np.asarray(b, float) for _, _, b in terms]) if terms
         else np.zeros(0))
+    _remember(points, rows)
+    return rows
+
+
+def _remember(points: tuple[MemoryPoint, ...], rows: PointRows) -> None:
     if len(_POINT_ROWS) >= 8:
         _POINT_ROWS.pop(next(iter(_POINT_ROWS)))
     _POINT_ROWS[id(points)] = (points, rows)
-    return rows
 
 
 def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
@@ -113,42 +121,71 @@ def _fold_point(p: MemoryPoint, ks) -> tuple[float, dict[int, np.ndarray]]:
 
 def with_extra_bytes(problem, extra: dict[int, np.ndarray]):
     """The problem (an `ilp.IlpProblem`) with `extra[g][i]` bytes added to every memory point
-    when group g picks
-    strategy i (memory that is live at every point, e.g. optimizer state held elsewhere).
-    Every term of every point is summed and folded at once (flat numpy arrays, as `PointRows`
-    holds them): a whole stage has thousands of points, each with hundreds of held groups."""
-    ks = problem.num_strategies
-    folded = [_fold_point(p, ks) for p in problem.memory_points]
-    if not folded:
+    when group g picks strategy i (memory that is live at every point, e.g. optimizer state
+    held elsewhere). A whole stage has thousands of points, each with hundreds of held
+    groups: the terms are summed and folded as flat arrays (`fold_terms`)."""
+    points = problem.memory_points
+    if not points:
         return problem
-    zeros = {g: np.zeros(ks[g]) for g in extra}
-    tp, tg, chunks = [], [], []
-    for i, (_, terms) in enumerate(folded):
-        for g, b in terms.items():
-            tp.append(i), tg.append(g), chunks.append(b)
-        for g in extra:
-            if g not in terms:
-                tp.append(i), tg.append(g), chunks.append(zeros[g])
-    if not chunks:
-        return replace(problem, memory_points=tuple(
-            folded_point({}, const) for const, _ in folded))
-    tp, tg = np.array(tp, np.int64), np.array(tg, np.int64)
-    lens = np.fromiter((len(b) for b in chunks), np.int64, len(chunks))
+    rows = point_rows(points)
+    n, gs = len(points), sorted(extra)
+    vecs = [np.asarray(extra[g], float) for g in gs]
+    glens = np.array([v.size for v in vecs], np.int64)
+    return replace(problem, memory_points=fold_terms(
+        rows.const,
+        np.concatenate([rows.term_point, np.repeat(np.arange(n), len(gs))]),
+        np.concatenate([rows.term_group, np.tile(np.array(gs, np.int64), n)]),
+        np.concatenate([rows.lens, np.tile(glens, n)]),
+        np.concatenate([rows.vals, np.tile(np.concatenate(vecs) if vecs else np.zeros(0), n)])))
+
+
+def fold_terms(const, term_point, term_group, lens, vals) -> tuple[MemoryPoint, ...]:
+    """Points from flat terms (term n: bytes per strategy `vals[first[n]:first[n] + lens[n]]`
+    of group `term_group[n]` at point `term_point[n]`; point i's constant `const[i]`): terms
+    of one group at one point summed, then each folded as `folded_point` folds (its minimum
+    into the constant, constant terms dropped). Their `PointRows` are cached, so pricing them
+    costs no second pass. Terms of one group must have one length."""
+    const = np.asarray(const, float)
+    num = const.size
+    term_point = np.asarray(term_point, np.int64)
+    term_group, lens = np.asarray(term_group, np.int64), np.asarray(lens, np.int64)
+    if not term_point.size:
+        return tuple(folded_point({}, c) for c in const.tolist())
     first = np.cumsum(lens) - lens
-    off = np.concatenate([[0], np.cumsum(ks)]).astype(np.int64)
-    table = np.zeros(int(off[-1]))
-    for g, b in extra.items():
-        table[off[g]:off[g + 1]] += np.asarray(b, float)
-    vals = np.concatenate([np.asarray(b, float) for b in chunks])
-    vals += table[np.repeat(off[tg] - first, lens) + np.arange(vals.size)]
-    lo, hi = np.minimum.reduceat(vals, first), np.maximum.reduceat(vals, first)
-    vals -= np.repeat(lo, lens)
-    n = len(folded)
-    const = np.array([c for c, _ in folded]) + np.bincount(tp, weights=lo, minlength=n)
-    top = const + np.bincount(tp, weights=np.where(hi > lo, hi - lo, 0.0), minlength=n)
-    terms: list[list] = [[] for _ in range(n)]
-    for t in np.flatnonzero(hi > lo).tolist():
-        terms[tp[t]].append((int(tg[t]), vals[first[t]:first[t] + lens[t]]))
-    return replace(problem, memory_points=tuple(
-        MemoryPoint(terms=tuple(terms[i]), constant_bytes=float(const[i]), folded=True,
-                    max_bytes=float(top[i])) for i in range(n)))
+    key = term_point * (int(term_group.max()) + 1) + term_group
+    order = np.argsort(key, kind="stable")
+    head = np.ones(order.size, bool)
+    head[1:] = key[order][1:] != key[order][:-1]
+    seg = np.empty(order.size, np.int64)
+    seg[order] = np.cumsum(head) - 1
+    heads = order[head]
+    slens = lens[heads]
+    if (lens != slens[seg]).any():
+        bad = int(np.flatnonzero(lens != slens[seg])[0])
+        raise ValueError(f"memory terms of group {int(term_group[bad])} at point "
+                         f"{int(term_point[bad])} have {int(lens[bad])} and "
+                         f"{int(slens[seg[bad]])} strategies; one group has one length")
+    sfirst = np.cumsum(slens) - slens
+    owner = np.repeat(np.arange(lens.size), lens)
+    summed = np.bincount(sfirst[seg[owner]] + np.arange(owner.size) - first[owner],
+                         weights=vals, minlength=int(slens.sum()))
+    lo, hi = np.minimum.reduceat(summed, sfirst), np.maximum.reduceat(summed, sfirst)
+    spoint, sgroup = term_point[heads], term_group[heads]
+    base = const + np.bincount(spoint, weights=lo, minlength=num)
+    keep = np.flatnonzero(hi > lo)
+    top = base + np.bincount(spoint[keep], weights=(hi - lo)[keep], minlength=num)
+    klens = slens[keep]
+    kfirst = np.cumsum(klens) - klens
+    owner = np.repeat(keep, klens)
+    kvals = summed[sfirst[owner] + np.arange(owner.size) - np.repeat(kfirst, klens)] \
+        - lo[owner]
+    kpoint, kgroup = spoint[keep], sgroup[keep].tolist()
+    views = [kvals[a:a + k] for a, k in zip(kfirst.tolist(), klens.tolist())]
+    cut = np.searchsorted(kpoint, np.arange(num + 1)).tolist()
+    points = tuple(
+        MemoryPoint(terms=tuple(zip(kgroup[a:b], views[a:b])), constant_bytes=c, folded=True,
+                    max_bytes=t)
+        for a, b, c, t in zip(cut[:-1], cut[1:], base.tolist(), top.tolist()))
+    _remember(points, PointRows(const=base, term_point=kpoint, term_group=sgroup[keep],
+                                first=kfirst, vals=kvals))
+    return points
