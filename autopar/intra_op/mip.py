@@ -148,35 +148,76 @@ def build_mip(red: _Reduced, reps: dict[int, np.ndarray] | None = None) -> Mip:
                   + sum(float(red.node_costs[g].min()) for g in red.var_groups)
                   + sum(float(r.min()) for _, _, r in red.edges)) / scale
     off = mip.add_groups(red.var_groups, {g: c / scale for g, c in costs.items()})
-    classes: dict[tuple, tuple] = {}       # a layer's edges repeat in every layer like it
-    for (u, v, _), m in zip(red.edges, mats):
-        # Strategies that look the same across the edge (equal rows / columns of R) share edge
-        # variables: e[r, c] over row and column classes, with class marginals. Exact: with
-        # one-hot s_u and s_v the class marginals are one-hot, so e is their outer product.
-        key = (m.shape, m.tobytes())
-        if key not in classes:
-            uniq_rows, r_of = np.unique(m, axis=0, return_inverse=True)
-            mc, c_of = np.unique(uniq_rows, axis=1, return_inverse=True)
-            classes[key] = (mc, np.ravel(r_of), np.ravel(c_of))
-        mc, r_of, c_of = classes[key]
-        nr, ncl = mc.shape
-        e0 = mip.add_cols(mc.ravel() / scale, integer=False)
-        mip.edge_cols.append((u, v, e0, r_of, c_of, ncl))
-        r_idx, c_idx = np.divmod(np.arange(nr * ncl), ncl)
-        r0 = mip.add_rows(nr + ncl - 1, 0.0, 0.0)   # the last column sum is implied by one-hots
-        mip.add_entries(r0 + r_idx, e0 + np.arange(nr * ncl), 1.0)
-        mip.add_entries(r0 + r_of, off[u] + np.arange(m.shape[0]), -1.0)
-        keep = c_idx < ncl - 1
-        mip.add_entries(r0 + nr + c_idx[keep], e0 + np.flatnonzero(keep), 1.0)
-        keep_v = c_of < ncl - 1
-        mip.add_entries(r0 + nr + c_of[keep_v], off[v] + np.flatnonzero(keep_v), -1.0)
-    for terms, rhs in red.mem_rows:
-        s = max([float(v.max()) for _, v in terms] + [abs(rhs), 1.0])
-        mip.add_bytes(mip.add_rows(1, -np.inf, rhs / s), terms, off, s)
+    _edge_columns(mip, red.edges, mats, off, scale)
+    if red.mem_rows:
+        _memory_rows(mip, red.mem_rows, off)
     mip.freeze()
     for g, rep in (reps or {}).items():
         mip.upper[off[g] + np.flatnonzero(rep != np.arange(rep.size))] = 0.0
     return mip
+
+
+def _edge_columns(mip: Mip, edges, mats, off: dict[int, int], scale: float) -> None:
+    """Per edge (u, v) with cost matrix R (shifted to min 0): strategies that look the same
+    across the edge (equal rows / columns of R) share edge variables, e[r, c] over row and
+    column classes, with class marginals. Exact: with one-hot s_u and s_v the class marginals
+    are one-hot, so e is their outer product. A layer's edges repeat in every layer like it:
+    the entries of all edges of one matrix are made at once (columns and rows numbered in
+    edge order, as one edge at a time would)."""
+    classes: dict[tuple, list] = {}
+    shapes, col0, row0 = [], mip.num_cols, mip.num_rows
+    for n, ((u, v, _), m) in enumerate(zip(edges, mats)):
+        key = (m.shape, m.tobytes())
+        if key not in classes:
+            uniq_rows, r_of = np.unique(m, axis=0, return_inverse=True)
+            mc, c_of = np.unique(uniq_rows, axis=1, return_inverse=True)
+            classes[key] = [mc, np.ravel(r_of), np.ravel(c_of), []]
+        classes[key][3].append(n)
+        shapes.append(classes[key])
+    if not edges:
+        return
+    ncols = np.array([c[0].size for c in shapes], np.int64)
+    nrows = np.array([sum(c[0].shape) - 1 for c in shapes], np.int64)   # the last column
+    e0s = col0 + np.cumsum(ncols) - ncols                                # sum is implied
+    r0s = row0 + np.cumsum(nrows) - nrows
+    mip.add_cols(np.concatenate([c[0].ravel() for c in shapes]) / scale, integer=False)
+    mip.add_rows(int(nrows.sum()), 0.0, 0.0)
+    for (u, v, _), c, e0 in zip(edges, shapes, e0s.tolist()):
+        mip.edge_cols.append((u, v, e0, c[1], c[2], c[0].shape[1]))
+    for mc, r_of, c_of, which in classes.values():
+        nr, ncl = mc.shape
+        e0, r0 = e0s[which][:, None], r0s[which][:, None]
+        us = np.array([off[edges[n][0]] for n in which])[:, None]
+        vs = np.array([off[edges[n][1]] for n in which])[:, None]
+        r_idx, c_idx = np.divmod(np.arange(nr * ncl), ncl)
+        keep, keep_v = np.flatnonzero(c_idx < ncl - 1), np.flatnonzero(c_of < ncl - 1)
+        mip.add_entries((r0 + r_idx).ravel(), (e0 + np.arange(nr * ncl)).ravel(), 1.0)
+        mip.add_entries((r0 + r_of).ravel(), (us + np.arange(r_of.size)).ravel(), -1.0)
+        mip.add_entries((r0 + nr + c_idx[keep]).ravel(), (e0 + keep).ravel(), 1.0)
+        mip.add_entries((r0 + nr + c_of[keep_v]).ravel(), (vs + keep_v).ravel(), -1.0)
+
+
+def _memory_rows(mip: Mip, rows, off: dict[int, int]) -> None:
+    """One row per memory row (terms, rhs): sum of bytes[g][i] * s[g, i] <= rhs, each row
+    scaled by its largest coefficient or |rhs| (at least 1); built as flat arrays."""
+    row_of, cols, vecs = [], [], []
+    for r, (terms, _) in enumerate(rows):
+        for g, vec in terms:
+            row_of.append(r), cols.append(off[g]), vecs.append(vec)
+    rhs = np.array([b for _, b in rows], float)
+    top = np.maximum(np.abs(rhs), 1.0)
+    if vecs:
+        lens = np.fromiter(map(len, vecs), np.int64, len(vecs))
+        first = np.cumsum(lens) - lens
+        vals = np.concatenate(vecs).astype(float)
+        row_of = np.array(row_of, np.int64)
+        np.maximum.at(top, row_of, np.maximum.reduceat(vals, first))
+    r0 = mip.add_rows(len(rows), -np.inf, rhs / top)
+    if vecs:
+        at = np.repeat(row_of, lens)
+        col = np.repeat(np.array(cols, np.int64) - first, lens) + np.arange(vals.size)
+        nz = vals != 0
+        mip.add_entries(r0 + at[nz], col[nz], vals[nz] / top[at[nz]])
 
 
 # ----------------------------------------------------------------------------- backends

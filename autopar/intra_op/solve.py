@@ -171,11 +171,25 @@ class IntraOpProblem:
     output_targets: dict[OutputPos, TensorId]   # carried output -> tensor id of its input
     build_time_s: float
     output_pins: dict[OutputPos, Spec] = dataclasses.field(default_factory=dict)
+    # the last `held` and its problem (`held_problem`): a stage is asked for its least memory
+    # and then solved with the same held tensors; one entry, as a whole stage's points take
+    # hundreds of MB
+    held_memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def budget(self) -> float:
         """The method's memory budget (the mesh's memory when it sets none)."""
         return float(self.method.memory_budget_bytes or self.mesh.memory_bytes)
+
+    def held_problem(self, held: dict[int, float]):
+        """The ILP with `held`'s extra copies live at every memory point (`with_extra_bytes`,
+        `_held_bytes`)."""
+        key = tuple(sorted(held.items()))
+        if key not in self.held_memo:
+            self.held_memo.clear()
+            self.held_memo[key] = with_extra_bytes(self.built.problem, _held_bytes(
+                self.graph, self.built, self.mesh.shape, held))
+        return self.held_memo[key]
 
 
 def build_intra_op(graph: OpGraph, cost: CostModel, method: ShardParallel,
@@ -260,7 +274,7 @@ def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> flo
     counts it."""
     problem = p.built.problem
     if held:
-        problem = with_extra_bytes(problem, _held_bytes(p.graph, p.built, p.mesh.shape, held))
+        problem = p.held_problem(held)
     return ilp_call(min_peak_memory, problem, backend=p.method.solver,
                            time_limit_s=p.method.solver_time_limit_s)[0]
 
@@ -317,7 +331,7 @@ def solve_built(p: IntraOpProblem, budget: float | None = None,
     budget = p.budget if budget is None else float(budget)
     problem = built.problem
     if held:
-        problem = with_extra_bytes(problem, _held_bytes(graph, built, mesh.shape, held))
+        problem = p.held_problem(held)
     if budget != problem.memory_budget_bytes or problem is not built.problem:
         built = dataclasses.replace(built, problem=dataclasses.replace(
             problem, memory_budget_bytes=budget))

@@ -420,6 +420,30 @@ def test_stage_problem_fits_the_pipeline_peak(loss, bounds, cluster):
         prob.solve(1.0, opt_ratio=opt, in_flight=q)
 
 
+def test_a_stage_asked_twice_with_the_same_held_tensors_adds_their_bytes_once(
+        loss, bounds, cluster, monkeypatch):
+    """The least pipeline memory and the plan that fits it hold the same tensors: their
+    bytes go into the stage's memory points once (`IntraOpProblem.held_problem`; a whole
+    stage of GPT-39B has millions of terms), and other held tensors are added anew."""
+    import autopar.intra_op.solve as solve_mod
+    from autopar.inter_op.stage_solve import stage_problem
+    calls = []
+    real = solve_mod.with_extra_bytes
+    monkeypatch.setattr(solve_mod, "with_extra_bytes",
+                        lambda problem, extra: calls.append(1) or real(problem, extra))
+    sl = slice_range(loss, bounds[0], bounds[2], 0)
+    prob = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
+        num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
+        autopar.AutoStageOption()), points_above=0.0)
+    least = prob.least_bytes(in_flight=3, opt_ratio=2.0)
+    fit = prob.solve(1.01 * least, in_flight=3, opt_ratio=2.0)
+    assert len(calls) == 1
+    prob.least_bytes(in_flight=2, opt_ratio=2.0)
+    assert len(calls) == 2
+    again = prob.solve(1.01 * least, in_flight=3, opt_ratio=2.0)      # recomputed, the same
+    assert len(calls) == 3 and again.latency_s == fit.latency_s
+
+
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
 def test_stage_graph_keeps_the_users_remat(policy):
     """The loss's forward graph remembers each `jax.checkpoint` region; a stage's training
