@@ -166,7 +166,7 @@ def _edge_columns(mip: Mip, edges, mats, off: dict[int, int], scale: float) -> N
     edge order, as one edge at a time would)."""
     classes: dict[tuple, list] = {}
     shapes, col0, row0 = [], mip.num_cols, mip.num_rows
-    for n, ((u, v, _), m) in enumerate(zip(edges, mats)):
+    for n, m in enumerate(mats):
         key = (m.shape, m.tobytes())
         if key not in classes:
             uniq_rows, r_of = np.unique(m, axis=0, return_inverse=True)
