@@ -36,20 +36,20 @@ def lp_bound(problem: IlpProblem, memory: bool = False) -> float:
             problem.memory_points[i] for i in active)))
         if red.infeasible:          # a relaxation of the whole: no plan fits
             return -math.inf
-        weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
-                   for g, k in enumerate(problem.num_strategies)}
-        if red.var_groups:
-            mip = build_mip(red)
+        mip = build_mip(red) if red.var_groups else None
+        if mip is None:
+            value = evaluate(problem, red.choice)
+        else:
             x = _relaxed(mip, 60.0)
             if x is None:                        # only an optimal LP value bounds
                 return -math.inf
             value = float((mip.cost @ x + mip.offset) * mip.scale)
-            for g, s0, k in mip.group_cols:
-                weights[g] = x[s0:s0 + k]
-        else:
-            value = evaluate(problem, red.choice)
         if rows is None:
             return value
+        weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
+                   for g, k in enumerate(problem.num_strategies)}
+        for g, s0, k in (mip.group_cols if mip is not None else ()):
+            weights[g] = x[s0:s0 + k]
         usage = rows.mixed_usage(weights)
         usage[active] = -np.inf
         over = np.flatnonzero(usage > problem.memory_budget_bytes * (1 + 1e-9))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -386,12 +387,15 @@ def latency_bound(p: IntraOpProblem, budget: float | None = None) -> float:
     batch = sum(graph.tensors[t].nbytes / bw for t in graph.inputs
                 if graph.tensors[t].role == InputRole.BATCH)
     problem = reads_shared(built.problem, built.reads, built.tensor_group)
-    free = lp_bound(problem)
+    # Rows at a budget only bound the plans that fit it; the free bound where none does. The
+    # bound with rows starts from the LP without them (its first round), and rows only raise
+    # an LP's value, so it is the bound wherever a fractional plan fits.
+    bound = -math.inf
     if budget is not None and problem.memory_points:
-        # Rows at a budget only bound the plans that fit it; the free bound where none does.
-        free = max(free, lp_bound(dataclasses.replace(problem, memory_budget_bytes=budget),
-                                  memory=True))
-    return max(free - batch, 0.0)
+        bound = lp_bound(dataclasses.replace(problem, memory_budget_bytes=budget), memory=True)
+    if bound == -math.inf:
+        bound = lp_bound(problem)
+    return max(bound - batch, 0.0)
 
 
 def _held_bytes(graph: OpGraph, built: Built, mesh_shape, held: dict[int, float],

@@ -63,3 +63,13 @@ def test_a_budget_below_a_points_constant_bytes_is_minus_infinity():
                        memory_points=problem.memory_points, memory_budget_bytes=floor - 1.0)
     assert lp_bound(tight, memory=True) == -math.inf
     assert lp_bound(tight) > -math.inf                  # without the rows: a bound
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_bound_with_rows_is_at_least_the_free_one(seed):
+    """`solve.latency_bound` takes the bound with rows alone where a fractional plan fits its
+    budget: it starts from the LP without rows, and rows only raise the LP's value."""
+    problem = _problem(seed)
+    with_rows, free = lp_bound(problem, memory=True), lp_bound(problem)
+    assert with_rows > -math.inf
+    assert with_rows >= free - 1e-9 * abs(free)
