@@ -43,11 +43,10 @@ from autopar.intra_op.mip import (
     round_solution,
     run_mip,
 )
-from autopar.intra_op.reduced import _Reduced
+from autopar.intra_op.reduced import _presolve, _Reduced  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-_SEPARABLE_RTOL = 1e-12   # R[i,j] = a[i] + b[j] up to this fraction of max|R| counts as separable
 _BRUTE_FORCE_LIMIT = 200_000
 
 
@@ -152,53 +151,6 @@ def _check_choice(problem: IlpProblem, choice) -> tuple[int, ...]:
 
 
 
-def _presolve(problem: IlpProblem) -> _Reduced:
-    """Apply the presolve rules: fold single-strategy groups (1), sum parallel edges (2), fold
-    separable edges (3), drop memory points that always fit (5), fix isolated groups (6)."""
-    ks = problem.num_strategies
-    nc = [np.array(c, float) for c in problem.node_costs]
-    merged: dict[tuple[int, int], np.ndarray] = {}
-    for e in problem.edges:
-        u, v, r = e.u, e.v, np.asarray(e.cost, float)
-        if u > v:
-            u, v, r = v, u, r.T
-        merged[(u, v)] = merged[(u, v)] + r if (u, v) in merged else r.copy()
-    edges = []
-    for (u, v), r in merged.items():
-        if ks[u] == 1:
-            nc[v] += r[0, :]
-        elif ks[v] == 1:
-            nc[u] += r[:, 0]
-        elif np.abs(r - r[:, :1] - r[:1, :] + r[0, 0]).max() <= _SEPARABLE_RTOL * np.abs(r).max():
-            nc[u] += r[:, 0] - r[0, 0]    # R[i, j] = (R[i, 0] - R[0, 0]) + R[0, j]
-            nc[v] += r[0, :]
-        else:
-            edges.append((u, v, r))
-    mem_rows, infeasible = [], False
-    budget = problem.memory_budget_bytes
-    if budget is not None:
-        for p in problem.memory_points:
-            if p.folded:      # its constant and most are known
-                if p.max_bytes <= budget:
-                    continue
-                const, terms = p.constant_bytes, dict(p.terms)
-            else:
-                const, terms = _fold_point(p, ks)
-                if const + sum(float(b.max()) for b in terms.values()) <= budget:
-                    continue
-            infeasible |= const > budget
-            mem_rows.append((tuple(terms.items()), budget - const))
-    linked = {g for u, v, _ in edges for g in (u, v)}
-    linked |= {g for terms, _ in mem_rows for g, _ in terms}
-    choice = np.full(len(ks), -1, dtype=np.int64)
-    for g, k in enumerate(ks):
-        if k == 1 or g not in linked:
-            choice[g] = int(np.argmin(nc[g]))
-    var_groups = tuple(g for g in range(len(ks)) if choice[g] < 0)
-    return _Reduced(choice=choice, var_groups=var_groups, node_costs=tuple(nc), edges=tuple(edges),
-                    mem_rows=tuple(mem_rows), infeasible=infeasible)
-
-
 def _check_args(backend, time_limit_s) -> None:
     _require(isinstance(backend, SolverBackend),
              f"backend must be a SolverBackend (HIGHS or CBC); got {backend!r}.")
@@ -263,47 +215,75 @@ LP_POINTS_MAX_COLUMNS = 20_000   # larger LPs cost as much as the MIP round they
 LP_POINTS_MARGIN = 0.05   # and the points the LP fills within this fraction of the budget
 
 
-def _lp_points(problem: IlpProblem, rows: PointRows,
-               time_limit_s: float) -> tuple[list[int], IlpSolution | None]:
-    """The memory points the first MIP of `solve_ilp` starts with: the LP relaxation's
-    solution with the points added so far is priced at every point, the most violated
-    (`LAZY_BATCH`) are added, until the LP fits them all; then those it fills within
-    `LP_POINTS_MARGIN` of the budget, which an integral plan near it often breaks. An LP costs
-    a fraction of a MIP, so the lazy rounds' MIPs (each solved to optimality only to find its
-    plan over a point not yet added) mostly vanish. Empty where the LP is large
-    (`LP_POINTS_MAX_COLUMNS`) or does not solve. Returns (the points, the solution where an
-    LP's is integral and fits every point: then it is the optimum, and no MIP is needed)."""
-    budget, active, t0 = problem.memory_budget_bytes, [], time.perf_counter()
-    deadline = t0 + 0.25 * time_limit_s
+@dataclass(frozen=True, slots=True)
+class RowLp:
+    """The last round of `lp_rounds`: the presolved problem, its LP (None where presolve fixed
+    every group) and the LP's solution, and every point's bytes under it (None without rows)."""
+    red: _Reduced
+    mip: Mip | None
+    x: np.ndarray | None
+    usage: np.ndarray | None
+
+
+def lp_rounds(problem: IlpProblem, rows: PointRows | None, deadline: float = math.inf,
+              max_columns: int | None = None) -> tuple[RowLp | None, list[int]]:
+    """The LP relaxation of `problem` with its memory points (`rows`; None: without them)
+    joining as the LP breaks them, the most violated `LAZY_BATCH` per round, until it breaks
+    none: (that round, exactly the LP with every row; the points in it). (None, the points
+    so far) where it stops first: no fractional plan fits (presolve, or an LP without a
+    solution), an LP has more than `max_columns` columns, or `deadline` passes (without one,
+    each LP gets 60 s)."""
+    budget, active = problem.memory_budget_bytes, []
     while time.perf_counter() < deadline:
         red = _presolve(replace(problem, memory_points=tuple(
             problem.memory_points[i] for i in active)))
         if red.infeasible:
             break
-        weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
-                   for g, k in enumerate(problem.num_strategies)}
-        mip = integral = None
+        mip = x = None
         if red.var_groups:
             mip = build_mip(red)
-            if mip.cost.size > LP_POINTS_MAX_COLUMNS:
+            if max_columns is not None and mip.cost.size > max_columns:
                 break
-            x = _relaxed(mip, max(deadline - time.perf_counter(), 1e-3))
+            x = _relaxed(mip, 60.0 if deadline == math.inf
+                         else max(deadline - time.perf_counter(), 1e-3))
             if x is None:
                 break
-            for g, s0, k in mip.group_cols:
-                weights[g] = x[s0:s0 + k]
-            integral = is_integral(mip, x)
+        if rows is None:
+            return RowLp(red, mip, x, None), active
+        weights = {g: np.eye(k)[red.choice[g]] if red.choice[g] >= 0 else None
+                   for g, k in enumerate(problem.num_strategies)}
+        for g, s0, k in (mip.group_cols if mip is not None else ()):
+            weights[g] = x[s0:s0 + k]
         usage = rows.mixed_usage(weights)
-        if integral is not False and usage.max() <= budget:
-            choice = red.choice if mip is None else round_solution(mip, x, red.choice)
-            return active, _lp_solution(problem, choice, mip, active, time.perf_counter() - t0)
-        usage[active] = -np.inf
-        over = np.flatnonzero(usage > budget * (1 + 1e-9))
-        if not over.size:       # and the points the LP nearly fills
-            near = np.flatnonzero(usage > budget * (1 - LP_POINTS_MARGIN))
-            return active + [int(i) for i in near[np.argsort(-usage[near])][:LAZY_BATCH]], None
-        active += [int(i) for i in over[np.argsort(-usage[over])][:LAZY_BATCH]]
-    return active, None
+        rest = usage.copy()
+        rest[active] = -np.inf
+        over = np.flatnonzero(rest > budget * (1 + 1e-9))
+        if not over.size:
+            return RowLp(red, mip, x, usage), active
+        active = active + [int(i) for i in over[np.argsort(-rest[over])][:LAZY_BATCH]]
+    return None, active
+
+
+def _lp_points(problem: IlpProblem, rows: PointRows,
+               time_limit_s: float) -> tuple[list[int], IlpSolution | None]:
+    """The memory points the first MIP of `solve_ilp` starts with: those the LP relaxation
+    needs (`lp_rounds`), then those it fills within `LP_POINTS_MARGIN` of the budget, which an
+    integral plan near it often breaks. An LP costs a fraction of a MIP, so the lazy rounds'
+    MIPs (each solved to optimality only to find its plan over a point not yet added) mostly
+    vanish. The points so far where the LP is large (`LP_POINTS_MAX_COLUMNS`) or does not
+    solve. Returns (the points, the solution where the LP's is integral and fits every
+    point: then it is the optimum, and no MIP is needed)."""
+    t0, budget = time.perf_counter(), problem.memory_budget_bytes
+    lp, active = lp_rounds(problem, rows, t0 + 0.25 * time_limit_s, LP_POINTS_MAX_COLUMNS)
+    if lp is None:
+        return active, None
+    if (lp.mip is None or is_integral(lp.mip, lp.x)) and lp.usage.max() <= budget:
+        choice = lp.red.choice if lp.mip is None else round_solution(lp.mip, lp.x, lp.red.choice)
+        return active, _lp_solution(problem, choice, lp.mip, active, time.perf_counter() - t0)
+    rest = lp.usage.copy()
+    rest[active] = -np.inf
+    near = np.flatnonzero(rest > budget * (1 - LP_POINTS_MARGIN))
+    return active + [int(i) for i in near[np.argsort(-rest[near])][:LAZY_BATCH]], None
 
 
 def _lp_solution(problem: IlpProblem, choice, mip: Mip | None, active, took: float,

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar.intra_op import bounds, ilp
+from autopar.intra_op import ilp
 from autopar.intra_op.bounds import lp_bound
 from autopar.intra_op.ilp import IlpEdge, IlpProblem, MemoryPoint, SolveStatus
 
@@ -43,7 +43,7 @@ def _problem(seed: int, num_points: int = 90) -> IlpProblem:
 @pytest.mark.parametrize("seed", range(8))
 def test_lazy_rows_give_the_lp_with_every_row_and_bound_the_plans_that_fit(
         seed, batch, monkeypatch):
-    monkeypatch.setattr(bounds, "LAZY_BATCH", batch)       # 2: many rounds
+    monkeypatch.setattr(ilp, "LAZY_BATCH", batch)       # 2: many rounds
     problem = _problem(seed)
     got = lp_bound(problem, memory=True)
     assert got == pytest.approx(_every_row_lp(problem), rel=1e-7, abs=1e-9)
