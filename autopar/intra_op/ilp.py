@@ -419,10 +419,9 @@ def _min_peak_choice(points, ks, choice, backend, time_limit_s) -> tuple[np.ndar
     mip = Mip()
     off = mip.add_groups(groups, {g: np.zeros(ks[g]) for g in groups})
     m_col = mip.add_cols([1.0], integer=False, lower=-np.inf, upper=np.inf)
-    for const, terms in points:
-        row = mip.add_rows(1, -np.inf, -const / scale)
-        mip.add_entries(row, [m_col], -1.0)
-        mip.add_bytes(row, terms.items(), off, scale)
+    r0 = mip.add_rows(len(points), -np.inf, -np.array([c for c, _ in points]) / scale)
+    mip.add_entries(r0 + np.arange(len(points)), np.full(len(points), m_col), -1.0)
+    mip.add_bytes(r0, [tuple(terms.items()) for _, terms in points], off, scale)
     mip.freeze()
     mip.rel_gap = EXACT_REL_GAP
     res = run_mip(mip, backend, time_limit_s)

@@ -117,14 +117,13 @@ class Mip:
             self.add_entries(self.add_rows(1, 1.0, 1.0), off[g] + np.arange(costs[g].size), 1.0)
         return off
 
-    def add_bytes(self, row: int, terms, off: dict[int, int], scale: float) -> None:
-        """Row `row` gets bytes[g][i] / scale on group g's column i (zeros left out)."""
-        if not terms:
-            return
-        cols = np.concatenate([off[g] + np.arange(len(v)) for g, v in terms])
-        vals = np.concatenate([v for _, v in terms])
+    def add_bytes(self, row0: int, rows_terms, off: dict[int, int], scale) -> None:
+        """Row `row0 + r` gets bytes[g][i] / scale on group g's column i for each term (g,
+        bytes) of `rows_terms[r]` (zeros left out); `scale`: one number or one per row."""
+        at, col, vals = _flat_terms(rows_terms, off)
         nz = vals != 0
-        self._nz.append((np.full(int(nz.sum()), row), cols[nz], vals[nz] / scale))
+        self.add_entries(row0 + at[nz], col[nz],
+                         vals[nz] / np.broadcast_to(scale, (len(rows_terms),))[at[nz]])
 
     def freeze(self) -> Mip:
         self.cost, self.lower, self.upper, self.integer = map(np.concatenate, zip(*self._cols))
@@ -197,27 +196,29 @@ def _edge_columns(mip: Mip, edges, mats, off: dict[int, int], scale: float) -> N
         mip.add_entries((r0 + nr + c_of[keep_v]).ravel(), (vs + keep_v).ravel(), -1.0)
 
 
-def _memory_rows(mip: Mip, rows, off: dict[int, int]) -> None:
-    """One row per memory row (terms, rhs): sum of bytes[g][i] * s[g, i] <= rhs, each row
-    scaled by its largest coefficient or |rhs| (at least 1); built as flat arrays."""
+def _flat_terms(rows_terms, off: dict[int, int]):
+    """(row, column, value) per coefficient of the terms (g, bytes) of each row, as arrays."""
     row_of, cols, vecs = [], [], []
-    for r, (terms, _) in enumerate(rows):
+    for r, terms in enumerate(rows_terms):
         for g, vec in terms:
             row_of.append(r), cols.append(off[g]), vecs.append(vec)
+    if not vecs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    lens = np.fromiter(map(len, vecs), np.int64, len(vecs))
+    first = np.cumsum(lens) - lens
+    return (np.repeat(np.array(row_of, np.int64), lens),
+            np.repeat(np.array(cols, np.int64) - first, lens) + np.arange(int(lens.sum())),
+            np.concatenate(vecs).astype(float))
+
+
+def _memory_rows(mip: Mip, rows, off: dict[int, int]) -> None:
+    """One row per memory row (terms, rhs): sum of bytes[g][i] * s[g, i] <= rhs, each row
+    scaled by its largest coefficient or |rhs| (at least 1)."""
     rhs = np.array([b for _, b in rows], float)
     top = np.maximum(np.abs(rhs), 1.0)
-    if vecs:
-        lens = np.fromiter(map(len, vecs), np.int64, len(vecs))
-        first = np.cumsum(lens) - lens
-        vals = np.concatenate(vecs).astype(float)
-        row_of = np.array(row_of, np.int64)
-        np.maximum.at(top, row_of, np.maximum.reduceat(vals, first))
-    r0 = mip.add_rows(len(rows), -np.inf, rhs / top)
-    if vecs:
-        at = np.repeat(row_of, lens)
-        col = np.repeat(np.array(cols, np.int64) - first, lens) + np.arange(vals.size)
-        nz = vals != 0
-        mip.add_entries(r0 + at[nz], col[nz], vals[nz] / top[at[nz]])
+    at, _, vals = _flat_terms([t for t, _ in rows], off)
+    np.maximum.at(top, at, vals)
+    mip.add_bytes(mip.add_rows(len(rows), -np.inf, rhs / top), [t for t, _ in rows], off, top)
 
 
 # ----------------------------------------------------------------------------- backends

@@ -53,13 +53,14 @@ def _presolve(problem) -> _Reduced:
             if p.folded:      # its constant and most are known
                 if p.max_bytes <= budget:
                     continue
-                const, terms = p.constant_bytes, dict(p.terms)
+                const, terms = p.constant_bytes, p.terms
             else:
-                const, terms = _fold_point(p, ks)
-                if const + sum(float(b.max()) for b in terms.values()) <= budget:
+                const, merged = _fold_point(p, ks)
+                if const + sum(float(b.max()) for b in merged.values()) <= budget:
                     continue
+                terms = tuple(merged.items())
             infeasible |= const > budget
-            mem_rows.append((tuple(terms.items()), budget - const))
+            mem_rows.append((terms, budget - const))
     linked = {g for u, v, _ in edges for g in (u, v)}
     linked |= {g for terms, _ in mem_rows for g, _ in terms}
     choice = np.full(len(ks), -1, dtype=np.int64)
