@@ -28,7 +28,7 @@ import numpy as np
 from autopar import passes
 from autopar.core import _compat, progress
 from autopar.core.collector import no_full_collections
-from autopar.core.errors import InvalidArgumentError, UnsupportedError
+from autopar.core.errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
 from autopar.core.graph import OpGraph
 from autopar.core.options import ShardParallel
 from autopar.core.plan import ParallelPlan, graph_fingerprint
@@ -168,7 +168,13 @@ class ParallelizedFunction:
             plan_ = passes.matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
-        graph = searched[0].graph if searched else traced_for(plan_, graph)
+        try:
+            graph = searched[0].graph if searched else traced_for(plan_, graph)
+        except PlanMismatchError:     # a cache entry written by other code of this version
+            if plan_.origin != "plan cache":
+                raise
+            log.warning("autopar: the plan cache's plan does not match this step; re-planning")
+            plan_, graph = search(), searched[0].graph
         entry = (searched[0].built if searched and searched[0].built is not None else
                  _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh)))
         entry.plan = plan_

@@ -53,7 +53,7 @@ def cases():
     import numpy as np
     import optax
 
-    from autopar.models import bert, gemma, gpt, lm1b, mlp, moe, wide_resnet
+    from autopar.models import bert, gemma, gpt, lm1b, mlp, moe, nnx_remat_lm, wide_resnet
     key = jax.random.key(1)
 
     def mlp_case():
@@ -119,8 +119,14 @@ def cases():
         return gpt_case(cfg=gpt.GPTConfig(vocab_size=512, seq_len=32, num_layers=2, hidden=128,
                                           num_heads=4), batch_size=8)
 
+    def nnx_remat_case():   # the user's nnx.remat blocks with dropout, updated in place
+        model, opt = nnx_remat_lm.make_nnx_remat_lm()
+        return (lambda state, batch: nnx_remat_lm.train_step(*state, *batch)), (model, opt), (
+            jax.random.randint(key, (32, 64), 0, 256), jax.random.randint(key, (32,), 0, 256))
+
     return {"MLP": mlp_case, "GPT": gpt_case, "GPT-ZeRO-3": zero3_case, "MoE": moe_case,
-            "Wide-ResNet": wrn_case, "BERT": bert_case, "lm1b": lm1b_case, "Gemma": gemma_case}
+            "Wide-ResNet": wrn_case, "BERT": bert_case, "lm1b": lm1b_case, "Gemma": gemma_case,
+            "NNX LM (nnx.remat + dropout)": nnx_remat_case}
 
 
 def compiled_bytes(compiled) -> int:
@@ -142,9 +148,12 @@ def _worker(out_path: str, scheduler: str) -> None:
     made = cases()
     gpt_remat = lambda: made["GPT"](value_and_grad=autopar.value_and_grad)   # noqa: E731
     zero3 = made.pop("GPT-ZeRO-3")
+    user = "NNX LM (nnx.remat + dropout)"
+    user_remat = made.pop(user)
     runs = [(name, make, shape, "none") for name, make in made.items()
             for shape in MESHES] + [("GPT", gpt_remat, (2, 4), "full"),
-                                    ("GPT-ZeRO-3", zero3, (2, 4), "none")]
+                                    ("GPT-ZeRO-3", zero3, (2, 4), "none"),
+                                    (user, user_remat, (2, 4), "none")]
     for name, make, shape, remat in runs:
         if only and name not in only.split(","):
             continue

@@ -35,6 +35,7 @@ from autopar.inter_op.step_remat import (
     forward_layers,
     forward_nodes,
     rematerialize,
+    user_remats,
 )
 from autopar.intra_op.layers import find_family
 
@@ -85,7 +86,7 @@ def plan_step(graph: OpGraph, plan_of: PlanOf, method: ShardParallel, *,
     first_error = None
     if method.remat in (Remat.NONE, Remat.AUTO):
         try:
-            return plan_of(graph), graph
+            return _as_written(graph, plan_of, tied)
         except InfeasiblePlanError as e:
             if method.remat == Remat.NONE:
                 raise
@@ -131,6 +132,18 @@ def plan_step(graph: OpGraph, plan_of: PlanOf, method: ShardParallel, *,
              time.perf_counter() - t0)
     return dataclasses.replace(plan, timings_s={**plan.timings_s, "remat_search":
                                                 time.perf_counter() - t0}), g
+
+
+def _as_written(graph: OpGraph, plan_of: PlanOf, tied: bool) -> tuple[ParallelPlan, OpGraph]:
+    """The plan recomputing nothing but what the user's own `jax.checkpoint`s do; where the
+    backend would run their recomputation early (`tied`), they are tied to the backward pass
+    (`step_remat.user_remats`): the plan records that rewrite (one layer, "none")."""
+    fwd = forward_nodes(graph)
+    if not (tied and fwd and user_remats(graph)):
+        return plan_of(graph), graph
+    remat = StepRemat(boundaries=(0, len(fwd)), choices=(Remat.NONE,), tied=True)
+    g = rematerialize(graph, remat)
+    return _recorded(plan_of(g), graph, g, remat), g
 
 
 def _recorded(plan: ParallelPlan, graph: OpGraph, traced: OpGraph,

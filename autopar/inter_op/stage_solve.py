@@ -29,8 +29,8 @@ from autopar.frontend.loops import atomic_spans
 from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.intra_op.batch_dims import batch_dims
-from autopar.intra_op.memory import run_order, schedule
-from autopar.intra_op.phases import tail_nodes
+from autopar.intra_op.memory import schedule
+from autopar.intra_op.phases import run_order, tail_nodes
 from autopar.intra_op.planner import operator_plans
 from autopar.intra_op.predict import predict_collectives
 from autopar.intra_op.solve import (
@@ -188,7 +188,7 @@ def _residual_bytes(graph: OpGraph, split: TrainSplit, specs, mesh_shape) -> flo
 def deferred_bytes(graph: OpGraph, specs, mesh_shape, grads, edges=()) -> float:
     """Per device, the temporaries the weight-gradient tail reads that are live when it
     starts: the memory model runs the nodes from which no matmul is reachable after the
-    whole backward (`intra_op.memory.run_order`), so what the weight-gradient matmuls of a
+    whole backward (`intra_op.phases.run_order`), so what the weight-gradient matmuls of a
     layer read (its matmuls' inputs and output cotangents) stays live from its backward to
     the end. In a stage of several layers, the later layers' (whose backward runs first)
     are live through the earlier layers' backward, so a span adds them up. `grads`: the
@@ -202,8 +202,8 @@ def deferred_bytes(graph: OpGraph, specs, mesh_shape, grads, edges=()) -> float:
         hit = _DEFERRED[key] = (graph, _deferred_tensors(graph, grads, edges))
         while len(_DEFERRED) > 64:
             _DEFERRED.pop(next(iter(_DEFERRED)))
-    size_of = schedule(graph).model.size_of
-    return float(sum(graph.tensors[t].nbytes / num_shards(specs[size_of[t]], mesh_shape)
+    model = schedule(graph).model
+    return float(sum(model.nbytes(graph, t) / num_shards(specs[model.size_of[t]], mesh_shape)
                      for t in hit[1]))
 
 

@@ -45,6 +45,7 @@ from autopar.core import _compat
 from autopar.core.enums import Remat
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole, Node, OpGraph, Tensor, TensorKind
+from autopar.frontend.checks import dtype_name
 from autopar.frontend.loops import PSEUDO_PRIMITIVES
 from autopar.inter_op.layers import cluster_layers, cut_bytes_from_liveness
 
@@ -176,25 +177,27 @@ class _Rewrite:
         self.tensors = list(graph.tensors)
         self.const_values = dict(graph.const_values)
         self.inserts: dict[int, list[_New]] = {}           # before node id -> new nodes
-        self.swaps: list[tuple[int, dict[int, int]]] = []  # (from node id, old -> new tensor)
+        # (from node id, old -> new tensor, before node id; None: the backward's end)
+        self.swaps: list[tuple[int, dict[int, int], int | None]] = []
 
     def copy(self, like: Tensor) -> int:
         """A new value with `like`'s shape and dtype (`like` may be an input)."""
         return self._add(like.shape, like.dtype, TensorKind.INTERMEDIATE)
 
     def new(self, aval, kind=TensorKind.INTERMEDIATE) -> int:
-        return self._add(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name, kind)
+        return self._add(tuple(int(d) for d in aval.shape), dtype_name(aval), kind)
 
     def _add(self, shape: tuple[int, ...], dtype: str, kind: TensorKind) -> int:
         self.tensors.append(Tensor(id=len(self.tensors), shape=shape, dtype=dtype, kind=kind))
         return len(self.tensors) - 1
 
-    def splice(self, fun, inputs: list[int], site: Node, name_stack: str) -> tuple[list[_New],
-                                                                                list[int]]:
+    def splice(self, fun, inputs: list[int], site: Node, name_stack: str, avals=None,
+               ) -> tuple[list[_New], list[int]]:
         """Nodes computing `fun` on tensors `inputs` (its equations, lax only), and its
-        results' tensors."""
-        avals = [jax.ShapeDtypeStruct(self.tensors[t].shape, np.dtype(self.tensors[t].dtype))
-                 for t in inputs]
+        results' tensors; `avals`: the inputs' abstract values where a tensor's dtype does not
+        say it (a PRNG key's implementation)."""
+        avals = avals or [jax.ShapeDtypeStruct(self.tensors[t].shape,
+                                               np.dtype(self.tensors[t].dtype)) for t in inputs]
         closed = jax.make_jaxpr(fun)(*avals)
         env = dict(zip(closed.jaxpr.invars, inputs))
         for v, c in zip(closed.jaxpr.constvars, closed.consts):
@@ -272,7 +275,51 @@ def rematerialize(graph: OpGraph, remat: StepRemat, *, forward_apart: bool = Fal
         at = outer_start[min(c for t in residuals for c in readers[t] if first <= c < stop)]
         _recompute(rw, [n for n in nodes if n.id in again], residuals, first, at, -(layer + 1),
                    remat.tied)
+    if remat.tied:
+        for group in user_remats(graph):
+            _tie_user_remat(rw, group)
     return _rebuilt(rw, stop)
+
+
+def user_remats(graph: OpGraph) -> list[list[Node]]:
+    """The barrier nodes of each `jax.checkpoint` the user wrote (`nnx.remat`, `nn.remat`,
+    `eqx.filter_checkpoint`) whose recomputation the backward pass runs, one list per
+    checkpoint: the traced backward reads the checkpoint's saved inputs and the cotangent it
+    waits for through one `optimization_barrier` (`tracer.remat_barrier`)."""
+    span = _backward_span(graph)
+    groups: dict[int, list[Node]] = {}
+    for n in graph.nodes[slice(*span) if span else slice(0)]:
+        if n.barrier is not None and n.primitive == "optimization_barrier":
+            groups.setdefault(n.barrier, []).append(n)
+    return list(groups.values())
+
+
+def _tie_user_remat(rw: _Rewrite, barrier: list[Node]) -> None:
+    """A user's checkpoint recomputed as the backward pass needs it, on a backend that would
+    run it early (`StepRemat.tied`): JAX's barrier takes the cotangent the recomputation waits
+    for, but XLA:CPU drops barriers before it schedules, and its memory-minimizing scheduler
+    then runs every block's recomputation at the start of the backward (a 4-block NNX MLP
+    with `nnx.remat` on 2x4: all four blocks' activations live at its peak, 8% over the
+    prediction). The activations the barrier passes on are tied to that cotangent by `_tied`,
+    as the rewrite's own recomputation is; the barrier stays."""
+    graph = rw.graph
+    first, _ = _backward_span(graph)
+    values = [n for n in barrier if _barrable(graph.tensors[n.inputs[0]])]
+    made_after = [n for n in values if graph.tensors[n.inputs[0]].producer is not None
+                  and graph.tensors[n.inputs[0]].producer >= first
+                  and np.issubdtype(np.dtype(graph.tensors[n.inputs[0]].dtype), np.floating)]
+    keys = [n for n in barrier if graph.tensors[n.inputs[0]].dtype == "key"]
+    tied_nodes = [n for n in values if n not in made_after
+                  and _activation(graph.tensors[n.inputs[0]])] + keys
+    if not made_after or not tied_nodes:
+        return
+    name = f"remat({barrier[0].name_stack})"
+    acts = [n.outputs[0] for n in tied_nodes]
+    new, tied = rw.splice(_tied, [made_after[0].outputs[0], *acts], barrier[0], name,
+                          avals=[n.eqn.outvars[0].aval for n in (made_after[0], *tied_nodes)])
+    at = max(n.id for n in barrier) + 1
+    rw.inserts.setdefault(at, []).extend(new)
+    rw.swaps.append((at, dict(zip(acts, tied)), len(graph.nodes)))   # the barrier's readers
 
 
 def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first: int, at: int,
@@ -303,9 +350,9 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
                         name_stack=f"remat({n.name_stack})"))
         env.update(zip(n.outputs, outs))
     rw.inserts.setdefault(at, []).extend(new)
-    rw.swaps.append((at, {t: env[t] for t in residuals}))
+    rw.swaps.append((at, {t: env[t] for t in residuals}, None))
     if routed:
-        rw.swaps.append((-at - 1, {tie: barred[tie]}))      # node `at` alone reads it barred
+        rw.swaps.append((-at - 1, {tie: barred[tie]}, None))  # node `at` alone reads it barred
 
 
 def _tied(cotangent, *activations):
@@ -318,8 +365,26 @@ def _tied(cotangent, *activations):
     c = jax.lax.reduce_max(cotangent, tuple(range(cotangent.ndim)))
     c = jax.lax.select(jax.lax.is_finite(c), c, jax.lax.full_like(c, 0))
     zero = jax.lax.mul(jax.lax.abs(c), jax.lax.full_like(c, 0))
-    return tuple(jax.lax.sub(a, jax.lax.broadcast_in_dim(
-        jax.lax.convert_element_type(zero, a.dtype), a.shape, ())) for a in activations)
+    return tuple(_tied_key(zero, a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+                 else jax.lax.sub(a, jax.lax.broadcast_in_dim(
+                     jax.lax.convert_element_type(zero, a.dtype), a.shape, ()))
+                 for a in activations)
+
+
+def _tied_key(zero, key):
+    """PRNG key `key` unchanged, yet computed from the floating +0.0 `zero`: its words plus
+    the bits of +0.0 (which are 0; XLA folds neither the bit cast nor the addition), so
+    XLA's common-subexpression elimination cannot merge the random bits drawn from it with
+    the forward pass's: a user's checkpointed dropout draws its mask again in the backward
+    instead of keeping the forward's bits (two words per element) from the forward to the
+    backward's end."""
+    data = jax.random.key_data(key)
+    bits = jax.lax.bitcast_convert_type(jax.lax.convert_element_type(zero, np.float32),
+                                        np.uint32)
+    bits = jax.lax.convert_element_type(bits, data.dtype)
+    return jax.random.wrap_key_data(
+        jax.lax.add(data, jax.lax.broadcast_in_dim(bits, data.shape, ())),
+        impl=jax.random.key_impl(key))
 
 
 def _tie(graph: OpGraph, first: int, at: int) -> tuple[int | None, bool]:
@@ -361,7 +426,8 @@ def _barrable(tensor: Tensor) -> bool:
 
 def _rebuilt(rw: _Rewrite, stop: int) -> OpGraph:
     """The graph with `rw.inserts[i]` placed before node i, renumbered; the backward nodes
-    from node `at` on read `rw.swaps`' new tensors (an entry at -at - 1: node `at` alone)."""
+    from node `at` on (to the backward's end, or the swap's own end) read `rw.swaps`' new
+    tensors (an entry at -at - 1: node `at` alone)."""
     graph, tensors, inserts, swaps = rw.graph, rw.tensors, rw.inserts, rw.swaps
     order: list[Node | _New] = []
     new_id: dict[int, int] = {}
@@ -379,8 +445,9 @@ def _rebuilt(rw: _Rewrite, stop: int) -> OpGraph:
                                        barrier=item.barrier, remat=None)
         else:
             inputs = item.inputs
-            for at, swap in swaps:
-                if (at >= 0 and at <= item.id < stop) or at == -item.id - 1:
+            for at, swap, end in swaps:
+                if (at >= 0 and at <= item.id < (stop if end is None else end)) or \
+                        at == -item.id - 1:
                     inputs = tuple(swap.get(t, t) for t in inputs)
             node = dataclasses.replace(item, id=pos, inputs=inputs, outputs=item.outputs)
         out_nodes.append(node)
@@ -396,8 +463,8 @@ def _rebuilt(rw: _Rewrite, stop: int) -> OpGraph:
 
 def _renumbered(region, new_id: dict[int, int], swaps, stop: int):
     outer = region.outer_inputs
-    for at, swap in swaps:
-        if at >= 0 and at <= region.start < stop:
+    for at, swap, end in swaps:
+        if at >= 0 and at <= region.start < (stop if end is None else end):
             outer = tuple(swap.get(t, t) for t in outer)
     return dataclasses.replace(
         region, start=new_id[region.start], stop=new_id[region.stop - 1] + 1,

@@ -285,7 +285,7 @@ class _Builder:
             return []
         g, mesh = self.g, self.ctx.mesh_shape
         events = schedule(g)                  # the events `solve.peak_memory` walks
-        tracker = _LiveBytes(self, mesh, events.model.size_of)
+        tracker = _LiveBytes(self, mesh, events.model)
         for t in events.start:
             tracker.add(t)
         born_x, freed_x = self._collective_events(events)
@@ -328,8 +328,8 @@ class _LiveBytes:
     """Bytes per device of the live tensors, per ILP group (immutable vectors, so a recorded
     point keeps its values while the tracker moves on)."""
 
-    def __init__(self, b: _Builder, mesh, size_of):
-        self.b, self.mesh, self.size_of = b, mesh, size_of
+    def __init__(self, b: _Builder, mesh, model):
+        self.b, self.mesh, self.model, self.size_of = b, mesh, model, model.size_of
         self.live: set[int] = set()
         self.terms: dict[int, np.ndarray] = {}
         self.folded: dict[int, tuple[np.ndarray, float, float]] = {}  # shifted, min, max - min
@@ -352,7 +352,8 @@ class _LiveBytes:
         like = self.size_of[tid]
         vec = option_bytes(self.b.g, self.b.tensor_specs, like, self.mesh)
         ts = self.b.g.tensors
-        return vec if like == tid else vec * (ts[tid].nbytes / ts[like].nbytes)
+        scale = self.model.nbytes(self.b.g, tid) / ts[like].nbytes
+        return vec if scale == 1.0 else vec * scale
 
     def add(self, tid: int) -> None:
         if tid in self.live:

@@ -143,7 +143,10 @@ def _overview(plan: ParallelPlan, stage) -> list:
              f"  peak memory {_bytes(plan.peak_memory_bytes)} of budget "
              f"{_bytes(plan.memory_budget_bytes)}"]
     lines += _runner_ups(plan)
-    if plan.remat:
+    if plan.remat and set(plan.remat["layers"]) == {"none"}:
+        lines.append("  rematerialization: only the step's own jax.checkpoint blocks, tied to "
+                     "the backward pass so that XLA recomputes them where it needs them")
+    elif plan.remat:
         bounds, layers = plan.remat["layer_boundaries"], plan.remat["layers"]
         lines.append("  rematerialization (loss layers, forward operators): " + ", ".join(
             f"{a}..{b - 1} {c}" for a, b, c in zip(bounds, bounds[1:], layers)))

@@ -202,3 +202,19 @@ def test_plan_with_fused_costs_matches_jit_on_8_devices():
     # unused embedding rows), so parameters are compared through the later steps' losses and
     # gradients, as test_equivalence does for the Adam family.
     assert_equivalent(ref, got, compare_params=False, rtol=1e-5, smooth=True)
+
+
+def test_threefry_bits_are_kept_as_two_words_per_element():
+    """XLA keeps partitionable threefry's two uint32 words wherever it keeps random bits (the
+    combining xor is fused into the readers): 8 bytes per element, whatever the bit width."""
+    from autopar.intra_op.fusion import threefry_words
+    from autopar.intra_op.memory import memory_model, tensor_bytes
+
+    def f(key, x):
+        return (x * jax.random.bits(key, x.shape).astype(jnp.float32)
+                + jax.random.bits(key, x.shape, jnp.uint8).astype(jnp.float32))
+    g = trace(f, (jax.random.key(0), jnp.ones((8, 16))))
+    bits = [n.outputs[0] for n in g.nodes if n.primitive == "random_bits"]
+    assert threefry_words(g) == {bits[0]: 2.0, bits[1]: 8.0}
+    per = tensor_bytes(g, memory_model(g), [()] * len(g.tensors), (1, 1))
+    assert [per[t] for t in bits] == [8 * 8 * 16] * 2

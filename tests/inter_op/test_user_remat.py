@@ -1,0 +1,90 @@
+"""The user's own `jax.checkpoint` (`nnx.remat`, `nn.remat`) under a stock gradient: on XLA:CPU,
+which drops optimization barriers before it schedules, the recomputation is tied to the
+cotangent JAX's barrier waits for (`step_remat.user_remats`), its PRNG keys too, so XLA can
+neither run it early nor merge its random bits with the forward pass's."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autopar
+from autopar.core.enums import Remat
+from autopar.frontend.interpret import interpret
+from autopar.frontend.tracer import trace
+from autopar.inter_op.step_remat import StepRemat, forward_nodes, rematerialize, user_remats
+from support.steps import mesh_of
+
+
+def _block(w, x, key, i):
+    key = jax.random.fold_in(key, i)          # inside the checkpoint, as nnx.Dropout draws
+    h = jax.nn.gelu(x @ w[0])
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    return x + jnp.where(keep, h / 0.9, 0.0) @ w[1]
+
+
+def _step(ws, key, x):
+    def loss(ws):
+        h = x
+        for i, w in enumerate(ws):
+            h = jax.checkpoint(_block, static_argnums=(3,))(w, h, key, i)
+        return jnp.mean(h ** 2)
+    value, grads = jax.value_and_grad(loss)(ws)
+    return value, [(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(ws, grads)]
+
+
+def _args():
+    k = jax.random.split(jax.random.key(0), 7)
+    ws = [(jax.random.normal(k[2 * i], (16, 32)) * 0.3,
+           jax.random.normal(k[2 * i + 1], (32, 16)) * 0.3) for i in range(3)]
+    return ws, jax.random.key(7), jax.random.normal(k[6], (8, 16))
+
+
+def _threefry_loops(hlo: str) -> int:
+    """The while loops XLA:CPU draws the (8, 32) masks' bits in (two uint32 words carried)."""
+    return len(re.findall(r"= \(s32\[\], u32\[8,32\]\{[^}]*\}, u32\[8,32\].* while\(", hlo))
+
+
+def test_tied_checkpoints_compute_the_same_bits_and_draw_their_masks_again():
+    ws, key, x = _args()
+    graph = trace(_step, (ws, key, x), batch_argnums=(2,))
+    assert len(user_remats(graph)) == 3
+    tied = rematerialize(graph, StepRemat(boundaries=(0, len(forward_nodes(graph))),
+                                          choices=(Remat.NONE,)))
+    assert sum(n.primitive == "reduce_max" for n in tied.nodes) == \
+        sum(n.primitive == "reduce_max" for n in graph.nodes) + 3    # one tie per checkpoint
+    flat = jax.tree_util.tree_leaves((ws, key, x))
+    run = [jax.jit(lambda *f, g=g: interpret(g, f)) for g in (graph, tied)]
+    for a, b in zip(run[0](*flat), run[1](*flat)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    untied = _threefry_loops(run[0].lower(*flat).compile().as_text())
+    loops = _threefry_loops(run[1].lower(*flat).compile().as_text())
+    # Untied, XLA merges each recomputed mask with the forward's (one draw per block, its two
+    # words kept to the backward); tied, each checkpoint draws its mask again.
+    assert (untied, loops) == (3, 6)
+
+
+def test_a_step_with_checkpoints_plans_the_tie_and_trains_like_jit():
+    ws, key, x = _args()
+    par = autopar.parallelize(_step, mesh=mesh_of((2, 4)), batch_argnums=(2,))
+    plan = par.get_plan(ws, key, x)
+    assert plan.remat["layers"] == ["none"] and plan.remat["tied"]
+    assert "the step's own jax.checkpoint" in autopar.dump(plan)
+    ref = got = ws
+    for i in range(2):
+        xi = x + i
+        (lr, ref), (lg, got) = jax.jit(_step)(ref, key, xi), par(got, key, xi)
+        np.testing.assert_allclose(lg, lr, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_without_checkpoints_the_step_is_planned_as_written():
+    def step(w, x):
+        value, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return value, w - 0.1 * g
+    w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+    graph = trace(step, (w, x), batch_argnums=(1,))
+    assert user_remats(graph) == []
+    plan = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,)).get_plan(w, x)
+    assert not plan.remat
