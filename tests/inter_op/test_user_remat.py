@@ -2,6 +2,8 @@
 which drops optimization barriers before it schedules, the recomputation is tied to the
 cotangent JAX's barrier waits for (`step_remat.user_remats`), its PRNG keys too, so XLA can
 neither run it early nor merge its random bits with the forward pass's."""
+import json
+import logging
 import re
 
 import jax
@@ -88,3 +90,22 @@ def test_without_checkpoints_the_step_is_planned_as_written():
     assert user_remats(graph) == []
     plan = autopar.parallelize(step, mesh=mesh_of((2, 4)), batch_argnums=(1,)).get_plan(w, x)
     assert not plan.remat
+
+
+def test_a_cached_plan_whose_rewrite_no_longer_matches_is_planned_again(tmp_path, caplog):
+    """A plan-cache entry written by other code of the same autopar version (a development
+    checkout) whose recorded rewrite no longer matches the step's is re-planned, with a
+    warning, instead of failing the call."""
+    ws, key, x = _args()
+    autopar.parallelize(_step, mesh=mesh_of((2, 4)), batch_argnums=(2,),
+                        plan_cache=tmp_path).get_plan(ws, key, x)
+    (entry,) = tmp_path.glob("plan-*.json")
+    text = entry.read_text()
+    recorded = json.loads(text)["plan"]["remat"]["graph_fingerprint"]
+    entry.write_text(text.replace(recorded, "0" * len(recorded)))
+    par = autopar.parallelize(_step, mesh=mesh_of((2, 4)), batch_argnums=(2,),
+                              plan_cache=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="autopar.api"):
+        got, _ = par(ws, key, x)
+    assert "does not match this step; re-planning" in caplog.text
+    np.testing.assert_allclose(got, jax.jit(_step)(ws, key, x)[0], rtol=1e-6)
