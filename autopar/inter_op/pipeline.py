@@ -183,26 +183,43 @@ class StageSlice:
 
 def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> StageSlice:
     """The stage made of forward nodes [start, stop): what it reads from the loss inputs and
-    from other nodes, and what it makes that other nodes (or the loss outputs) read."""
+    from other nodes, and what it makes that other nodes (or the loss outputs) read. Nodes
+    are in topological order, so only the stage's own nodes are walked: a value made inside
+    is an output when a node at or after `stop` reads it (`_last_reader`)."""
     fwd = loss.forward
     position = {tid: pos for pos, tid in enumerate(fwd.inputs)}
-    inside = lambda t: (fwd.tensors[t].kind == TensorKind.INTERMEDIATE
-                        and start <= fwd.tensors[t].producer < stop)
+    last = _last_reader(fwd)
     params, data, acts, outs = set(), set(), set(), set()
-    for node in fwd.nodes:
-        here = start <= node.id < stop
+    for node in fwd.nodes[start:stop]:
         for t in node.inputs:
             tensor = fwd.tensors[t]
-            if here and tensor.kind == TensorKind.INPUT:
+            if tensor.kind == TensorKind.INPUT:
                 (params if position[t] < loss.num_diff else data).add(position[t])
-            elif here and tensor.kind == TensorKind.INTERMEDIATE and not inside(t):
+            elif tensor.kind == TensorKind.INTERMEDIATE and not start <= tensor.producer < stop:
                 acts.add(t)
-            elif not here and inside(t):
-                outs.add(t)
-    outs.update(t for t in fwd.outputs if inside(t))
+        outs.update(t for t in node.outputs if last[t] >= stop)
+    outs.update(t for t in fwd.outputs if fwd.tensors[t].kind == TensorKind.INTERMEDIATE
+                and start <= fwd.tensors[t].producer < stop)
     return StageSlice(index=index, start=start, stop=stop, param_inputs=tuple(sorted(params)),
                       data_inputs=tuple(sorted(data)), act_inputs=tuple(sorted(acts)),
                       outputs=tuple(sorted(outs)))
+
+
+_LAST_READER: dict[int, tuple[OpGraph, np.ndarray]] = {}    # graph id -> (graph, last reader)
+
+
+def _last_reader(graph: OpGraph) -> np.ndarray:
+    """Per tensor, the id of the last node reading it (-1: none); kept for the last graphs
+    (a layer DP slices one forward graph thousands of times)."""
+    hit = _LAST_READER.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        last = np.full(len(graph.tensors), -1, dtype=np.int64)
+        for node in graph.nodes:
+            last[list(node.inputs)] = node.id
+        hit = _LAST_READER[id(graph)] = (graph, last)
+        while len(_LAST_READER) > 4:
+            _LAST_READER.pop(next(iter(_LAST_READER)))
+    return hit[1]
 
 
 def slice_stages(loss: LossGraph, ranges: Sequence[tuple[int, int]]) -> tuple[StageSlice, ...]:
