@@ -35,7 +35,13 @@ from autopar.inter_op.stage_solve import (
     stage_problem,
     trace_stage,
 )
-from autopar.inter_op.step_remat import StepRemat, forward_layers, rematerialize
+from autopar.inter_op.step_remat import (
+    StepRemat,
+    forward_layers,
+    forward_nodes,
+    rematerialize,
+    user_remats,
+)
 
 log = logging.getLogger(__name__)
 AXIS_NAMES = ("data", "model")
@@ -102,6 +108,7 @@ class StageSolver:
         self.cache: dict = {}
         self.problems: dict = {}
         self.graphs: dict[tuple, tuple[OpGraph, str]] = {}
+        self.traces: dict[tuple[int, int], OpGraph] = {}    # (start, stop) -> as traced
         self.shared: dict[tuple, tuple[OpGraph, str, StageSlice]] = {}  # (slice_key, remat)
         self.act_dims = None
         self.keys: dict[tuple[int, int], str] = {}      # (start, stop) -> slice_key
@@ -115,19 +122,25 @@ class StageSolver:
 
     def graph(self, sl: StageSlice, remat: Remat = Remat.NONE) -> tuple[OpGraph, str]:
         """The stage's training graph; with `remat`, each of its layers recomputed in its
-        backward pass (`step_remat`, as a single-mesh step is)."""
+        backward pass (`step_remat`, as a single-mesh step is). Where the backend would run a
+        recomputation early (`hoists_recomputation`), the user's own checkpoints in it are
+        tied to the backward pass even without `remat` (`step_remat.user_remats`)."""
         key = (sl.start, sl.stop, remat)
         if key not in self.graphs:
-            g = self.graphs[(sl.start, sl.stop, Remat.NONE)][0] \
-                if remat != Remat.NONE and (sl.start, sl.stop, Remat.NONE) in self.graphs \
-                else trace_stage(self.loss, sl)
+            g = self.traces.get(key[:2])
+            if g is None:
+                g = self.traces[key[:2]] = trace_stage(self.loss, sl)
+            tied = self.cluster is not None and self.cluster.hoists_recomputation()
             if remat != Remat.NONE:
                 layers = sum(sl.start <= b < sl.stop for b in self.boundaries)
                 bounds = forward_layers(g, max(1, layers))
                 if bounds is not None:
                     g = rematerialize(g, StepRemat(
-                        boundaries=bounds, choices=(remat,) * (len(bounds) - 1),
-                        tied=self.cluster.hoists_recomputation()), forward_apart=True)
+                        boundaries=bounds, choices=(remat,) * (len(bounds) - 1), tied=tied),
+                        forward_apart=True)
+            elif tied and user_remats(g) and forward_nodes(g):
+                g = rematerialize(g, StepRemat(boundaries=(0, len(forward_nodes(g))),
+                                               choices=(Remat.NONE,)), forward_apart=True)
             self.graphs[key] = (g, graph_fingerprint(g))
         return self.graphs[key]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from autopar.core.graph import OpGraph
 from autopar.core.primitives import MATMUL_LIKE, REDUCTIONS
-from autopar.intra_op.fusion import OpKind, op_kind
 
 
 def tail_nodes(graph: OpGraph) -> frozenset[int]:
@@ -61,30 +60,9 @@ def sibling_reductions(graph: OpGraph) -> frozenset[int]:
 
 def run_order(graph: OpGraph) -> list[int]:
     """The node order the memory model assumes XLA runs: the graph's, with the nodes from
-    which no matmul is reachable (weight gradients, loss value, optimizer update) and the
-    elementwise values only they read after all others, as XLA:CPU's memory scheduler places
-    the weight-gradient matmuls after the whole backward."""
-    tail = _fed_to_tail(graph, tail_nodes(graph))
+    which no matmul is reachable (weight gradients, loss value, optimizer update) after all
+    others, as XLA:CPU's memory scheduler places the weight-gradient matmuls after the whole
+    backward."""
+    tail = tail_nodes(graph)
     return ([n.id for n in graph.nodes if n.id not in tail]
             + [n.id for n in graph.nodes if n.id in tail])
-
-
-def _fed_to_tail(graph: OpGraph, tail: frozenset[int]) -> frozenset[int]:
-    """`tail` and the elementwise nodes and views whose results only tail nodes read
-    (transitively; a matmul operand's producers, say): XLA computes them just before the
-    deferred node that needs them, so their inputs stay live until then. Read off a 4-block NNX
-    MLP whose blocks the user wrapped in `nnx.remat` (2x4, memory-minimizing XLA:CPU scheduler):
-    each block's recomputed GELU output, read only by its weight gradient's matmul, is computed
-    (`multiply_bitcast_fusion.3`) right before that matmul after the whole backward, and the
-    GELU's input and tanh are kept until then."""
-    consumers = graph.consumers()
-    out = set(tail)
-    for node in reversed(graph.nodes):
-        if node.id in out or not node.outputs or \
-                op_kind(node.primitive) not in (OpKind.FUSIBLE, OpKind.ALIAS):
-            continue
-        readers = [c for t in node.outputs for c in consumers[t]]
-        if readers and all(c in out for c in readers) and \
-                not any(t in graph.outputs for t in node.outputs):
-            out.add(node.id)
-    return frozenset(out)

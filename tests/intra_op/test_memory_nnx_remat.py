@@ -9,11 +9,11 @@ The causes (2026-12-02, the compiled step's live ranges at its peak), each a rul
     keys too (`step_remat.user_remats`), so XLA recomputes each block where the model says
     and cannot merge its recomputed dropout mask with the forward's;
   - a threefry's random bits are kept as its two uint32 words (`fusion.threefry_words`);
-  - the recomputed GELU, read only by its weight gradient's matmul, is computed after the
-    backward, right before that matmul (`phases.run_order`);
   - the dropout mask on the cotangent is drawn again from the bits in the weight gradient's
     operand copy, which keeps the bits and the cotangent until then (`memory.memory_model`).
-Now 0.99 (12,871,760 vs 12,992,780 bytes)."""
+Now 0.94 (12,208,252 vs 12,992,908 bytes). The rest: each recomputed GELU, read only by its
+weight gradient's matmul, is computed after the backward, right before that matmul (not
+modelled: benchmarks/memory_notes.md)."""
 import re
 
 import jax

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.frontend.tracer import trace
-from autopar.intra_op.phases import deferred_nodes, run_order, sibling_reductions, tail_nodes
+from autopar.intra_op.phases import deferred_nodes, sibling_reductions, tail_nodes
 
 
 def test_sibling_reductions_pay_one_latency():
@@ -35,30 +35,3 @@ def test_tail_is_what_no_matmul_follows():
     assert g.nodes[-1].id in tail                                   # the update
     assert tail <= deferred_nodes(g)
 
-
-def test_run_order_defers_a_value_that_only_deferred_matmuls_read():
-    """A checkpointed block's recomputed GELU is read only by its weight gradient's matmul,
-    which XLA runs after the backward: the value is computed there too (its inputs stay live
-    until then), so the memory model's order places it after the backward's matmuls."""
-    def block(w, x):
-        return jax.nn.gelu(x @ w[0]) @ w[1]
-
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jax.checkpoint(block)(w, h)
-            return jnp.mean(h)
-        return jax.grad(loss)(ws)
-    ws = [(jnp.ones((16, 32)), jnp.ones((32, 16)))] * 2
-    g = trace(step, (ws, jnp.ones((4, 16))))
-    tail, order = tail_nodes(g), run_order(g)
-    readers = g.consumers()
-    late = [n.id for n in g.nodes if n.id not in tail and "rematted" in n.name_stack
-            and n.outputs and all(c in tail and g.nodes[c].primitive == "dot_general"
-                                  for c in readers[n.outputs[0]])]
-    assert late, "the recomputed GELU feeds only the weight gradient"
-    pos = {n: i for i, n in enumerate(order)}
-    matmuls = [n.id for n in g.nodes if n.primitive == "dot_general" and n.id not in tail]
-    assert min(pos[n] for n in late) > max(pos[n] for n in matmuls)   # after the backward
-    assert sorted(order) == list(range(len(g.nodes)))
