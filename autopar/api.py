@@ -28,7 +28,7 @@ import numpy as np
 from autopar import passes
 from autopar.core import _compat, progress
 from autopar.core.collector import no_full_collections
-from autopar.core.errors import InvalidArgumentError, PlanMismatchError, UnsupportedError
+from autopar.core.errors import InvalidArgumentError, UnsupportedError
 from autopar.core.graph import OpGraph
 from autopar.core.options import ShardParallel
 from autopar.core.plan import ParallelPlan, graph_fingerprint
@@ -40,7 +40,7 @@ from autopar.frontend.nnx import PureStep, as_state
 from autopar.frontend.step import StepFrontend
 from autopar.frontend.tracer import abstract_signature, check_argnums, check_donated_aliases, trace
 from autopar.inter_op.pipeshard import plan_pipeline, with_search_record
-from autopar.inter_op.remat_plan import plan_step, traced_for
+from autopar.inter_op.remat_plan import plan_step
 from autopar.lowering.pipeline import lower_pipeline
 from autopar.lowering.single_mesh import Lowered, lower, named, put
 from autopar.runtime.distributed import check_agreement
@@ -168,13 +168,8 @@ class ParallelizedFunction:
             plan_ = passes.matching(self._saved_plan, graph_fingerprint(graph), graph)
         else:
             plan_ = self._find(args, graph_fingerprint(graph), mesh, search, method)
-        try:
-            graph = searched[0].graph if searched else traced_for(plan_, graph)
-        except PlanMismatchError:     # a cache entry written by other code of this version
-            if plan_.origin != "plan cache":
-                raise
-            log.warning("autopar: the plan cache's plan does not match this step; re-planning")
-            plan_, graph = search(), searched[0].graph
+        plan_, graph = (plan_, searched[0].graph) if searched else passes.graph_of(
+            plan_, graph, lambda: (search(), searched[0].graph))
         entry = (searched[0].built if searched and searched[0].built is not None else
                  _Entry(graph=graph, plan=plan_, lowered=lower(graph, plan_, mesh)))
         entry.plan = plan_

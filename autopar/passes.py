@@ -32,7 +32,7 @@ from autopar.frontend.checks import (
 )
 from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
-from autopar.inter_op.remat_plan import plan_step
+from autopar.inter_op.remat_plan import plan_step, traced_for
 from autopar.intra_op import solve_intra_op
 from autopar.intra_op.planner import build_plan
 from autopar.tools.plan_cache import PlanCache, env_setting
@@ -178,6 +178,20 @@ def matching(plan_: ParallelPlan, fingerprint: str, graph: OpGraph | None = None
             f"step.get_plan(...) on these arguments), or call with the shapes the plan was "
             f"made for.")
     return plan_
+
+
+def graph_of(plan_: ParallelPlan, graph: OpGraph, search) -> tuple[ParallelPlan, OpGraph]:
+    """(plan, the graph it was made for: `remat_plan.traced_for`). A plan from the plan cache
+    whose recorded rewrite does not match this code's (an entry written by other code of the
+    same version, as a development checkout leaves) is searched again (`search()` gives the
+    plan and its graph), with a warning."""
+    try:
+        return plan_, traced_for(plan_, graph)
+    except PlanMismatchError:
+        if plan_.origin != "plan cache":
+            raise
+        log.warning("autopar: the plan cache's plan does not match this step; re-planning")
+        return search()
 
 
 def changed_leaves(plan_: ParallelPlan, graph: OpGraph | None) -> str:

@@ -305,7 +305,8 @@ def _tie_user_remat(rw: _Rewrite, barrier: list[Node]) -> None:
     stays."""
     graph = rw.graph
     first, _ = _backward_span(graph)
-    values = [n for n in barrier if _barrable(graph.tensors[n.inputs[0]])]
+    values = [n for n in barrier if _barrable(graph.tensors[n.inputs[0]])
+              and _on_device(graph, n.inputs[0])]     # not what a policy offloads
     made_after = [n for n in values if graph.tensors[n.inputs[0]].producer is not None
                   and graph.tensors[n.inputs[0]].producer >= first
                   and np.issubdtype(np.dtype(graph.tensors[n.inputs[0]].dtype), np.floating)]
@@ -354,6 +355,18 @@ def _recompute(rw: _Rewrite, recompute: list[Node], residuals: list[int], first:
     rw.swaps.append((at, {t: env[t] for t in residuals}, None))
     if routed:
         rw.swaps.append((-at - 1, {tie: barred[tie]}, None))  # node `at` alone reads it barred
+
+
+def _on_device(graph: OpGraph, t: int) -> bool:
+    """Whether tensor `t` lives in device memory, as its producer made it (a remat policy may
+    offload residuals to the host, where no arithmetic runs; the barrier's own aval does not
+    say so)."""
+    p = graph.tensors[t].producer
+    node = graph.nodes[p] if p is not None and p >= 0 else None
+    if node is None or node.eqn is None or len(node.eqn.outvars) != len(node.outputs):
+        return True
+    aval = node.eqn.outvars[node.outputs.index(t)].aval
+    return getattr(getattr(aval, "memory_space", None), "name", "Device") == "Device"
 
 
 def _tied(cotangent, *activations):

@@ -106,7 +106,7 @@ def test_a_cached_plan_whose_rewrite_no_longer_matches_is_planned_again(tmp_path
     entry.write_text(text.replace(recorded, "0" * len(recorded)))
     par = autopar.parallelize(_step, mesh=mesh_of((2, 4)), batch_argnums=(2,),
                               plan_cache=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="autopar.api"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes"):
         got, _ = par(ws, key, x)
     assert "does not match this step; re-planning" in caplog.text
     np.testing.assert_allclose(got, jax.jit(_step)(ws, key, x)[0], rtol=1e-6)
