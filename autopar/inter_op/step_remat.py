@@ -363,9 +363,10 @@ def _on_device(graph: OpGraph, t: int) -> bool:
     say so)."""
     p = graph.tensors[t].producer
     node = graph.nodes[p] if p is not None and p >= 0 else None
-    if node is None or node.eqn is None or len(node.eqn.outvars) != len(node.outputs):
+    outvars = getattr(node.eqn, "outvars", None) if node is not None else None
+    if outvars is None or len(outvars) != len(node.outputs):     # a loop's pseudo node
         return True
-    aval = node.eqn.outvars[node.outputs.index(t)].aval
+    aval = outvars[node.outputs.index(t)].aval
     return getattr(getattr(aval, "memory_space", None), "name", "Device") == "Device"
 
 
