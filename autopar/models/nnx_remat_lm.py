@@ -14,12 +14,14 @@ from flax import nnx
 
 
 class Block(nnx.Module):
-    """LayerNorm, a 4x GELU MLP and dropout, added to the input."""
+    """LayerNorm, a 4x GELU MLP and dropout, added to the input (no dropout at rate 0: the
+    model's rng stream is left alone, as a pipeline's microbatched loss needs)."""
 
     def __init__(self, d: int, rngs: nnx.Rngs, dropout: float = 0.1):
         self.ln = nnx.LayerNorm(d, rngs=rngs)
         self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
-        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else \
+            nnx.Dropout(0.0, deterministic=True)   # no rngs: a stream it would advance
 
     def __call__(self, x):
         return x + self.drop(self.fc2(nnx.gelu(self.fc1(self.ln(x)))))
@@ -29,9 +31,10 @@ class RematLM(nnx.Module):
     """Token embedding, ``num_blocks`` blocks each recomputed in the backward pass
     (``nnx.remat``), mean pooling over the sequence and a classifier over ``vocab`` labels."""
 
-    def __init__(self, rngs: nnx.Rngs, d: int = 128, num_blocks: int = 4, vocab: int = 256):
+    def __init__(self, rngs: nnx.Rngs, d: int = 128, num_blocks: int = 4, vocab: int = 256,
+                 dropout: float = 0.1):
         self.emb = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, rngs) for _ in range(num_blocks)])
+        self.blocks = nnx.List([Block(d, rngs, dropout) for _ in range(num_blocks)])
         self.head = nnx.Linear(d, vocab, rngs=rngs)
 
     def __call__(self, ids):
