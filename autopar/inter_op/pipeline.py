@@ -205,18 +205,15 @@ def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> Stage
                       outputs=tuple(sorted(outs)))
 
 
-_LAST_READER: dict[int, tuple[OpGraph, np.ndarray]] = {}    # graph id -> (graph, last reader)
+_LAST_READER: dict[int, tuple[OpGraph, list[int]]] = {}    # graph id -> (graph, last reader)
 
 
-def _last_reader(graph: OpGraph) -> np.ndarray:
+def _last_reader(graph: OpGraph) -> list[int]:
     """Per tensor, the id of the last node reading it (-1: none); kept for the last graphs
     (a layer DP slices one forward graph thousands of times)."""
     hit = _LAST_READER.get(id(graph))
     if hit is None or hit[0] is not graph:
-        last = np.full(len(graph.tensors), -1, dtype=np.int64)
-        for node in graph.nodes:
-            last[list(node.inputs)] = node.id
-        hit = _LAST_READER[id(graph)] = (graph, last)
+        hit = _LAST_READER[id(graph)] = (graph, [c[-1] if c else -1 for c in graph.consumers()])
         while len(_LAST_READER) > 4:
             _LAST_READER.pop(next(iter(_LAST_READER)))
     return hit[1]

@@ -277,7 +277,7 @@ def rematerialize(graph: OpGraph, remat: StepRemat, *, forward_apart: bool = Fal
                    remat.tied)
     if remat.tied:
         for group in user_remats(graph):
-            _tie_user_remat(rw, group)
+            _tie_user_remat(rw, group, first)
     return _rebuilt(rw, stop)
 
 
@@ -294,7 +294,7 @@ def user_remats(graph: OpGraph) -> list[list[Node]]:
     return list(groups.values())
 
 
-def _tie_user_remat(rw: _Rewrite, barrier: list[Node]) -> None:
+def _tie_user_remat(rw: _Rewrite, barrier: list[Node], first: int) -> None:
     """A user's checkpoint recomputed as the backward pass needs it, on a backend that would
     run it early (`StepRemat.tied`): JAX's barrier takes the cotangent the recomputation waits
     for, but XLA:CPU drops barriers before it schedules, and its default scheduler then runs
@@ -302,9 +302,8 @@ def _tie_user_remat(rw: _Rewrite, barrier: list[Node]) -> None:
     the tie, 7.75 MB with it; under the memory-minimizing scheduler 12.86 and 12.99 MB). The
     activations the barrier passes on are tied to that cotangent by `_tied`, as the
     rewrite's own recomputation is, and so are its PRNG keys (`_tied_key`); the barrier
-    stays."""
+    stays. `first`: the backward pass's first node."""
     graph = rw.graph
-    first, _ = _backward_span(graph)
     values = [n for n in barrier if _barrable(graph.tensors[n.inputs[0]])
               and _on_device(graph, n.inputs[0])]     # not what a policy offloads
     made_after = [n for n in values if graph.tensors[n.inputs[0]].producer is not None

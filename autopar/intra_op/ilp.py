@@ -43,7 +43,7 @@ from autopar.intra_op.mip import (
     round_solution,
     run_mip,
 )
-from autopar.intra_op.reduced import _presolve, _Reduced  # noqa: F401
+from autopar.intra_op.reduced import _presolve, _Reduced
 
 logger = logging.getLogger(__name__)
 
@@ -255,13 +255,20 @@ def lp_rounds(problem: IlpProblem, rows: PointRows | None, deadline: float = mat
         for g, s0, k in (mip.group_cols if mip is not None else ()):
             weights[g] = x[s0:s0 + k]
         usage = rows.mixed_usage(weights)
-        rest = usage.copy()
-        rest[active] = -np.inf
-        over = np.flatnonzero(rest > budget * (1 + 1e-9))
-        if not over.size:
+        over = _fullest(usage, active, budget * (1 + 1e-9))
+        if not over:
             return RowLp(red, mip, x, usage), active
-        active = active + [int(i) for i in over[np.argsort(-rest[over])][:LAZY_BATCH]]
+        active = active + over
     return None, active
+
+
+def _fullest(usage: np.ndarray, active, threshold: float) -> list[int]:
+    """Up to `LAZY_BATCH` memory points not in `active` whose bytes (`usage`) exceed
+    `threshold`, the fullest first: the rows a lazy round adds."""
+    rest = usage.copy()
+    rest[active] = -np.inf
+    over = np.flatnonzero(rest > threshold)
+    return [int(i) for i in over[np.argsort(-rest[over])][:LAZY_BATCH]]
 
 
 def _lp_points(problem: IlpProblem, rows: PointRows,
@@ -280,10 +287,7 @@ def _lp_points(problem: IlpProblem, rows: PointRows,
     if (lp.mip is None or is_integral(lp.mip, lp.x)) and lp.usage.max() <= budget:
         choice = lp.red.choice if lp.mip is None else round_solution(lp.mip, lp.x, lp.red.choice)
         return active, _lp_solution(problem, choice, lp.mip, active, time.perf_counter() - t0)
-    rest = lp.usage.copy()
-    rest[active] = -np.inf
-    near = np.flatnonzero(rest > budget * (1 - LP_POINTS_MARGIN))
-    return active + [int(i) for i in near[np.argsort(-rest[near])][:LAZY_BATCH]], None
+    return active + _fullest(lp.usage, active, budget * (1 - LP_POINTS_MARGIN)), None
 
 
 def _lp_solution(problem: IlpProblem, choice, mip: Mip | None, active, took: float,
@@ -402,12 +406,10 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
             logger.warning("min_peak_memory: %s; using the smallest strategy per group", reason)
             break
         usage = rows.usage(choice)
-        bound = float(usage[active].max())
-        usage[active] = -np.inf
-        over = np.flatnonzero(usage > bound * (1 + 1e-9))
-        if not over.size:
+        over = _fullest(usage, active, float(usage[active].max()) * (1 + 1e-9))
+        if not over:
             break
-        active.extend(int(i) for i in over[np.argsort(-usage[over])][:LAZY_BATCH])
+        active.extend(over)
     return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
 
 

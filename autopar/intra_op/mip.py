@@ -120,10 +120,15 @@ class Mip:
     def add_bytes(self, row0: int, rows_terms, off: dict[int, int], scale) -> None:
         """Row `row0 + r` gets bytes[g][i] / scale on group g's column i for each term (g,
         bytes) of `rows_terms[r]` (zeros left out); `scale`: one number or one per row."""
-        at, col, vals = _flat_terms(rows_terms, off)
+        self.add_flat(row0, _flat_terms(rows_terms, off),
+                      np.broadcast_to(scale, (len(rows_terms),)))
+
+    def add_flat(self, row0: int, flat, scale: np.ndarray) -> None:
+        """`add_bytes` of terms already flat: (row, column, value) arrays (`_flat_terms`), one
+        scale per row."""
+        at, col, vals = flat
         nz = vals != 0
-        self.add_entries(row0 + at[nz], col[nz],
-                         vals[nz] / np.broadcast_to(scale, (len(rows_terms),))[at[nz]])
+        self.add_entries(row0 + at[nz], col[nz], vals[nz] / scale[at[nz]])
 
     def freeze(self) -> Mip:
         self.cost, self.lower, self.upper, self.integer = map(np.concatenate, zip(*self._cols))
@@ -216,9 +221,9 @@ def _memory_rows(mip: Mip, rows, off: dict[int, int]) -> None:
     scaled by its largest coefficient or |rhs| (at least 1)."""
     rhs = np.array([b for _, b in rows], float)
     top = np.maximum(np.abs(rhs), 1.0)
-    at, _, vals = _flat_terms([t for t, _ in rows], off)
-    np.maximum.at(top, at, vals)
-    mip.add_bytes(mip.add_rows(len(rows), -np.inf, rhs / top), [t for t, _ in rows], off, top)
+    flat = _flat_terms([t for t, _ in rows], off)
+    np.maximum.at(top, flat[0], flat[2])
+    mip.add_flat(mip.add_rows(len(rows), -np.inf, rhs / top), flat, top)
 
 
 # ----------------------------------------------------------------------------- backends

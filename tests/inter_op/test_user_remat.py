@@ -26,14 +26,24 @@ def _block(w, x, key, i):
     return x + jnp.where(keep, h / 0.9, 0.0) @ w[1]
 
 
-def _step(ws, key, x):
-    def loss(ws):
-        h = x
-        for i, w in enumerate(ws):
-            h = jax.checkpoint(_block, static_argnums=(3,))(w, h, key, i)
-        return jnp.mean(h ** 2)
-    value, grads = jax.value_and_grad(loss)(ws)
-    return value, [(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(ws, grads)]
+def _step_of(value_and_grad, boundary: bool = False):
+    """A training step over three checkpointed blocks (with `boundary`, a pipeline stage
+    boundary after the second)."""
+    def step(ws, key, x):
+        def loss(ws):
+            h = x
+            for i, w in enumerate(ws):
+                h = jax.checkpoint(_block, static_argnums=(3,))(w, h, key, i)
+                if boundary and i == 1:
+                    h = autopar.mark_stage_boundary(h)
+            return jnp.mean(h ** 2)
+        value, grads = value_and_grad(loss)(ws)
+        return value, [(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(ws, grads)]
+    return step
+
+
+_step = _step_of(jax.value_and_grad)
+_pipeline_step = _step_of(autopar.value_and_grad, boundary=True)
 
 
 def _args():
@@ -110,18 +120,6 @@ def test_a_cached_plan_whose_rewrite_no_longer_matches_is_planned_again(tmp_path
         got, _ = par(ws, key, x)
     assert "does not match this step; re-planning" in caplog.text
     np.testing.assert_allclose(got, jax.jit(_step)(ws, key, x)[0], rtol=1e-6)
-
-
-def _pipeline_step(ws, key, x):
-    def loss(ws):
-        h = x
-        for i, w in enumerate(ws):
-            h = jax.checkpoint(_block, static_argnums=(3,))(w, h, key, i)
-            if i == 1:
-                h = autopar.mark_stage_boundary(h)
-        return jnp.mean(h ** 2)
-    value, grads = autopar.value_and_grad(loss)(ws)
-    return value, [(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(ws, grads)]
 
 
 @pytest.mark.filterwarnings("ignore:PipeshardParallel\\(num_microbatches=1\\)")
