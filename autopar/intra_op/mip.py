@@ -120,12 +120,10 @@ class Mip:
     def add_bytes(self, row0: int, rows_terms, off: dict[int, int], scale) -> None:
         """Row `row0 + r` gets bytes[g][i] / scale on group g's column i for each term (g,
         bytes) of `rows_terms[r]` (zeros left out); `scale`: one number or one per row."""
-        self.add_flat(row0, _flat_terms(rows_terms, off),
-                      np.broadcast_to(scale, (len(rows_terms),)))
+        self.add_flat(row0, _flat_terms(rows_terms, off), np.broadcast_to(scale, len(rows_terms)))
 
     def add_flat(self, row0: int, flat, scale: np.ndarray) -> None:
-        """`add_bytes` of terms already flat: (row, column, value) arrays (`_flat_terms`), one
-        scale per row."""
+        """`add_bytes` of terms already flat (`_flat_terms`), `scale` one number per row."""
         at, col, vals = flat
         nz = vals != 0
         self.add_entries(row0 + at[nz], col[nz], vals[nz] / scale[at[nz]])
