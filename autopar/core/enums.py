@@ -49,3 +49,11 @@ class Annotations(str, enum.Enum):
     PIN = "pin"          # annotated values take exactly the annotated sharding
     HINT = "hint"        # a preference: other shardings pay the move into the annotated one
     IGNORE = "ignore"    # planned as if the code had no annotations
+
+
+class SolveStatus(enum.Enum):
+    """How a solution was obtained."""
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"        # the solver stopped early (time limit); its best incumbent is used
+    FALLBACK = "fallback"        # the solver stopped with no incumbent or failed; greedy plan used
+    INFEASIBLE = "infeasible"    # the memory constraints cannot be met

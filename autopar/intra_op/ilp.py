@@ -382,7 +382,10 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
 
     Points are added lazily (exact): solve over the points that could reach the most, then
     add the points the choice puts above that optimum, until none is; a long program has
-    thousands of points of which a few bind."""
+    thousands of points of which a few bind. Where the plan with each group at its leanest
+    strategy (bytes summed over the points) leaves every point at its floor (its constant,
+    once folded), that plan is the least and no MIP runs: a tensor is mostly leanest split
+    finest wherever it is live (every least memory of GPT-39B K=8 M=1024 on 64 V100s)."""
     _check_args(backend, time_limit_s)
     t0 = time.perf_counter()
     ks = problem.num_strategies
@@ -394,6 +397,12 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         choice = greedy(free)
         return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
     rows = point_rows(folded)     # every point as a sparse row, to price a choice at once
+    lean = rows.summed_leanest(len(ks))
+    if rows.usage(lean).max() <= rows.const.max():   # every point at its floor: no MIP
+        fixed, touched = free.choice.copy(), np.unique(rows.term_group)
+        fixed[touched] = lean[touched]
+        choice = greedy(free, fixed)
+        return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
     top = rows.const + np.bincount(rows.term_point, minlength=rows.const.size,
                                    weights=np.maximum.reduceat(rows.vals, rows.first))
     active = [int(i) for i in np.argsort(-top)[:LAZY_MEMORY_POINTS]]

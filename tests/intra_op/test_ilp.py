@@ -372,6 +372,31 @@ def test_lazy_min_peak_memory_is_exact(monkeypatch):
     assert max(per_seed) > 1          # some seed needed points beyond the first batch
 
 
+def test_min_peak_memory_needs_no_mip_where_the_lean_plan_meets_every_floor(monkeypatch):
+    """Where each group is leanest in the same strategy at every point (a tensor split ever
+    finer, counted once or several times), the plan of those strategies puts every point at
+    its floor (its constant once folded): that is the least peak, and no MIP runs. Where a
+    group is leanest in different strategies at different points, the MIP decides. Both are
+    exact (brute force)."""
+    rounds, real = [], ilp._min_peak_choice
+    monkeypatch.setattr(ilp, "_min_peak_choice", lambda *a: rounds.append(1) or real(*a))
+    rng = np.random.default_rng(21)
+    k = [3, 4, 3, 4, 3, 2]
+    split = [rng.permutation(np.linspace(1.0, 1.0 / n, n)) * rng.uniform(1, 9) for n in k]
+    costs = tuple(rng.uniform(0, 1, n) for n in k)
+    points = tuple(MemoryPoint(terms=tuple((int(g), rng.integers(1, 4) * split[g])
+                                           for g in rng.choice(len(k), 3, replace=False)),
+                               constant_bytes=float(rng.uniform(0, 5))) for _ in range(40))
+    problem = IlpProblem(node_costs=costs, edges=(), memory_points=points)
+    need, choice = min_peak_memory(problem)
+    _assert_close(need, _all_peaks(problem).min())
+    assert need == peak_memory_bytes(problem, choice) and not rounds
+    mixed = replace(problem, memory_points=tuple(_many_points(rng, k, 40)))
+    need, _ = min_peak_memory(mixed)
+    _assert_close(need, _all_peaks(mixed).min())
+    assert rounds
+
+
 def test_folded_points_solve_like_the_points_they_fold():
     """`folded_point` moves each group's minimum into the constant; the ILP must not see a
     difference (objective, peak, and the least memory)."""

@@ -89,3 +89,24 @@ def test_tied_points_sum_the_members_terms():
         full = [choice[rep[g]] for g in range(5)]
         np.testing.assert_allclose(mp.point_rows(tied.memory_points).usage(choice),
                                    mp.point_rows(points).usage(full), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_summed_leanest_takes_each_groups_fewest_bytes_over_the_points(seed):
+    """`PointRows.summed_leanest`: per group, the strategy with the fewest bytes summed over
+    the points (never one past the group's strategy count; 0 for a group in no point), so its
+    peak is at least the least peak of every choice (brute force)."""
+    rng = np.random.default_rng(seed)
+    ks = (3, 1, 4, 2, 3, 2)                    # group 5 is in no point
+    points = tuple(mp.MemoryPoint(
+        terms=tuple((int(g), rng.integers(0, 40, ks[g]).astype(float))
+                    for g in rng.choice(5, 3, replace=False)),
+        constant_bytes=float(rng.uniform(0, 9))) for _ in range(7))
+    rows = mp.point_rows(points)
+    lean = rows.summed_leanest(len(ks))
+    totals = [sum((b for p in points for g2, b in p.terms if g2 == g), np.zeros(k))
+              for g, k in enumerate(ks)]
+    assert list(lean) == [int(np.argmin(t)) for t in totals]
+    assert lean[5] == 0 and all(0 <= c < k for c, k in zip(lean, ks))
+    least = min(rows.usage(c).max() for c in itertools.product(*map(range, ks)))
+    assert rows.usage(lean).max() >= least
