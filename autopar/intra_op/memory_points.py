@@ -60,7 +60,6 @@ class PointRows:
         return self.const + np.bincount(self.term_point, weights=picked,
                                         minlength=self.const.size)
 
-
     def mixed_usage(self, weights: dict[int, np.ndarray]) -> np.ndarray:
         """Bytes per device at every point when group g takes strategy i with weight
         `weights[g][i]` (an LP relaxation's solution; a one-hot vector is a choice)."""
@@ -75,23 +74,43 @@ class PointRows:
         return self.const + np.bincount(self.term_point[term], weights=self.vals * w,
                                         minlength=self.const.size)
 
-
-    def summed_leanest(self, num_groups: int) -> np.ndarray:
+    def summed_leanest(self, num_groups: int, extra: dict[int, np.ndarray] | None = None,
+                       ) -> np.ndarray:
         """A choice with each group at the strategy whose bytes summed over every point are
-        the fewest (0 for a group in no point): a lean plan found without a solve, so
-        `usage(...).max()` bounds the least peak from above."""
-        if not self.vals.size:
-            return np.zeros(num_groups, np.int64)
+        the fewest (0 for a group in no point), with `extra[g][i]` more at every point (as
+        `with_extra_bytes` adds them): a lean plan found without a solve, so its peak bounds
+        the least peak from above."""
+        extra = extra or {}
         lens = self.lens
-        term = np.repeat(np.arange(self.first.size), lens)
-        width = int(lens.max())
-        at = self.term_group[term] * width + np.arange(self.vals.size) - self.first[term]
-        total = np.bincount(at, weights=self.vals, minlength=num_groups * width)
-        total = total.reshape(num_groups, width)
+        width = int(max([int(lens.max(initial=1))] + [v.size for v in extra.values()]))
         ks = np.zeros(num_groups, np.int64)
         ks[self.term_group] = lens
+        total = np.zeros((num_groups, width))
+        if self.vals.size:
+            term = np.repeat(np.arange(self.first.size), lens)
+            at = self.term_group[term] * width + np.arange(self.vals.size) - self.first[term]
+            total += np.bincount(at, weights=self.vals,
+                                 minlength=num_groups * width).reshape(num_groups, width)
+        for g, vec in extra.items():
+            ks[g] = vec.size
+            total[g, :vec.size] += self.const.size * np.asarray(vec, float)
         total[np.arange(width)[None, :] >= ks[:, None]] = np.inf
         return np.argmin(total, axis=1)
+
+
+def least_with_extra(rows: PointRows, extra: dict[int, np.ndarray], num_groups: int,
+                     ) -> float | None:
+    """The least peak of the folded points `rows` with `extra[g][i]` bytes more at every
+    point where group g picks i (`with_extra_bytes`' points, not built: a whole stage's take
+    seconds to fold), where the plan of `summed_leanest` leaves every point at its floor (its
+    constant plus each extra's least, a lower bound of every plan's peak); else None."""
+    if not rows.const.size:
+        return None
+    lean = rows.summed_leanest(num_groups, extra)
+    held = sum((float(np.asarray(v)[lean[g]]) for g, v in extra.items()), 0.0)
+    floor = float(rows.const.max()) + sum((float(np.min(v)) for v in extra.values()), 0.0)
+    peak = float(rows.usage(lean).max()) + held
+    return peak if peak <= floor else None
 
 
 _POINT_ROWS: dict[int, tuple[tuple, PointRows]] = {}   # id(points) -> (points, rows)

@@ -47,6 +47,7 @@ from autopar.intra_op.ilp import (
 )
 from autopar.intra_op.layers import find_family, group_keys, tie, tied_problem
 from autopar.intra_op.memory import moved_operands, peak_bytes, predicted_peak_bytes
+from autopar.intra_op.memory_points import least_with_extra, point_rows
 from autopar.intra_op.phases import deferred_nodes
 from autopar.intra_op.rules import RuleContext
 
@@ -275,6 +276,12 @@ def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> flo
     counts it."""
     problem = p.built.problem
     if held:
+        points = problem.memory_points
+        if points and all(q.folded for q in points):    # the held points need not be built
+            least = least_with_extra(point_rows(points), _held_bytes(
+                p.graph, p.built, p.mesh.shape, held), len(problem.num_strategies))
+            if least is not None:
+                return least
         problem = p.held_problem(held)
     return ilp_call(min_peak_memory, problem, backend=p.method.solver,
                            time_limit_s=p.method.solver_time_limit_s)[0]

@@ -2,6 +2,7 @@
 `folded_point` folds one point's merged terms; what `with_extra_bytes` and `layers.tied_problem`
 build their points with."""
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -110,3 +111,33 @@ def test_summed_leanest_takes_each_groups_fewest_bytes_over_the_points(seed):
     assert lean[5] == 0 and all(0 <= c < k for c, k in zip(lean, ks))
     least = min(rows.usage(c).max() for c in itertools.product(*map(range, ks)))
     assert rows.usage(lean).max() >= least
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_least_with_extra_is_the_least_of_the_points_with_the_extra_bytes(seed):
+    """`least_with_extra` gives the least peak of `with_extra_bytes`' points (brute force)
+    without building them, where each group is leanest in one strategy at every point and in
+    its extra bytes (a tensor split ever finer); None where a group's leanest strategy
+    differs between points (then only a solve knows)."""
+    rng = np.random.default_rng(40 + seed)
+    ks = (3, 2, 4, 2, 3)
+    split = [rng.permutation(np.linspace(1.0, 1.0 / k, k)) * rng.uniform(1, 9) for k in ks]
+
+    def least(problem):
+        rows = mp.point_rows(problem.memory_points)
+        return min(rows.usage(c).max() for c in itertools.product(*map(range, ks)))
+
+    points = tuple(mp.folded_point({int(g): rng.integers(1, 4) * split[g]
+                                    for g in rng.choice(5, 3, replace=False)},
+                                   float(rng.uniform(0, 5))) for _ in range(9))
+    extra = {1: 2.0 * split[1], 3: 0.5 * split[3]}      # e.g. optimizer state, held
+    problem = IlpProblem(node_costs=tuple(np.zeros(k) for k in ks), edges=(),
+                         memory_points=points, memory_budget_bytes=1e9)
+    got = mp.least_with_extra(mp.point_rows(points), extra, len(ks))
+    assert got == pytest.approx(least(mp.with_extra_bytes(problem, extra)), rel=1e-12)
+    mixed = tuple(mp.folded_point({int(g): rng.uniform(0, 9, ks[g])
+                                   for g in rng.choice(5, 3, replace=False)}, 1.0)
+                  for _ in range(9))
+    loose = mp.least_with_extra(mp.point_rows(mixed), extra, len(ks))
+    held = mp.with_extra_bytes(replace(problem, memory_points=mixed), extra)
+    assert loose is None or loose == pytest.approx(least(held), rel=1e-12)
