@@ -436,12 +436,37 @@ def test_a_stage_asked_twice_with_the_same_held_tensors_adds_their_bytes_once(
         num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
         autopar.AutoStageOption()), points_above=0.0)
     least = prob.least_bytes(in_flight=3, opt_ratio=2.0)
+    assert len(calls) <= 1            # none where `least_with_extra` needs no held points
     fit = prob.solve(1.01 * least, in_flight=3, opt_ratio=2.0)
     assert len(calls) == 1
-    prob.least_bytes(in_flight=2, opt_ratio=2.0)
+    prob.solve(2 * least, in_flight=2, opt_ratio=2.0)
     assert len(calls) == 2
     again = prob.solve(1.01 * least, in_flight=3, opt_ratio=2.0)      # recomputed, the same
     assert len(calls) == 3 and again.latency_s == fit.latency_s
+
+
+def test_least_pipeline_memory_without_the_held_points_is_their_least(loss, bounds, cluster,
+                                                                      monkeypatch):
+    """`least_bytes` with held tensors gives the least peak of the points with their bytes
+    added (`min_peak_memory` of `held_problem`), whether or not it had to build those points
+    (`least_with_extra`); on this MLP stage it need not."""
+    import autopar.intra_op.solve as solve_mod
+    from autopar.inter_op.stage_solve import stage_problem
+    from autopar.intra_op.ilp import min_peak_memory
+    sl = slice_range(loss, bounds[0], bounds[2], 0)
+    prob = stage_problem(trace_stage(loss, sl), sl, cluster.with_(
+        num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
+        autopar.AutoStageOption()), points_above=0.0)
+    calls = []
+    real = solve_mod.with_extra_bytes
+    monkeypatch.setattr(solve_mod, "with_extra_bytes",
+                        lambda problem, extra: calls.append(1) or real(problem, extra))
+    for in_flight in (1, 3):
+        least = prob.least_bytes(in_flight=in_flight, opt_ratio=2.0)
+        assert not calls
+        held = prob.ilp.held_problem(prob._held(in_flight, 2.0))
+        assert least == pytest.approx(min_peak_memory(held)[0], rel=1e-12)
+        calls.clear()
 
 
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
