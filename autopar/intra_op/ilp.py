@@ -29,6 +29,7 @@ from autopar.intra_op.memory_points import (  # noqa: F401
     PointRows,
     _fold_point,
     folded_point,
+    lean_least,
     point_rows,
     with_extra_bytes,
 )
@@ -397,10 +398,10 @@ def min_peak_memory(problem: IlpProblem, *, backend: SolverBackend = SolverBacke
         choice = greedy(free)
         return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
     rows = point_rows(folded)     # every point as a sparse row, to price a choice at once
-    lean = rows.summed_leanest(len(ks))
-    if rows.usage(lean).max() <= rows.const.max():   # every point at its floor: no MIP
+    hit = lean_least(rows, len(ks))
+    if hit is not None:                 # every point at its floor: no MIP
         fixed, touched = free.choice.copy(), np.unique(rows.term_group)
-        fixed[touched] = lean[touched]
+        fixed[touched] = hit[1][touched]
         choice = greedy(free, fixed)
         return peak_memory_bytes(problem, choice), tuple(int(i) for i in choice)
     top = rows.const + np.bincount(rows.term_point, minlength=rows.const.size,

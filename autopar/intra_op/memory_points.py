@@ -98,19 +98,21 @@ class PointRows:
         return np.argmin(total, axis=1)
 
 
-def least_with_extra(rows: PointRows, extra: dict[int, np.ndarray], num_groups: int,
-                     ) -> float | None:
-    """The least peak of the folded points `rows` with `extra[g][i]` bytes more at every
-    point where group g picks i (`with_extra_bytes`' points, not built: a whole stage's take
-    seconds to fold), where the plan of `summed_leanest` leaves every point at its floor (its
-    constant plus each extra's least, a lower bound of every plan's peak); else None."""
+def lean_least(rows: PointRows, num_groups: int, extra: dict[int, np.ndarray] | None = None,
+               ) -> tuple[float, np.ndarray] | None:
+    """(the least peak, a choice attaining it) of the folded points `rows`, with `extra[g][i]`
+    bytes more at every point where group g picks i (`with_extra_bytes`' points, not built: a
+    whole stage's take seconds to fold), where the plan of `summed_leanest` leaves every
+    point at its floor (its constant plus each extra's least: a lower bound of every plan's
+    peak); else None, and only a solve knows."""
     if not rows.const.size:
         return None
+    extra = extra or {}
     lean = rows.summed_leanest(num_groups, extra)
     held = sum((float(np.asarray(v)[lean[g]]) for g, v in extra.items()), 0.0)
     floor = float(rows.const.max()) + sum((float(np.min(v)) for v in extra.values()), 0.0)
     peak = float(rows.usage(lean).max()) + held
-    return peak if peak <= floor else None
+    return (peak, lean) if peak <= floor else None
 
 
 _POINT_ROWS: dict[int, tuple[tuple, PointRows]] = {}   # id(points) -> (points, rows)

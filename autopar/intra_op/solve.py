@@ -47,7 +47,7 @@ from autopar.intra_op.ilp import (
 )
 from autopar.intra_op.layers import find_family, group_keys, tie, tied_problem
 from autopar.intra_op.memory import moved_operands, peak_bytes, predicted_peak_bytes
-from autopar.intra_op.memory_points import least_with_extra, point_rows
+from autopar.intra_op.memory_points import lean_least, point_rows
 from autopar.intra_op.phases import deferred_nodes
 from autopar.intra_op.rules import RuleContext
 
@@ -273,15 +273,15 @@ def _predicted(graph: OpGraph, built, choice, mesh_shape) -> float:
 def least_memory(p: IntraOpProblem, held: dict[int, float] | None = None) -> float:
     """The least peak bytes per device any plan of the problem needs (a min-peak MIP; exact
     where the problem was built with `points_above=0`), with `held` counted as `solve_built`
-    counts it."""
+    counts it: without folding `held` into the points where `lean_least` can tell."""
     problem = p.built.problem
     if held:
         points = problem.memory_points
         if points and all(q.folded for q in points):    # the held points need not be built
-            least = least_with_extra(point_rows(points), _held_bytes(
-                p.graph, p.built, p.mesh.shape, held), len(problem.num_strategies))
-            if least is not None:
-                return least
+            hit = lean_least(point_rows(points), len(problem.num_strategies), _held_bytes(
+                p.graph, p.built, p.mesh.shape, held))
+            if hit is not None:
+                return hit[0]
         problem = p.held_problem(held)
     return ilp_call(min_peak_memory, problem, backend=p.method.solver,
                            time_limit_s=p.method.solver_time_limit_s)[0]

@@ -436,7 +436,7 @@ def test_a_stage_asked_twice_with_the_same_held_tensors_adds_their_bytes_once(
         num_hosts=1, devices_per_host=2), (1, 2), AXIS_NAMES, method(
         autopar.AutoStageOption()), points_above=0.0)
     least = prob.least_bytes(in_flight=3, opt_ratio=2.0)
-    assert len(calls) <= 1            # none where `least_with_extra` needs no held points
+    assert len(calls) <= 1            # none where `lean_least` needs no held points
     fit = prob.solve(1.01 * least, in_flight=3, opt_ratio=2.0)
     assert len(calls) == 1
     prob.solve(2 * least, in_flight=2, opt_ratio=2.0)
@@ -449,7 +449,7 @@ def test_least_pipeline_memory_without_the_held_points_is_their_least(loss, boun
                                                                       monkeypatch):
     """`least_bytes` with held tensors gives the least peak of the points with their bytes
     added (`min_peak_memory` of `held_problem`), whether or not it had to build those points
-    (`least_with_extra`); on this MLP stage it need not."""
+    (`lean_least`); on this MLP stage it need not."""
     import autopar.intra_op.solve as solve_mod
     from autopar.inter_op.stage_solve import stage_problem
     from autopar.intra_op.ilp import min_peak_memory

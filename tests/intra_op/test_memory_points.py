@@ -114,8 +114,8 @@ def test_summed_leanest_takes_each_groups_fewest_bytes_over_the_points(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_least_with_extra_is_the_least_of_the_points_with_the_extra_bytes(seed):
-    """`least_with_extra` gives the least peak of `with_extra_bytes`' points (brute force)
+def test_lean_least_is_the_least_of_the_points_with_the_extra_bytes(seed):
+    """`lean_least` gives the least peak of `with_extra_bytes`' points (brute force)
     without building them, where each group is leanest in one strategy at every point and in
     its extra bytes (a tensor split ever finer); None where a group's leanest strategy
     differs between points (then only a solve knows)."""
@@ -133,11 +133,13 @@ def test_least_with_extra_is_the_least_of_the_points_with_the_extra_bytes(seed):
     extra = {1: 2.0 * split[1], 3: 0.5 * split[3]}      # e.g. optimizer state, held
     problem = IlpProblem(node_costs=tuple(np.zeros(k) for k in ks), edges=(),
                          memory_points=points, memory_budget_bytes=1e9)
-    got = mp.least_with_extra(mp.point_rows(points), extra, len(ks))
-    assert got == pytest.approx(least(mp.with_extra_bytes(problem, extra)), rel=1e-12)
+    got, lean = mp.lean_least(mp.point_rows(points), len(ks), extra)
+    held_points = mp.with_extra_bytes(problem, extra)
+    assert got == pytest.approx(least(held_points), rel=1e-12)
+    assert mp.point_rows(held_points.memory_points).usage(lean).max() == pytest.approx(got)
     mixed = tuple(mp.folded_point({int(g): rng.uniform(0, 9, ks[g])
                                    for g in rng.choice(5, 3, replace=False)}, 1.0)
                   for _ in range(9))
-    loose = mp.least_with_extra(mp.point_rows(mixed), extra, len(ks))
+    loose = mp.lean_least(mp.point_rows(mixed), len(ks), extra)
     held = mp.with_extra_bytes(replace(problem, memory_points=mixed), extra)
-    assert loose is None or loose == pytest.approx(least(held), rel=1e-12)
+    assert loose is None or loose[0] == pytest.approx(least(held), rel=1e-12)
