@@ -121,19 +121,24 @@ def _solve(prefix: np.ndarray, cuts: np.ndarray, num_layers: int, floor: float,
     parent = np.full((num_layers + 1, n + 1), -1, dtype=np.int64)
     best_bytes[0, 0] = 0.0
     best_peak[0, 0] = 0.0
+    # FLOPs are >= 0, so the starts whose layer fits [floor, limit] are one window of
+    # `prefix`: searched with a margin, then tested exactly (each DP step reads the window,
+    # not every start before it)
+    lo_at = np.searchsorted(prefix, prefix - limit * (1 + 1e-9) - 1e-9 * abs(prefix), "left")
+    hi_at = np.searchsorted(prefix, prefix - floor * (1 - 1e-9) + 1e-9 * abs(prefix), "right")
     for k in range(1, num_layers + 1):
         for e in range(k, n - (num_layers - k) + 1):
-            starts = np.arange(k - 1, e)
+            starts = np.arange(max(k - 1, int(lo_at[e])), min(e, int(hi_at[e])))
             seg = prefix[e] - prefix[starts]
             ok = ((seg <= limit * (1 + 1e-12)) & (seg >= floor * (1 - 1e-12))
                   & np.isfinite(best_bytes[k - 1, starts]))
             if not ok.any():
                 continue
-            cost = best_bytes[k - 1, starts] + (cuts[e] if k < num_layers else 0.0)
+            cost = np.where(ok, best_bytes[k - 1, starts] + (
+                cuts[e] if k < num_layers else 0.0), inf)
             peak = np.maximum(best_peak[k - 1, starts], seg)
-            cost = np.where(ok, cost, inf)
-            order = np.lexsort((peak, cost))      # fewest bytes, then lowest peak
-            s = order[0]
+            # fewest bytes, then the lowest peak, then the first start
+            s = int(np.argmin(np.where(cost == cost.min(), peak, inf)))
             if np.isfinite(cost[s]):
                 best_bytes[k, e], best_peak[k, e], parent[k, e] = cost[s], peak[s], starts[s]
     if not np.isfinite(best_bytes[num_layers, n]):
