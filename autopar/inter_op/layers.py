@@ -78,6 +78,9 @@ def cluster_layers(node_flops: np.ndarray, cut_bytes: np.ndarray, num_layers: in
             f"({n + 1},) for {n} nodes.")
     if imbalance < 0:
         raise InvalidArgumentError(f"imbalance={imbalance!r} must be >= 0.")
+    if (flops < 0).any() or np.isnan(flops).any():
+        raise InvalidArgumentError(
+            f"node_flops has an entry {float(np.nanmin(flops))!r} (or NaN): FLOPs must be >= 0.")
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     total = prefix[-1]
     mean = total / num_layers

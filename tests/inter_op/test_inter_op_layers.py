@@ -107,3 +107,5 @@ def test_bad_arguments():
         cluster_layers(np.ones(3), np.zeros(3), 2)
     with pytest.raises(InvalidArgumentError, match="imbalance"):
         cluster_layers(np.ones(3), np.zeros(4), 2, imbalance=-1)
+    with pytest.raises(InvalidArgumentError, match="node_flops"):     # the DP's window
+        cluster_layers(np.array([1.0, -1.0, 2.0]), np.zeros(4), 2)
