@@ -89,6 +89,9 @@ def cluster_layers(node_flops: np.ndarray, cut_bytes: np.ndarray, num_layers: in
     else:
         slack = imbalance
         while (result := _solve(prefix, cuts, num_layers, 0.0, (1 + slack) * mean)) is None:
+            if (1 + slack) * mean > total:     # no bound left to relax: never loop on
+                raise AssertionError(f"no {num_layers} layers of {n} operators without "
+                                     "FLOPs bounds (a bug in the layer DP)")
             slack = _relax(slack)
         upper = (1 + slack) * mean
         smallest = float(flops[flops > 0].min())
