@@ -60,17 +60,22 @@ class PointRows:
         return self.const + np.bincount(self.term_point, weights=picked,
                                         minlength=self.const.size)
 
+    def _strategies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per entry of `vals`: its term, and its strategy within that term."""
+        term = np.repeat(np.arange(self.first.size), self.lens)
+        return term, np.arange(self.vals.size) - self.first[term]
+
     def mixed_usage(self, weights: dict[int, np.ndarray]) -> np.ndarray:
         """Bytes per device at every point when group g takes strategy i with weight
         `weights[g][i]` (an LP relaxation's solution; a one-hot vector is a choice)."""
-        term = np.repeat(np.arange(self.first.size), self.lens)
+        term, strategy = self._strategies()
         start = np.zeros(int(self.term_group.max(initial=-1)) + 1, np.int64)
         flat, n = [], 0
         for g in np.unique(self.term_group).tolist():
             start[g], n = n, n + len(weights[g])
             flat.append(np.asarray(weights[g], float))
         flat = np.concatenate(flat) if flat else np.zeros(0)
-        w = flat[start[self.term_group[term]] + np.arange(self.vals.size) - self.first[term]]
+        w = flat[start[self.term_group[term]] + strategy]
         return self.const + np.bincount(self.term_point[term], weights=self.vals * w,
                                         minlength=self.const.size)
 
@@ -87,9 +92,8 @@ class PointRows:
         ks[self.term_group] = lens
         total = np.zeros((num_groups, width))
         if self.vals.size:
-            term = np.repeat(np.arange(self.first.size), lens)
-            at = self.term_group[term] * width + np.arange(self.vals.size) - self.first[term]
-            total += np.bincount(at, weights=self.vals,
+            term, strategy = self._strategies()
+            total += np.bincount(self.term_group[term] * width + strategy, weights=self.vals,
                                  minlength=num_groups * width).reshape(num_groups, width)
         for g, vec in extra.items():
             ks[g] = vec.size
@@ -109,7 +113,7 @@ def lean_least(rows: PointRows, num_groups: int, extra: dict[int, np.ndarray] | 
         return None
     extra = extra or {}
     lean = rows.summed_leanest(num_groups, extra)
-    held = sum((float(np.asarray(v)[lean[g]]) for g, v in extra.items()), 0.0)
+    held = sum((float(v[lean[g]]) for g, v in extra.items()), 0.0)
     floor = float(rows.const.max()) + sum((float(np.min(v)) for v in extra.values()), 0.0)
     peak = float(rows.usage(lean).max()) + held
     return (peak, lean) if peak <= floor else None
