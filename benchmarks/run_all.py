@@ -29,8 +29,10 @@ and the measured pipeline step against its ideal schedule time; its options, `--
 `--stages`, ... see `--help`, are accepted here too; `--only pipeline` runs just it), then
 `multihost.py` (multihost.md: a cached plan lookup against a fresh search; the step time of 2
 processes x 4 devices next to 1 process x 8), `methods.py` (methods.md: each method's compiled
-collectives next to its plan's), `loops.py` (loops.md: a scanned GPT next to its unrolled
-twin), `shared_copies.py` (shared_copies.md: the plain ILP's plans next to the shared ILP's),
+collectives next to its plan's), `accumulation.py` (accumulation.md: M microbatches against
+the whole batch, autopar next to a hand-written jax.jit accumulator), `loops.py` (loops.md: a
+scanned GPT next to its unrolled twin), `shared_copies.py` (shared_copies.md: the plain ILP's
+plans next to the shared ILP's),
 `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
 `budget_plan.py` (budget_plan.md: planning under a binding memory budget),
 `memory.py` (memory.md: memory fidelity) and `runner_ups.py` (runner_ups.md: what pricing the
@@ -49,6 +51,7 @@ import statistics
 import sys
 import time
 
+import accumulation as accumulation_bench  # benchmarks/accumulation.py (this script's folder)
 import budget_plan as budget_plan_bench  # benchmarks/budget_plan.py (this script's folder)
 import loops as loops_bench  # benchmarks/loops.py (this script's folder)
 import memory as memory_bench  # benchmarks/memory.py (this script's folder)
@@ -512,6 +515,7 @@ def main(argv=None) -> int:
         save("pipeline", pipeline_report.section(pipeline_bench.run(args)))
         for key, bench, what in (("multihost", multihost_bench, "multi-host and plan cache"),
                                  ("methods", methods_bench, "method promises"),
+                                 ("accumulation", accumulation_bench, "gradient accumulation"),
                                  ("loops", loops_bench, "loops"),
                                  ("shared_copies", shared_copies_bench, "shared copies"),
                                  ("real_world", real_world_bench, "real-world steps"),

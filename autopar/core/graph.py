@@ -53,6 +53,8 @@ class Tensor:
     input_index: int | None = None     # flat argument index for INPUT
     path: str = ""                     # for INPUT: e.g. "state.params['Dense_0']['kernel']"
     role: InputRole | None = None      # for INPUT
+    key_dtype: Any = field(default=None, compare=False)   # dtype "key": the typed key's own
+                                                          # dtype (its PRNG implementation)
 
     @property
     def rank(self) -> int:

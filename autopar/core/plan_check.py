@@ -131,7 +131,8 @@ PIPELINE_KEYS = {"schedule": _STR, "num_microbatches": _INT, "num_layers": _INT,
                  "dp_pruned": _INT, "dp_time_s": _NUM, "segments": _INT,
                  "stage_option": _STR, "layer_option": _STR, "gradient_accumulation": _BOOL}
 PIPELINE_OPTIONAL = {"layer_boundaries": _INTS, "num_replayed": _INT, "local_gradients": _INTS,
-                     "num_gradients": _INTS, "microbatch_combine": _STRS}
+                     "num_gradients": _INTS, "microbatch_combine": _STRS,
+                     "one_executable": _BOOL}
 REMAT_KEYS = {"layer_boundaries": _INTS, "layers": _STRS, "graph_fingerprint": _STR}
 # A rival the runner-ups had no time to price has neither a step time nor a peak (null).
 ALTERNATIVE_KEYS = {"name": _STR, "kind": _STR, "predicted_step_s": _NUM_OR_NULL,

@@ -199,7 +199,10 @@ class _Builder:
     def new_tensor(self, aval, kind: TensorKind, **kw) -> int:
         tid = len(self.tensors)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        self.tensors.append(Tensor(id=tid, shape=shape, dtype=_dtype_name(aval), kind=kind, **kw))
+        dtype = _dtype_name(aval)
+        if dtype == "key":
+            kw["key_dtype"] = aval.dtype
+        self.tensors.append(Tensor(id=tid, shape=shape, dtype=dtype, kind=kind, **kw))
         return tid
 
     def const(self, value, aval) -> int:

@@ -46,7 +46,7 @@ from autopar.frontend.tracer import _abstract, check_argnums, trace
 from autopar.inter_op.apply_grad import Placement, place
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
-from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule import make_schedule, one_executable
 from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from autopar.intra_op.constraints import method_input_options
 from autopar.intra_op.planner import output_paths, tensor_plans
@@ -239,6 +239,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "stage_option": type(method.stage_option).__name__,
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
+        # one stage: the microbatches loop inside one executable (lowering.accumulate)
+        "one_executable": one_executable(len(stages), m),
         # per stage: gradients accumulated as partial sums and reduced once per step
         "local_gradients": [sum(lg.grad_outputs) if lg else 0 for lg in local],
         "num_gradients": [len(st.slice.param_inputs) for st in result.stages],

@@ -24,6 +24,17 @@ from autopar.core.enums import Schedule
 from autopar.core.errors import InvalidArgumentError
 
 
+def one_executable(num_stages: int, num_microbatches: int) -> bool:
+    """Whether a pipeline runs as one executable instead of task by task: one stage with
+    several microbatches (gradient accumulation on one mesh) is a loop over the microbatches
+    inside one program (`lowering.accumulate`), with no schedule to keep.
+
+        >>> one_executable(1, 4), one_executable(2, 4), one_executable(1, 1)
+        (True, False, False)
+    """
+    return num_stages == 1 and num_microbatches > 1
+
+
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"

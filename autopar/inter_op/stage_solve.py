@@ -96,7 +96,8 @@ def stage_train_fn(loss: LossGraph, sl: StageSlice, io: StageIO) -> Callable:
 
 
 def _aval(t) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype))
+    """The abstract value of graph tensor `t` (a typed PRNG key keeps its own dtype)."""
+    return jax.ShapeDtypeStruct(t.shape, t.key_dtype if t.dtype == "key" else jnp.dtype(t.dtype))
 
 
 def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:

@@ -182,13 +182,16 @@ class _Rewrite:
 
     def copy(self, like: Tensor) -> int:
         """A new value with `like`'s shape and dtype (`like` may be an input)."""
-        return self._add(like.shape, like.dtype, TensorKind.INTERMEDIATE)
+        return self._add(like.shape, like.dtype, TensorKind.INTERMEDIATE, like.key_dtype)
 
     def new(self, aval, kind=TensorKind.INTERMEDIATE) -> int:
-        return self._add(tuple(int(d) for d in aval.shape), dtype_name(aval), kind)
+        dtype = dtype_name(aval)
+        return self._add(tuple(int(d) for d in aval.shape), dtype, kind,
+                         aval.dtype if dtype == "key" else None)
 
-    def _add(self, shape: tuple[int, ...], dtype: str, kind: TensorKind) -> int:
-        self.tensors.append(Tensor(id=len(self.tensors), shape=shape, dtype=dtype, kind=kind))
+    def _add(self, shape: tuple[int, ...], dtype: str, kind: TensorKind, key_dtype=None) -> int:
+        self.tensors.append(Tensor(id=len(self.tensors), shape=shape, dtype=dtype, kind=kind,
+                                   key_dtype=key_dtype))
         return len(self.tensors) - 1
 
     def splice(self, fun, inputs: list[int], site: Node, name_stack: str, avals=None,

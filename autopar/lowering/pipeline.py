@@ -13,6 +13,7 @@ move between submeshes with `jax.device_put` (see `runtime.executor`).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule
 from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
+from autopar.lowering.accumulate import accumulated_step, runs_whole
 from autopar.lowering.single_mesh import named
 
 
@@ -52,6 +54,7 @@ class StageExecutable:
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
     saved_acts: tuple[int, ...] = ()  # positions of the activation inputs the backward reads
+    acc_shardings: tuple[NamedSharding, ...] = ()   # of the accumulator's entries
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -64,6 +67,9 @@ class PipelineProgram:
     schedule: PipelineSchedule
     num_microbatches: int
     max_in_flight_calls: int | None              # None: never wait (accelerators)
+    # gradient accumulation on one mesh: the whole step as one jit (`lowering.accumulate`),
+    # which the executor runs instead of the schedule; None for a pipeline
+    whole_step: Callable | None = None
 
 
 def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.sharding.Mesh:
@@ -154,7 +160,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
-        saved_acts=saved_acts)
+        saved_acts=saved_acts, acc_shardings=grads)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],
@@ -222,9 +228,12 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
         segment_fns.append(_segment_fn(loss, seg, pinned,
                                        donated_inputs(loss, placement, index)))
     cpu = all(d.platform == "cpu" for d in devices)
-    return PipelineProgram(
+    program = PipelineProgram(
         loss=loss, placement=placement, stages=execs, in_shardings=in_sh,
         segment_fns=tuple(segment_fns),
         schedule=make_schedule(schedule, len(stages), num_microbatches),
         num_microbatches=num_microbatches,
         max_in_flight_calls=max_in_flight_calls if cpu else None)
+    if runs_whole(program):
+        program = dataclasses.replace(program, whole_step=accumulated_step(program))
+    return program

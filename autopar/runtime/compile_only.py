@@ -27,9 +27,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.lowering.microbatch import add_all
 from autopar.lowering.pipeline import PipelineProgram
 from autopar.runtime.executor import Executor
-from autopar.runtime.microbatch import add_all
 
 
 class Role(enum.Enum):
@@ -40,6 +40,7 @@ class Role(enum.Enum):
                              # outs, acc, act grads)
     REDUCE = "reduce"        # acc -> the step's gradients (partial sums reduced)
     APPLY = "apply"          # an apply-gradient segment
+    STEP = "step"            # the whole step as one executable (gradient accumulation)
     OTHER = "other"          # the batch split, key folding, cotangent sums, loss weights
 
 
@@ -135,7 +136,8 @@ class _CompileOnly(Executor):
             reduce=wrap(st.reduce, Role.REDUCE, st.index)) for st in program.stages)
         segments = tuple(wrap(fn, Role.APPLY, seg.stage)
                          for seg, fn in zip(program.placement.segments, program.segment_fns))
-        super().__init__(dataclasses.replace(program, stages=stages, segment_fns=segments))
+        super().__init__(dataclasses.replace(program, stages=stages, segment_fns=segments,
+                                             whole_step=wrap(program.whole_step, Role.STEP, 0)))
         self._split = wrap(self._split, Role.OTHER)
         self._sum = wrap(add_all, Role.OTHER)
         self._merge = _Merges(self._merge, lambda fn: wrap(fn, Role.OTHER))

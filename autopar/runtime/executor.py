@@ -1,6 +1,8 @@
 """The pipeline executor: runs one step of a `PipelineProgram`.
 
-It walks the apply-gradient segments in order; the pipeline segment runs the schedule's clock
+A one-stage program with several microbatches (gradient accumulation) is one executable
+(`PipelineProgram.whole_step`, see `lowering.accumulate`): the executor calls it. Otherwise
+it walks the apply-gradient segments in order; the pipeline segment runs the schedule's clock
 table, dispatching each stage's forward or backward for one microbatch and moving activations
 and cotangents between submeshes with `jax.device_put`. Everything is dispatched
 asynchronously; on simulated CPU devices, where too many queued calls with collectives hang
@@ -22,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.inter_op.apply_grad import PIPELINE
 from autopar.inter_op.schedule import Phase
+from autopar.lowering.microbatch import Merger, add_all
 from autopar.lowering.pipeline import PipelineProgram
 from autopar.lowering.single_mesh import has_sharding, put
-from autopar.runtime.microbatch import Merger, add_all
 
 
 @dataclass(slots=True)
@@ -138,6 +140,8 @@ class Executor:
         p = self.p
         step, place = p.loss.step, p.placement
         self.stats = ExecutorStats(max_live_microbatches=[0] * len(p.stages))
+        if p.whole_step is not None:    # gradient accumulation: the step is one executable
+            return list(self._dispatched(p.whole_step(*flat_args)))
         env: dict[int, dict[int, Any]] = collections.defaultdict(dict)
         for tid, s, x in zip(step.inputs, place.input_stage, flat_args):
             env[tid][s] = x
@@ -281,7 +285,7 @@ class Executor:
 
     def _seed(self, state: _StepState, st, m: int, sh):
         """The loss's cotangent in microbatch m: 1 / M for a mean, 1 for a sum, the
-        microbatch's share of the denominator for a ratio (see `runtime.microbatch`)."""
+        microbatch's share of the denominator for a ratio (see `lowering.microbatch`)."""
         den = self._merge.outputs[0].den
         if den is not None and self.p.num_microbatches > 1:
             return self._put(state.weights[den][m], sh)

@@ -183,6 +183,14 @@ def _overview(plan: ParallelPlan, stage) -> list:
     return lines
 
 
+def _form(p: dict) -> str:
+    """How a one-mesh accumulation runs (plans saved before it was recorded say nothing)."""
+    if "one_executable" not in p:
+        return ""
+    return (", all in one executable (a loop over the microbatches)" if p["one_executable"]
+            else ", one executable per microbatch")
+
+
 def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     """The stages of a pipeline plan, its schedule and the stage search."""
     p = plan.pipeline
@@ -196,8 +204,9 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
                 f"forward+backward ({_time(s.latency_s)} each, predicted) into one gradient, "
-                f"then the update; predicted step {_time(p['predicted_latency_s'])}, peak "
-                f"memory {_bytes(s.peak_memory_bytes)} per device"
+                f"then the update{_form(p)}; predicted step "
+                f"{_time(p['predicted_latency_s'])}, peak memory "
+                f"{_bytes(s.peak_memory_bytes)} per device"
                 + (f" (compiled by XLA to {_bytes(compiled[0])})" if compiled[0] else "")
                 + f"; remat {s.remat}{reduced}"] + _compiled_stages_line(plan)
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "

@@ -28,6 +28,11 @@ very executables the first call runs (jax.jit keeps them). On stage s:
 
 peak = max(held + data + accumulator + in_flight * stash + work, held + apply).
 
+Gradient accumulation on one mesh runs as one executable (`lowering.accumulate`): its peak is
+that executable's arguments + outputs + temp - aliased, recorded as `held` (the step's
+inputs) and `work` (the rest: the microbatches, the accumulator, one microbatch's
+activations, the update).
+
 Small helpers (the batch split, cotangent sums, loss merges) are left out: they run where
 little else is live. The plan records the per-stage peaks and their terms
 (`measured["compiled_stage_bytes"]`, `measured["compiled_stage_memory"]`); `autopar.dump`
@@ -111,6 +116,14 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
     with no_context_mesh():          # as the calls run (api.ParallelizedFunction._call)
         calls, live = compile_program(program, args)
     loss, placement = program.loss, program.placement
+    if program.whole_step is not None:     # one executable: its own peak
+        (call,) = calls
+        feet = compiled_bytes(call.compiled)
+        if feet is None:
+            return None
+        held = _held_bytes(call)
+        return (StageMemory(stage=0, held=held, data=0, accumulator=0, stash=0, in_flight=0,
+                            work=max(feet - held, 0), apply=0),)
     out = []
     for st in program.stages:
         s = st.index

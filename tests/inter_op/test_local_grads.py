@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.cost.hlo import collectives, summary
+from autopar.cost.hlo import collectives, loop_body_collectives, summary
 from autopar.frontend.tracer import trace
 from autopar.inter_op.local_grads import find_local_grads, partial_spec
 from autopar.intra_op.batch_dims import batch_dims
 from autopar.models.mlp import mse_loss
+from autopar.runtime.compile_only import abstract_args
 from support.steps import mesh_of, mlp_adam_state, two_stages_2x2
 
 
@@ -48,28 +49,6 @@ def _step(vg):
     return step
 
 
-def _record(program):
-    """Wrap every stage executable to keep the abstract arguments of its last call."""
-    seen = {}
-    for st in program.stages:
-        for name in ("fused", "forward", "backward", "reduce"):
-            fn = getattr(st, name)
-            if fn is None:
-                continue
-
-            def wrapped(*a, _fn=fn, _key=(st.index, name)):
-                seen[_key] = (_fn, jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a))
-                return _fn(*a)
-            object.__setattr__(st, name, wrapped)
-    return seen
-
-
-def _hlo(seen, key):
-    fn, args = seen[key]
-    return summary(collectives(fn.lower(*args).compile().as_text()))
-
-
 @pytest.mark.parametrize("method", [autopar.DataParallel(num_microbatches=4),
                                     autopar.Zero2Parallel(num_microbatches=2)])
 def test_accumulation_reduces_gradients_once_per_step(method):
@@ -77,19 +56,24 @@ def test_accumulation_reduces_gradients_once_per_step(method):
     par = autopar.parallelize(_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
                               method=method)
     program = par.get_compiled(state, batch)
-    seen = _record(program)
     got = par(state, batch)
     stage = program.stages[0]
     n = len(jax.tree_util.tree_leaves(state.params))
     assert stage.local_grads == n
     assert f"{n} of {n} parameter gradients accumulate as per-device partial sums, reduced " \
         "once per step" in autopar.dump(par.get_plan(state, batch))
-    per_microbatch = _hlo(seen, (0, "fused"))
-    # each microbatch reduces only its loss (a scalar), no gradient
-    assert per_microbatch.get("all-reduce", (0, 0))[1] <= 8, per_microbatch
-    once = _hlo(seen, (0, "reduce"))
+    # One executable: the microbatches are a loop whose body reduces only its loss (a
+    # scalar), no gradient; the gradients are reduced once, after the loop.
+    args = abstract_args(jax.tree_util.tree_leaves((state, batch)), program.in_shardings)
+    hlo = program.whole_step.lower(*args).compile().as_text()
+    per_microbatch = summary(loop_body_collectives(hlo))
+    assert per_microbatch and per_microbatch.get("all-reduce", (0, 0))[1] <= 8, per_microbatch
+    assert set(per_microbatch) == {"all-reduce"}, per_microbatch
+    whole = summary(collectives(hlo))
     params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(state.params))
-    assert once["all-reduce"][1] + once.get("reduce-scatter", (0, 0))[1] >= params
+    once = {k: (n - per_microbatch.get(k, (0, 0))[0], b - per_microbatch.get(k, (0, 0))[1])
+            for k, (n, b) in whole.items()}
+    assert once["all-reduce"][1] + once.get("reduce-scatter", (0, 0))[1] >= params, whole
     ref = jax.jit(_step(jax.value_and_grad))(state, batch)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(ref[2]), jax.tree_util.tree_leaves(got[2])):

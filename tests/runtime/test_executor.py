@@ -287,7 +287,10 @@ def test_loss_closing_over_concrete_arrays_matches_jit(method):
     want = jax.jit(const_step)(params, BATCH)
     got = par(params, BATCH)
     close(got, want)
-    transfers = par.get_executor(params, BATCH).stats.num_transfers
+    ex = par.get_executor(params, BATCH)
+    transfers = ex.stats.num_transfers
     close(par(got[0], BATCH), jax.jit(const_step)(want[0], BATCH))      # a second step
-    # the constants were placed by the first step and are reused
-    assert par.get_executor(params, BATCH).stats.num_transfers < transfers
+    if ex.p.whole_step is not None:     # accumulation: one executable holds the constants
+        assert (ex.stats.num_dispatches, ex.stats.num_transfers) == (1, 0)
+    else:       # the constants were placed by the first step and are reused
+        assert ex.stats.num_transfers < transfers

@@ -1,10 +1,10 @@
-"""`runtime.microbatch`: microbatch values merged back into the full batch's."""
+"""`lowering.microbatch`: microbatch values merged back into the full batch's."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopar.runtime.microbatch import interleave
+from autopar.lowering.microbatch import interleave
 
 
 def _split(x, m):

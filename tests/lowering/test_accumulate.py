@@ -1,0 +1,107 @@
+"""Gradient accumulation as one executable (`lowering.accumulate`): the whole step of a
+one-stage program in one jit, a loop over the microbatches inside it, equal to the per-task
+executor it replaces and to `jax.jit` of the step."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar.cost.hlo import collectives, loop_body_collectives, summary
+from autopar.runtime.compile_only import abstract_args
+from autopar.runtime.executor import Executor
+from support.steps import make_case, mesh_of, sgd_momentum_clip
+
+M = 4
+
+
+def _flat(program, *args):
+    leaves = jax.tree_util.tree_leaves(args)
+    return [jax.device_put(x, s) for x, s in zip(leaves, program.in_shardings)]
+
+
+def _close(a, b, rtol):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype
+        scale = max(float(np.max(np.abs(y))), 1e-6) if y.size else 1.0
+        assert np.max(np.abs(x - y), initial=0.0) <= rtol * scale
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(), batch_size=8,
+                                     value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=M),
+                              donate_argnums=(0,))
+    copy = lambda tree: jax.tree_util.tree_map(jnp.array, tree)
+    program = par.get_compiled(copy(state), batches[0])
+    return dict(step=step, state=state, batches=batches, par=par, program=program, copy=copy)
+
+
+def test_the_step_is_one_executable_with_a_loop_over_the_microbatches(gpt):
+    par, program, state, batch = gpt["par"], gpt["program"], gpt["state"], gpt["batches"][0]
+    assert program.whole_step is not None and len(program.stages) == 1
+    plan = par.get_plan(gpt["copy"](state), batch)
+    assert plan.pipeline["one_executable"] is True
+    assert "all in one executable (a loop over the microbatches)" in autopar.dump(plan)
+    par(gpt["copy"](state), batch)
+    stats = par.get_executor(gpt["copy"](state), batch).stats
+    assert (stats.num_dispatches, stats.num_transfers) == (1, 0)
+    compiled = program.whole_step.lower(*abstract_args(
+        jax.tree_util.tree_leaves((state, batch)), program.in_shardings)).compile()
+    hlo = compiled.as_text()
+    assert hlo.count(" while(") == 1, "one loop: the microbatches"
+    # the loop reduces only scalars (the loss); the gradients once, after it
+    in_loop = summary(loop_body_collectives(hlo))
+    assert in_loop.get("all-reduce", (0, 0))[1] <= 8 * in_loop.get("all-reduce", (0, 0))[0]
+    assert summary(collectives(hlo))["all-reduce"][1] > 1e4
+    # the donated state is updated in place
+    assert compiled.memory_analysis().alias_size_in_bytes > 0
+
+
+def test_equals_the_per_task_executor_and_jit_over_two_steps(gpt):
+    par, program, step = gpt["par"], gpt["program"], gpt["step"]
+    per_task = Executor(dataclasses.replace(program, whole_step=None))
+    state = ref = want = gpt["state"]
+    for batch in gpt["batches"][:2]:
+        got = par(gpt["copy"](state), batch)
+        old = jax.tree_util.tree_unflatten(par.get_graph(gpt["copy"](state), batch).out_tree,
+                                           per_task.run(_flat(program, gpt["copy"](want), batch)))
+        ref = jax.jit(step)(ref, batch)
+        _close(got, old, rtol=1e-6)          # the same sums in the same order
+        _close(got, ref, rtol=2e-5)
+        state, want, ref = got[0], old[0], ref[0]
+
+
+def _ratio_step(params, batch):
+    """A token-weighted loss sum(l * w) / sum(w) and per-example logits as an aux output."""
+    def loss_fn(p):
+        logits = jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        return jnp.sum(per_token * batch["w"]) / jnp.sum(batch["w"]), logits
+    (loss, logits), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
+    new = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+    return new, loss, logits
+
+
+def test_ratio_losses_and_per_example_outputs_merge_as_the_executor_does():
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.normal(size=(16, 32)) * 0.3, jnp.float32),
+              "w2": jnp.asarray(rng.normal(size=(32, 8)) * 0.3, jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 8, 16)),
+             "w": jnp.asarray(np.r_[np.zeros(4), rng.integers(0, 2, 12)], jnp.float32)}
+    par = autopar.parallelize(_ratio_step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=M))
+    got = par(params, batch)
+    program = par.get_compiled(params, batch)
+    assert program.whole_step is not None
+    old = Executor(dataclasses.replace(program, whole_step=None)).run(
+        _flat(program, params, batch))
+    _close(jax.tree_util.tree_leaves(got), old, rtol=1e-6)
+    _close(got, jax.jit(_ratio_step)(params, batch), rtol=2e-5)
