@@ -106,6 +106,18 @@ def _run(graph, nodes, env, constrain, reshard, entered) -> None:
                 env[tid] = val
 
 
+class Reemitted:
+    """An equation bound through another primitive: a node whose `eqn` is one of these runs
+    `primitive.bind(*operands, **eqn.params)` in `run_nodes` (the equation's scope, source
+    line and parameters kept)."""
+
+    def __init__(self, eqn, primitive):
+        self._eqn, self.primitive = eqn, primitive
+
+    def __getattr__(self, name):
+        return getattr(self._eqn, name)
+
+
 def _resharded(env: dict, tid: int, path) -> Any:
     """Tensor `tid` moved through the layouts of `path` ((spec, sharding) pairs), one
     constraint per step; each intermediate is kept (under the key (tid, spec)) so consumers

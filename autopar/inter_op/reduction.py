@@ -23,8 +23,10 @@ The analysis follows every value with its kind (free of the batch, per example, 
 examples, a ratio of sums, or unknown) and its *scale*: the ratio of its value at the
 microbatch size to its value at the full batch size, found by comparing the literals of the
 two traces node by node (`jnp.mean` divides by 32 in one and by 128 in the other: scale M).
-It also lists the random keys the loss reads (`rng_inputs`: each microbatch folds in its
-index, so dropout masks differ between microbatches).
+It also lists the random keys the loss reads (`rng_inputs`) and the random draws that carry
+the batch (`draws`, `inter_op.random_rows`): each microbatch computes its rows of the whole
+batch's draws, so dropout masks are the whole batch's; where that cannot be shown
+(`fold_reason`), each microbatch folds its index into the keys instead.
 
 Example:
     >>> red = reduce_outputs(forward, full_forward, batch_inputs=frozenset({5}), num_diff=4,
@@ -48,6 +50,8 @@ import numpy as np
 from autopar.core.errors import MicrobatchReductionWarning
 from autopar.core.graph import Node, OpGraph, TensorKind
 from autopar.core.primitives import ELEMENTWISE, KEY_OPS, RANDOM_BITS
+from autopar.frontend.interpret import Reemitted
+from autopar.inter_op.random_rows import RandomRows, batch_draws
 from autopar.intra_op.batch_dims import batch_dims
 
 
@@ -76,8 +80,15 @@ class LossReduction:
     dens: tuple[int, ...]            # distinct RATIO denominators (forward tensor ids)
     den_nodes: tuple[int, ...]       # forward nodes computing them, in order
     den_inputs: tuple[int, ...]      # forward input positions those nodes read
-    rng_inputs: tuple[int, ...] = ()  # forward input positions that are random keys (dropout):
-                                      # microbatch m draws from fold_in(key, m)
+    rng_inputs: tuple[int, ...] = ()  # forward input positions that are random keys (dropout)
+    draws: tuple[RandomRows, ...] = ()  # random draws with the batch: each microbatch draws
+                                        # its rows of the whole batch's (`random_rows`)
+    fold_reason: str = ""             # why the microbatches cannot draw the whole batch's bits;
+                                      # then microbatch m draws from fold_in(key, m)
+
+    @property
+    def folds_keys(self) -> bool:
+        return bool(self.fold_reason) and bool(self.rng_inputs)
 
     @property
     def loss(self) -> OutputCombine:
@@ -358,8 +369,10 @@ def reduce_outputs(forward: OpGraph, full_forward: OpGraph | None, *,
     keys = tuple(q for q, t in enumerate(forward.inputs) if q >= num_diff
                  and q not in batch_inputs and any(
                      forward.nodes[n].primitive in _RANDOM for n in consumers[t]))
+    draws, why = batch_draws(forward, analysis.full, num_microbatches=num_microbatches,
+                             rows=rows)
     return LossReduction(outputs=outs, rows=rows, dens=dens, den_nodes=nodes, den_inputs=inputs,
-                         rng_inputs=keys)
+                         rng_inputs=keys, draws=draws, fold_reason=why)
 
 
 class _GuardedDiv:
@@ -375,22 +388,11 @@ class _GuardedDiv:
         return jax.lax.div(num, jnp.where(den == 0, jnp.ones_like(den), den))
 
 
-class _Reemitted:
-    """An equation re-emitted through another primitive (what `frontend.interpret.run_nodes`
-    binds)."""
-
-    def __init__(self, eqn, primitive):
-        self._eqn, self.primitive = eqn, primitive
-
-    def __getattr__(self, name):
-        return getattr(self._eqn, name)
-
-
 def guard_ratios(forward: OpGraph, reduction: LossReduction) -> OpGraph:
     """`forward` with every division by a RATIO denominator guarded (see `_GuardedDiv`);
     tensors and nodes keep their ids."""
     dens = set(reduction.dens)
-    nodes = tuple(dataclasses.replace(n, eqn=_Reemitted(n.eqn, _GuardedDiv))
+    nodes = tuple(dataclasses.replace(n, eqn=Reemitted(n.eqn, _GuardedDiv))
                   if n.primitive == "div" and n.inputs[1] in dens else n
                   for n in forward.nodes)
     return dataclasses.replace(forward, nodes=nodes)
@@ -419,4 +421,13 @@ def warn_inexact(reduction: LossReduction, forward: OpGraph, num_microbatches: i
             f"cannot be shown to combine exactly over microbatches: {out.reason}. It is "
             f"{how} over the microbatches, which is not the full batch's value in general"
             + (", and so is its gradient" if pos == 0 else "") + f". Fix: {fix}."),
+            stacklevel=2)
+    if reduction.fold_reason:
+        how = ("each microbatch draws from fold_in(key, m), so its dropout masks are not the "
+               "rows of the whole batch's" if reduction.rng_inputs else
+               "every microbatch draws the same bits, not its rows of the whole batch's")
+        warnings.warn(MicrobatchReductionWarning(
+            f"num_microbatches={num_microbatches}: the loss's random draws cannot be the "
+            f"whole batch's: {reduction.fold_reason}; {how}. The loss and its gradients then "
+            "differ from the whole-batch step's (the same distribution, other bits)."),
             stacklevel=2)

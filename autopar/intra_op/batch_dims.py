@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from autopar.core.graph import InputRole, Node, OpGraph
-from autopar.core.primitives import AXIS_OPS, ELEMENTWISE, LOOP_SLICE, LOOP_STACK, REDUCTIONS
+from autopar.core.primitives import (
+    AXIS_OPS,
+    ELEMENTWISE,
+    KEY_OPS,
+    LOOP_SLICE,
+    LOOP_STACK,
+    RANDOM_BITS,
+    REDUCTIONS,
+)
 
 BatchDims = tuple[int | None, ...]
 
@@ -252,7 +260,16 @@ def _loop_stack(graph: OpGraph, node: Node, dims: list) -> list[int | None]:
     return [None if d is None else d + 1]
 
 
+def _key_leading(graph: OpGraph, node: Node, dims: list) -> list[int | None]:
+    """Key operations and random bits: a result's leading dimensions are its key operand's
+    (`random_bits(keys[B], shape)` is [B, *shape]; `random_unwrap(keys[B])` is [B, 2])."""
+    d, shape = dims[node.inputs[0]], _shape(graph, node.inputs[0])
+    return [d if d is not None and d < len(_shape(graph, o))
+            and _shape(graph, o)[d] == shape[d] else None for o in node.outputs]
+
+
 _RULES = {
+    **{name: _key_leading for name in KEY_OPS | RANDOM_BITS},
     "dot_general": _dot_general, "conv_general_dilated": _conv, "transpose": _transpose,
     "broadcast_in_dim": _broadcast_in_dim, "squeeze": _squeeze, "reshape": _reshape,
     "slice": _unchanged_extent, "dynamic_slice": _unchanged_extent, "pad": _unchanged_extent,

@@ -139,19 +139,21 @@ class _Traced:
             return cts
 
         def train(acc, xs):
-            data_m, seed_m = xs
+            data_m, seed_m, mb = xs
             data = [data_m[i] if i in data_m else fixed[i]
                     for i in range(len(st.slice.data_inputs))]
             outs, int_outs, acc, _ = st.fused(params, data, [], [],
                                               cotangents(seed if seed_m is None else seed_m),
-                                              acc)
+                                              acc, mb)
             return acc, (outs, int_outs)
 
-        first = ({i: x[0] for i, x in scanned.items()}, None if seeds is None else seeds[0])
+        index = jnp.arange(m_total, dtype=jnp.int32)       # each microbatch's index
+        first = ({i: x[0] for i, x in scanned.items()}, None if seeds is None else seeds[0],
+                 index[0])
         shapes = jax.eval_shape(lambda xs: train(None, xs)[0], first)
         acc0 = [_constrain(jnp.zeros(s.shape, s.dtype), sh)
                 for s, sh in zip(shapes, st.acc_shardings)]
-        acc, (outs, int_outs) = jax.lax.scan(train, acc0, (scanned, seeds))
+        acc, (outs, int_outs) = jax.lax.scan(train, acc0, (scanned, seeds, index))
         per_output = dict(zip((*float_out, *st.io.int_outputs), (*outs, *int_outs)))
         whole = NamedSharding(st.mesh, PartitionSpec())
         for pos, t in enumerate(fwd.outputs):

@@ -53,9 +53,11 @@ class Merger:
         self._mean = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
         self._weighted = jax.jit(_weighted)
         self.weights = self._weights_fn() if red is not None and red.dens else None
-        self.rng_inputs = frozenset(red.rng_inputs) if red is not None else frozenset()
-        # microbatch i draws its random bits (dropout masks) from fold_in(key, i): without
-        # it every microbatch would draw the same masks
+        # the keys folded per microbatch, where the microbatches cannot draw their rows of the
+        # whole batch's random bits (`inter_op.random_rows`): microbatch i draws from
+        # fold_in(key, i), so that the microbatches at least draw different masks
+        self.rng_inputs = frozenset(red.rng_inputs) if red is not None and red.folds_keys \
+            else frozenset()
         self.fold_keys = jax.jit(lambda key: tuple(jax.random.fold_in(key, i)
                                                    for i in range(num_microbatches)))
 

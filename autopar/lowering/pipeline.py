@@ -32,6 +32,7 @@ from autopar.inter_op.schedule import PipelineSchedule, make_schedule
 from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
 from autopar.lowering.accumulate import accumulated_step, runs_whole
+from autopar.lowering.microbatch_bits import with_batch_draws
 from autopar.lowering.single_mesh import named
 
 
@@ -45,11 +46,14 @@ class StageExecutable:
     data_shardings: tuple[NamedSharding, ...]    # per slice.data_inputs (microbatch shape)
     act_shardings: dict[int, NamedSharding]      # per act input tensor id
     out_shardings: dict[int, NamedSharding]      # per output tensor id
-    forward: Callable     # (params, data, float_acts, int_acts) -> (outs, int_outs, residuals)
-    backward: Callable    # ((residuals, params, data, saved acts), cts, acc) -> (acc,
+    # Each takes last `mb`, the microbatch's index (an int32 scalar): its random draws are its
+    # rows of the whole batch's (`lowering.microbatch_bits`).
+    forward: Callable     # (params, data, float_acts, int_acts, mb) -> (outs, int_outs,
+                          # residuals)
+    backward: Callable    # ((residuals, params, data, saved acts), cts, acc, mb) -> (acc,
                           # act_grads); acc=None the first time
-    fused: Callable       # (params, data, float_acts, int_acts, cts, acc) -> (outs, int_outs,
-                          # acc, act_grads)
+    fused: Callable       # (params, data, float_acts, int_acts, cts, acc, mb) -> (outs,
+                          # int_outs, acc, act_grads)
     reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
@@ -77,9 +81,11 @@ def stage_mesh(stage: ChosenStage, devices_by_id: dict[int, Any]) -> jax.shardin
     return jax.sharding.Mesh(devs.reshape(stage.solution.logical_shape), AXIS_NAMES)
 
 
-def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
-                      local: LocalGrads | None) -> StageExecutable:
+def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGrads | None,
+                      num_microbatches: int) -> StageExecutable:
     sl, sol, graph = stage.slice, stage.solution, stage.graph
+    draws = loss.reduction.draws if loss.reduction is not None else ()
+    drawn = lambda mb: with_batch_draws(graph, draws, num_microbatches, mb)
     io = stage_io(loss, sl)
     sh = lambda specs: tuple(named(mesh, s) for s in specs)
     acts = dict(zip((*io.float_acts, *io.int_acts), sh(sol.act_specs)))
@@ -87,8 +93,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
     grads = sh(sol.grad_specs)
     constrain = {t: named(mesh, spec) for t, spec in sol.constraints}
     split = split_train_graph(graph, sl)
-    nodes = lambda ids: [graph.nodes[n] for n in ids]
-    fwd_nodes, bwd_nodes = nodes(split.forward_nodes), nodes(split.backward_nodes)
+    nodes = lambda g, ids: [g.nodes[n] for n in ids]
     n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
     n_out = len(io.float_outputs) + len(io.int_outputs)
     n_grads = len(sl.param_inputs)
@@ -97,7 +102,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
     reduce = None
     if local:
         specs = dict(sol.constraints)
-        run_bwd = lambda env, ns: run_nodes_local(graph, ns, env, specs, local, mesh, named)
+        run_bwd = lambda g, env, ns: run_nodes_local(g, ns, env, specs, local, mesh, named)
         acc_sh = [named(mesh, partial_spec(s, local.partial[t])) if kept else g
                   for s, g, t, kept in zip(sol.grad_specs, grads, graph.outputs[n_out:],
                                            local.grad_outputs)]
@@ -106,7 +111,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
                          out_shardings=list(grads))
         grads = tuple(acc_sh)
     else:
-        run_bwd = lambda env, ns: run_nodes(graph, ns, env, constrain)
+        run_bwd = lambda g, env, ns: run_nodes(g, ns, env, constrain)
 
     def env_of(inputs, values):
         env = dict(graph.const_values)
@@ -132,23 +137,26 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh,
     wanted = set(split.residuals)
     saved_acts = tuple(i for i, t in enumerate(act_ids) if t in wanted)
 
-    def forward(params, data, float_acts, int_acts):
+    def forward(params, data, float_acts, int_acts, mb):
         env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
-        run_nodes(graph, fwd_nodes, env, constrain)
+        g = drawn(mb)
+        run_nodes(g, nodes(g, split.forward_nodes), env, constrain)
         out = [env[t] for t in graph.outputs[:n_out]]
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
             [env[t] for t in computed]
 
-    def backward(saved, cts, acc):
+    def backward(saved, cts, acc, mb):
         residuals, params, data, acts = saved
         env = env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts),
                       *graph.inputs[n_in:]), [*residuals, *params, *data, *acts, *cts])
-        run_bwd(env, bwd_nodes)
+        g = drawn(mb)       # a draw recomputed in the backward (remat) is the forward's
+        run_bwd(g, env, nodes(g, split.backward_nodes))
         return finish(env, acc)
 
-    def fused(params, data, float_acts, int_acts, cts, acc):
+    def fused(params, data, float_acts, int_acts, cts, acc, mb):
         env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
-        run_bwd(env, graph.nodes)
+        g = drawn(mb)
+        run_bwd(g, env, g.nodes)
         out = [env[t] for t in graph.outputs[:n_out]]
         return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
 
@@ -209,7 +217,7 @@ def lower_pipeline(loss: LossGraph, placement: Placement, stages: tuple[ChosenSt
     found them) says which gradients accumulate as partial sums."""
     by_id = {int(d.id): d for d in devices}
     meshes = [stage_mesh(st, by_id) for st in stages]
-    execs = tuple(_stage_executable(loss, st, m, lg)
+    execs = tuple(_stage_executable(loss, st, m, lg, num_microbatches)
                   for st, m, lg in zip(stages, meshes, local_grads))
     step = loss.step
     in_sh = tuple(named(meshes[s], spec)

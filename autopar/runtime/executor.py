@@ -239,7 +239,8 @@ class Executor:
         acts = self._acts(state, st, m)
         nf = len(st.io.float_acts)
         o, o_int, residuals = self._dispatched(
-            st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:]))
+            st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:],
+                       self._index(st, m)))
         self._outputs(state, st, m, o, o_int)
         live = state.residuals[st.index]     # with the inputs the backward reads (no copies)
         live[m] = (residuals, state.params[st.index], state.data[st.index][m],
@@ -254,7 +255,7 @@ class Executor:
         nf = len(st.io.float_acts)
         o, o_int, state.acc[st.index], act_grads = self._dispatched(st.fused(
             state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:],
-            self._cotangents(state, st, m), state.acc[st.index]))
+            self._cotangents(state, st, m), state.acc[st.index], self._index(st, m)))
         self._outputs(state, st, m, o, o_int)
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
@@ -262,9 +263,16 @@ class Executor:
     def _backward(self, state: _StepState, st, m: int) -> None:
         state.acc[st.index], act_grads = self._dispatched(
             st.backward(state.residuals[st.index].pop(m), self._cotangents(state, st, m),
-                        state.acc[st.index]))
+                        state.acc[st.index], self._index(st, m)))
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
+
+    def _index(self, st, m: int):
+        """Microbatch m's index on the stage's devices (its random draws are its rows of the
+        whole batch's), placed once."""
+        whole = NamedSharding(st.mesh, PartitionSpec())
+        return self._const(("microbatch", st.index, m),
+                           lambda: jax.device_put(np.int32(m), whole))
 
     def _cotangents(self, state: _StepState, st, m: int) -> list:
         """Cotangent of each float output: the gradients later stages sent back, the loss seed

@@ -172,7 +172,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
 def _rng_inputs(program) -> frozenset[int]:
     """Forward input positions the executor folds into one key per microbatch."""
     red = program.loss.reduction
-    if red is None or program.num_microbatches <= 1:
+    if red is None or program.num_microbatches <= 1 or not red.folds_keys:
         return frozenset()
     return frozenset(red.rng_inputs)
 

@@ -150,6 +150,59 @@ def test_random_keys_read_by_the_loss_are_listed():
         loss = split_step(full, micro, 4)
     assert loss.reduction.loss.combine == Combine.MEAN
     assert loss.reduction.rng_inputs == (3,)      # w, x, y, key
+    # the mask has the batch: each microbatch draws its rows of the whole batch's, no fold
+    assert [(d.primitive, d.shape, d.dim, d.per_example) for d in loss.reduction.draws] == [
+        ("random_bits", (2, 4), 0, 1)]
+    assert not loss.reduction.folds_keys
+
+
+def _draw_case(draw, batch_argnums=(1,)):
+    """The reduction of a loss whose mask is `draw(key, x)` (x: [8 / 4, 4] per microbatch)."""
+    def fn(w, x, y, key):
+        return jnp.mean(err(w, x * draw(key, x), y))
+
+    def step(w, batch, key):
+        loss, g = autopar.value_and_grad(fn)(w, batch["x"], batch["y"], key)
+        return w - g, loss
+    args = (W, BATCH, jax.random.key(7))
+    full = trace(step, args, batch_argnums=batch_argnums, keep_grad=True)
+    micro = trace(step, microbatch_args(args, batch_argnums, 4), batch_argnums=batch_argnums,
+                  keep_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = split_step(full, micro, 4)
+    return loss.reduction, [str(w.message) for w in caught
+                            if issubclass(w.category, autopar.MicrobatchReductionWarning)]
+
+
+def test_batch_draws_found_flattened_and_the_ones_that_fold_keys_warn():
+    # a draw flattened with the features: 4 entries per example along dimension 0
+    red, caught = _draw_case(lambda k, x: jax.random.uniform(k, (x.size,)).reshape(x.shape))
+    assert [(d.shape, d.dim, d.per_example) for d in red.draws] == [((8,), 0, 4)]
+    assert not caught and not red.folds_keys
+    # a draw without the batch is the same in every microbatch: nothing to do, nothing folded
+    red, caught = _draw_case(lambda k, x: jax.random.uniform(k, x.shape[1:]))
+    assert red.draws == () and not red.fold_reason and not caught
+    # per-example keys split from the key: the split draws its rows of the whole batch's keys
+    red, caught = _draw_case(lambda k, x: jax.vmap(
+        lambda kk: jax.random.uniform(kk, x.shape[1:]))(jax.random.split(k, x.shape[0])))
+    assert [d.primitive for d in red.draws] == ["random_split"] and not caught
+    # a draw over examples x examples cannot be split into microbatches: folded, with a warning
+    red, caught = _draw_case(lambda k, x: jax.random.uniform(k, (x.shape[0], x.shape[0]))
+                             .sum(1, keepdims=True))
+    assert red.folds_keys and "not one dimension 4 times larger" in red.fold_reason
+    assert any("fold_in(key, m)" in c for c in caught)
+
+
+def test_draws_fold_keys_where_threefry_is_not_partitionable():
+    old = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        red, caught = _draw_case(lambda k, x: jax.random.uniform(k, x.shape))
+    finally:
+        jax.config.update("jax_threefry_partitionable", old)
+    assert red.folds_keys and "jax_threefry_partitionable is off" in red.fold_reason
+    assert any("jax_threefry_partitionable" in c for c in caught)
 
 
 def test_microbatches_of_one_example():
