@@ -24,19 +24,24 @@ as its graph shows it reduces the batch (`inter_op/reduction.py`):
 - a mean over examples (`jnp.mean(ce)`, plus terms without the batch such as weight decay):
   the microbatches' mean, gradients too;
 - a sum over examples (`jnp.sum(per_example)`): the sum, gradients too;
-- `sum(l * w) / sum(w)` with `w` computed from the batch alone (a padded token loss,
-  `w = jnp.where(targets > 0, 1, 0)`): each microbatch weighted by its share of sum(w), so
-  the loss is the full batch's ratio and the gradient sum_m grad(num_m) / sum(w) exactly; a
-  microbatch with sum(w) = 0 adds nothing;
+- `sum(l * w) / den` with `den` a scalar computed from the batch alone (a padded token loss:
+  `sum(w)`, `jnp.maximum(sum(w), 1)`, `sum(w) + eps`, a count built with `jnp.where`): each
+  microbatch weighted by its share of the whole batch's denominator, so the loss is the full
+  batch's ratio and the gradient sum_m grad(num_m) / den exactly; a microbatch whose
+  denominator is 0 adds nothing;
 - an auxiliary output with the batch dimension (logits, per-example losses): the rows of all
   microbatches, in batch order;
 - anything else (`exp(mean)`, a max over the batch, a denominator that depends on the
-  parameters or is clamped, statistics mixing examples): averaged (integers summed), with a
+  parameters, statistics mixing examples): averaged (integers summed), with a
   `MicrobatchReductionWarning` naming the output, its line and the fix.
 
-A random key the loss reads (a dropout rng) is folded with the microbatch's index
-(`jax.random.fold_in(key, m)`), so the microbatches draw different masks; the masks then
-differ from the full batch's, so a step with dropout is not equal to `jax.jit`'s.
+Random bits the loss draws with the batch dimension (dropout masks) are, in microbatch m,
+exactly its rows of the whole batch's draw (under JAX's default partitionable threefry,
+`inter_op/random_rows.py`), whatever the key (typed or raw; an argument, the state, a
+closure): a step with dropout equals `jax.jit`'s. Where that cannot be shown (the flag off,
+another PRNG, a draw over examples x examples), the keys are folded with the microbatch's
+index (`jax.random.fold_in(key, m)`, other masks) and a `MicrobatchReductionWarning` says
+why.
 """
 from __future__ import annotations
 

@@ -10,11 +10,13 @@ per output:
 - `MEAN`: a mean over the examples (`jnp.mean(ce)`, plus terms without the batch, such as a
   weight decay): the microbatches' mean. The loss's gradients are averaged too.
 - `SUM`: a sum over the examples (`jnp.sum(per_example)`): summed, gradients too.
-- `RATIO`: `sum(l * w) / sum(w)` with a denominator computed from the batch alone (a padded
-  token loss): weighted by each microbatch's share of the denominator, den_m / sum(den), so
-  the loss is sum(num) / sum(den) and its gradient sum_m grad(num_m) / sum(den), exactly the
-  full batch's. `guard_ratios` makes a microbatch whose denominator is 0 add nothing
-  (not 0 / 0).
+- `RATIO`: `sum(l * w) / den` with a scalar denominator computed without the parameters
+  (from the batch and constants: `sum(w)`, `jnp.maximum(sum(w), 1)`, `sum(w) + eps`, a count
+  built with `jnp.where`; a padded token loss): microbatch m's value num_m / den_m is
+  weighted by den_m / den, den the denominator of the whole batch (computed once per step
+  from the loss traced at the full size), so the loss is sum_m num_m / den and its gradient
+  sum_m grad(num_m) / den, exactly the full batch's. `guard_ratios` makes a microbatch whose
+  denominator is 0 add nothing (not 0 / 0).
 - `UNKNOWN`: none of these could be shown (e.g. `exp(mean)`, a max over the batch, a
   denominator that depends on the parameters, BatchNorm statistics). The output is averaged
   (floats) or summed (integers) and a `MicrobatchReductionWarning` names it.
@@ -81,6 +83,11 @@ class LossReduction:
     den_nodes: tuple[int, ...]       # forward nodes computing them, in order
     den_inputs: tuple[int, ...]      # forward input positions those nodes read
     rng_inputs: tuple[int, ...] = ()  # forward input positions that are random keys (dropout)
+    full_forward: OpGraph | None = None  # the loss at the full batch size, node for node (the
+                                         # denominators' whole-batch values), or None
+    whole_dens: tuple[int, ...] = ()     # dens weighted by den_m / den of the whole batch (a
+                                         # clamp, an epsilon, ...); the others (plain sums, or
+                                         # means over examples) by den_m / sum of the den_m
     draws: tuple[RandomRows, ...] = ()  # random draws with the batch: each microbatch draws
                                         # its rows of the whole batch's (`random_rows`)
     fold_reason: str = ""             # why the microbatches cannot draw the whole batch's bits;
@@ -205,6 +212,8 @@ class _Analysis:
         ref = self.full if self.full is not None else fwd
         self.dims = batch_dims(ref, {ref.inputs[q]: 0 for q in batch_inputs})
         self.vals: list[_Val | None] = [None] * len(fwd.tensors)
+        self.whole_dens: set[int] = set()    # RATIO denominators weighted by their whole
+                                             # batch's value (not a plain sum)
         self.param_dep = [False] * len(fwd.tensors)
         for pos, t in enumerate(fwd.inputs):
             self.vals[t] = _Val(_Kind.EXAMPLE if pos in batch_inputs else _Kind.FREE)
@@ -253,6 +262,9 @@ class _Analysis:
             if pure and not _mixes(node, self.dims):
                 return _Val(_Kind.EXAMPLE, _scale(node, ins, self.fwd))
             return _Val(_Kind.MIXED, None)
+        if node.primitive == "div" and ins[0].kind == _Kind.SUM \
+                and self._batch_only(node.inputs[1]):
+            return self._product(node, ins)       # sum(l * w) / f(batch): any f
         if any(v.kind in (_Kind.UNKNOWN, _Kind.MIXED) for v in ins):
             return self._unknown(node, ins, "it combines values that mix examples")
         p, kinds = node.primitive, [v.kind for v in ins]
@@ -283,9 +295,17 @@ class _Analysis:
                 return _Val(_Kind.SUM, s, a.free_term)
             if a.kind == _Kind.RATIO and _close(b.scale, 1.0):
                 return a
+        den = node.inputs[1]
+        plain = a.kind == b.kind == _Kind.SUM and not (a.free_term or b.free_term) \
+            and a.scale is not None and _close(b.scale, a.scale)
+        if node.primitive == "div" and floating and a.kind == _Kind.SUM and not plain \
+                and not a.free_term and _close(a.scale, 1.0) and self._batch_only(den):
+            # any other denominator made from the batch alone: weighted by den_m / den of
+            # the whole batch
+            self.whole_dens.add(den)
+            return _Val(_Kind.RATIO, 1.0, den=den)
         if node.primitive == "div" and floating and a.kind == b.kind == _Kind.SUM:
-            den = node.inputs[1]
-            if a.free_term or b.free_term or a.scale is None or not _close(b.scale, a.scale):
+            if not plain:
                 return self._unknown(node, ins, "a ratio whose numerator and denominator are "
                                                 "not both plain sums over examples")
             if self.param_dep[den]:
@@ -311,6 +331,13 @@ class _Analysis:
             return a
         return self._unknown(node, ins, "a sum of terms that combine differently over "
                                         "microbatches")
+
+    def _batch_only(self, tid: int) -> bool:
+        """A scalar made without the parameters (from the batch, constants and other inputs)
+        that the loss traced at the full batch size computes too (node for node)."""
+        t = self.fwd.tensors[tid]
+        return (self.full is not None and t.rank == 0 and not self.param_dep[tid]
+                and _floating(self.fwd, tid) and self.vals[tid] is not None)
 
     def output(self, tid: int, num_microbatches: int, rows: int) -> OutputCombine:
         v, d, t = self.vals[tid], self.dims[tid], self.fwd.tensors[tid]
@@ -372,7 +399,9 @@ def reduce_outputs(forward: OpGraph, full_forward: OpGraph | None, *,
     draws, why = batch_draws(forward, analysis.full, num_microbatches=num_microbatches,
                              rows=rows)
     return LossReduction(outputs=outs, rows=rows, dens=dens, den_nodes=nodes, den_inputs=inputs,
-                         rng_inputs=keys, draws=draws, fold_reason=why)
+                         rng_inputs=keys, full_forward=analysis.full,
+                         whole_dens=tuple(d for d in dens if d in analysis.whole_dens),
+                         draws=draws, fold_reason=why)
 
 
 class _GuardedDiv:

@@ -62,12 +62,16 @@ class Merger:
                                                    for i in range(num_microbatches)))
 
     def _weights_fn(self) -> Callable:
-        """(full-batch values of `den_inputs`) -> per denominator, its share in each
-        microbatch: den_m / sum over microbatches of den_m, in the loss's dtype."""
+        """(full-batch values of `den_inputs`) -> per denominator, its weight in each
+        microbatch, in the loss's dtype: den_m / sum of the den_m for a plain sum (or mean)
+        over examples, den_m / den of the whole batch for the others (`whole_dens`: a clamp,
+        an epsilon; see `inter_op.reduction`'s RATIO)."""
         loss, m, red = self.loss, self.m, self.loss.reduction
         fwd = loss.forward
         nodes = [fwd.nodes[n] for n in red.den_nodes]
         dtype = fwd.tensors[fwd.outputs[0]].dtype
+
+        full = red.full_forward
 
         def run(*inputs):
             dens = []
@@ -79,12 +83,16 @@ class Merger:
                     env[fwd.inputs[q]] = x
                 run_nodes(fwd, nodes, env)
                 dens.append([env[d] for d in red.dens])
-            out = []
-            for j in range(len(red.dens)):
-                per = [d[j] for d in dens]
-                total = sum(per[1:], per[0])
-                out.append(tuple((p / total).astype(dtype) for p in per))
-            return out
+            whole = {}
+            if red.whole_dens:      # the whole batch's denominators (the same node ids)
+                env = dict(full.const_values)
+                env.update((full.inputs[q], x) for q, x in zip(red.den_inputs, inputs))
+                run_nodes(full, [full.nodes[n] for n in red.den_nodes], env)
+                whole = {d: env[d] for d in red.whole_dens}
+            totals = [whole[d] if d in whole else sum(x[j] for x in dens[1:]) + dens[0][j]
+                      for j, d in enumerate(red.dens)]
+            return [tuple((d[j] / total).astype(dtype) for d in dens)
+                    for j, total in enumerate(totals)]
         return jax.jit(run)
 
     def seed(self) -> float:

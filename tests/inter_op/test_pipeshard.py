@@ -582,16 +582,18 @@ def test_auxiliary_outputs_combine_like_the_full_batch(method):
 
 
 def test_a_loss_that_cannot_be_made_exact_warns():
-    """A denominator clamped with jnp.maximum is not a plain sum over examples: the loss is
-    averaged over microbatches, and the warning names the rule, the loss line and the fix."""
-    def clamped(err, y):
+    """The log of a weighted sum over examples is no mean, sum or ratio of them: the loss is
+    averaged over microbatches, and the warning names the rule, the loss line and the fix.
+    (A clamped denominator, jnp.maximum(sum(w), 1), is exact: tests/api/
+    test_microbatch_denominators.py.)"""
+    def log_of_sum(err, y):
         w = (y[:, 0] > 0).astype(jnp.float32)
-        return jnp.sum(err.sum(-1) * w) / jnp.maximum(jnp.sum(w), 1.0)
-    step, state, batches = _mlp_sum_case(clamped)
+        return jnp.log1p(jnp.sum(err.sum(-1) * w))
+    step, state, batches = _mlp_sum_case(log_of_sum)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
                               method=autopar.ShardParallel(num_microbatches=4))
     with pytest.warns(autopar.MicrobatchReductionWarning,
-                      match=r"num_microbatches=4: the loss .*test_pipeshard.py:\d+.*`max`.*"
+                      match=r"num_microbatches=4: the loss .*test_pipeshard.py:\d+.*`log1p`.*"
                             r"and so is its gradient.*Fix: .*sum\(l \* w\) / sum\(w\)"):
         plan = par.get_plan(state, batches[0])
     assert plan.pipeline["microbatch_combine"] == ["unknown"]

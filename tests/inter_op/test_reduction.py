@@ -60,6 +60,13 @@ def mask(y):
      "ratio"),
     ("ratio of means", lambda w, x, y: jnp.mean(err(w, x, y).sum(-1) * mask(y)) / jnp.mean(
         mask(y)), "ratio"),
+    ("clamped denominator", lambda w, x, y: jnp.sum(err(w, x, y).sum(-1) * mask(y)) / jnp.maximum(
+        jnp.sum(mask(y)), 1.0), "ratio"),
+    ("denominator plus an epsilon", lambda w, x, y: jnp.sum(err(w, x, y).sum(-1) * mask(y)) / (
+        jnp.sum(mask(y)) + 1e-8), "ratio"),
+    ("denominator of the square root of a count", lambda w, x, y: jnp.sum(
+        err(w, x, y).sum(-1) * mask(y)) / jnp.sqrt(jnp.where(x[:, 0] > 0, 1.0, 0.0).sum() + 1.0),
+     "ratio"),
 ])
 def test_exact_losses(name, fn, want):
     got, caught = _combines(fn)
@@ -71,8 +78,6 @@ def test_exact_losses(name, fn, want):
     ("max over the batch", lambda w, x, y: jnp.max(err(w, x, y)), "not a sum over examples"),
     ("sum plus weight decay", lambda w, x, y: jnp.sum(err(w, x, y)) + jnp.sum(w ** 2),
      "plus a term free of the batch"),
-    ("clamped denominator", lambda w, x, y: jnp.sum(err(w, x, y).sum(-1) * mask(y)) / jnp.maximum(
-        jnp.sum(mask(y)), 1.0), "not a sum or ratio"),
     ("denominator with the parameters",
      lambda w, x, y: jnp.sum(err(w, x, y)) / jnp.sum(jnp.exp(x @ w)), "depends on the parameters"),
     ("batch statistics (BatchNorm)",
