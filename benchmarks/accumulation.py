@@ -119,13 +119,13 @@ def _model_rows(name: str, mesh) -> dict:
     timers, rows = {}, {"model": name}
     timers["jit whole"] = _timer(jax.jit(jit_step), on_one)
     par1 = autopar.parallelize(par_step, mesh=mesh, method=autopar.ShardParallel(),
-                               plan_cache=False)
+                               batch_argnums=(2,), plan_cache=False)
     timers["autopar M=1"] = _timer(par1, args)
     for m in MICROBATCHES:
         timers[f"jit scan M={m}"] = _timer(jax.jit(scan_step(m)), on_one)
         par = autopar.parallelize(par_step, mesh=mesh,
                                   method=autopar.ShardParallel(num_microbatches=m),
-                                  plan_cache=False)
+                                  batch_argnums=(2,), plan_cache=False)
         timers[f"autopar M={m}"] = _timer(par, args)
         program = par.get_compiled(*args)
         rows[f"one_executable M={m}"] = program.whole_step is not None
