@@ -13,6 +13,7 @@ import autopar
 from autopar.cost.hlo import collectives, loop_body_collectives, summary
 from autopar.runtime.compile_only import abstract_args
 from autopar.runtime.executor import Executor
+from support.equivalence import assert_entrywise
 from support.steps import make_case, mesh_of, sgd_momentum_clip
 
 M = 4
@@ -21,14 +22,6 @@ M = 4
 def _flat(program, *args):
     leaves = jax.tree_util.tree_leaves(args)
     return [jax.device_put(x, s) for x, s in zip(leaves, program.in_shardings)]
-
-
-def _close(a, b, rtol):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.shape == y.shape and x.dtype == y.dtype
-        scale = max(float(np.max(np.abs(y))), 1e-6) if y.size else 1.0
-        assert np.max(np.abs(x - y), initial=0.0) <= rtol * scale
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +66,10 @@ def test_equals_the_per_task_executor_and_jit_over_two_steps(gpt):
         old = jax.tree_util.tree_unflatten(par.get_graph(gpt["copy"](state), batch).out_tree,
                                            per_task.run(_flat(program, gpt["copy"](want), batch)))
         ref = jax.jit(step)(ref, batch)
-        _close(got, old, rtol=1e-6)          # the same sums in the same order
-        _close(got, ref, rtol=2e-5)
+        # the same sums in the same order as the per-task executor
+        assert_entrywise(old, got, rtol=1e-6, what="one executable vs per task",
+                         per_leaf_scale=True)
+        assert_entrywise(ref, got, rtol=2e-5, what="vs jax.jit", per_leaf_scale=True)
         state, want, ref = got[0], old[0], ref[0]
 
 
@@ -103,5 +98,7 @@ def test_ratio_losses_and_per_example_outputs_merge_as_the_executor_does():
     assert program.whole_step is not None
     old = Executor(dataclasses.replace(program, whole_step=None)).run(
         _flat(program, params, batch))
-    _close(jax.tree_util.tree_leaves(got), old, rtol=1e-6)
-    _close(got, jax.jit(_ratio_step)(params, batch), rtol=2e-5)
+    assert_entrywise(old, jax.tree_util.tree_leaves(got), rtol=1e-6, what="vs per task",
+                     per_leaf_scale=True)
+    assert_entrywise(jax.jit(_ratio_step)(params, batch), got, rtol=2e-5, what="vs jax.jit",
+                     per_leaf_scale=True)
