@@ -52,6 +52,19 @@ def _retarget(value, mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _first_array(tree):
+    """The first array of a call's results (lists and tuples, depth first), without
+    flattening them all: a backward returns the whole gradient accumulator."""
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, jax.Array):
+            return x
+    return None
+
+
 def _fused_tasks(schedule) -> frozenset[tuple[int, int]]:
     """(stage, microbatch) pairs whose forward and backward run as one call: on the last
     stage (nothing later sends it cotangents), when its next task after the forward of m is
@@ -101,9 +114,9 @@ class Executor:
         limit = self.p.max_in_flight_calls
         if limit is None:
             return out
-        leaves = jax.tree_util.tree_leaves(out)
-        if leaves:
-            self._window.append(leaves[0])
+        first = _first_array(out)
+        if first is not None:
+            self._window.append(first)
         while len(self._window) > limit:
             oldest = self._window.popleft()
             if not oldest.is_deleted():     # a donated buffer: a later call consumed it
