@@ -25,6 +25,7 @@ Example (run the same script on every host, or with `python -m autopar launch`):
 from __future__ import annotations
 
 import atexit
+import collections
 import hashlib
 import itertools
 import logging
@@ -317,6 +318,19 @@ def _replica(x, keep: list):
                 mine = copy
     return mine
 
+# How many times this process has used each coordination key: every process runs the same
+# sequence of shares and agreements (SPMD), so the n-th use of a key is the same round on
+# every process, and a round never reads what an earlier one with the same key left in the
+# coordination service's store (a re-plan of the same step with another method would read
+# the last plan's digests: a false mismatch, or a false agreement).
+_ROUNDS: collections.Counter = collections.Counter()
+
+
+def _round(name: str) -> str:
+    _ROUNDS[name] += 1
+    return f"{name}/{_ROUNDS[name]}"
+
+
 def share_from_first(key: str, produce: Callable[[], str]) -> tuple[str, bool]:
     """Process 0 computes `produce()` and every process gets its result: (text, whether this
     process computed it). One process: just `produce()`. Every process must call it with the
@@ -325,7 +339,7 @@ def share_from_first(key: str, produce: Callable[[], str]) -> tuple[str, bool]:
     if jax.process_count() == 1:
         return produce(), True
     client = _client()
-    name = f"autopar/share/{key}"
+    name = _round(f"autopar/share/{key}")
     if jax.process_index() == 0:
         text = produce()
         client.key_value_set(name, text, allow_overwrite=True)
@@ -342,10 +356,9 @@ def check_agreement(key: str, text: str, what: str) -> None:
         return
     client = _client()
     mine = hashlib.sha256(text.encode()).hexdigest()[:16]
-    client.key_value_set(f"autopar/agree/{key}/{jax.process_index()}", mine,
-                         allow_overwrite=True)
-    digests = {p: client.blocking_key_value_get(f"autopar/agree/{key}/{p}",
-                                                int(_PLAN_WAIT_S * 1000))
+    name = _round(f"autopar/agree/{key}")
+    client.key_value_set(f"{name}/{jax.process_index()}", mine, allow_overwrite=True)
+    digests = {p: client.blocking_key_value_get(f"{name}/{p}", int(_PLAN_WAIT_S * 1000))
                for p in range(jax.process_count())}
     if len(set(digests.values())) > 1:
         raise PlanMismatchError(

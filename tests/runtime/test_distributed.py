@@ -38,3 +38,49 @@ def test_free_port_is_bindable():
     port = dist.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+class _Store:
+    """The coordination service's key-value store, as process 0 sees it (the other process's
+    writes are made by the test)."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.values:
+            raise TimeoutError(f"waited for {key}")
+        return self.values[key]
+
+
+def test_an_agreement_never_reads_an_earlier_rounds_values(monkeypatch):
+    """Two pipelines of one step (one graph fingerprint) in a 2-process job: the second check
+    must wait for process 1's new digest, not compare with the one it left for the first
+    (found by the 2-process GPipe-then-accumulation run: a false mismatch)."""
+    import collections
+    store = _Store()
+    monkeypatch.setattr(dist, "_client", lambda: store)
+    monkeypatch.setattr(dist, "_ROUNDS", collections.Counter())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+
+    def as_process_1(text_of_0):
+        """Process 1 writes what process 0 wrote last (the same digest) under its own key."""
+        key = max(k for k in store.values if k.endswith("/0"))
+        store.values[key[:-1] + "1"] = store.values[key] if text_of_0 else "other"
+
+    store.values.clear()
+    with pytest.raises(TimeoutError):               # round 1: process 1 has not written yet
+        dist.check_agreement("fp", "layouts A", "pipeline layouts")
+    as_process_1(True)
+    monkeypatch.setattr(dist, "_ROUNDS", collections.Counter())
+    dist.check_agreement("fp", "layouts A", "pipeline layouts")     # round 1 again: agreed
+    with pytest.raises(TimeoutError, match="/2/1"):  # round 2 waits for process 1's new value
+        dist.check_agreement("fp", "layouts B", "pipeline layouts")
+    as_process_1(False)
+    monkeypatch.setattr(dist, "_ROUNDS", collections.Counter({"autopar/agree/fp": 1}))
+    with pytest.raises(autopar.PlanMismatchError, match="pipeline layouts"):
+        dist.check_agreement("fp", "layouts B", "pipeline layouts")

@@ -1,7 +1,8 @@
 """`python -m autopar launch` end to end: 2 processes x 4 simulated CPU devices on 127.0.0.1
 form one job. GPT under ShardParallel and Zero3Parallel (sharded across both processes) and
-under 2-stage 1F1B and GPipe pipelines whose stages sit on different processes equals plain
-`jax.jit` on one device
+under 2-stage 1F1B and GPipe pipelines whose stages sit on different processes, and under
+gradient accumulation (one executable across both processes), equals plain `jax.jit` on one
+device
 (the tolerances of the single-process equivalence tests); the checkpoint both processes wrote
 restores into this single 8-device process (a new device count and mesh) and trains on
 identically; a killed process stops the other within the bound, with an error naming it; a
@@ -97,12 +98,14 @@ def test_two_processes_match_one_device_and_resume_on_one(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_device_under_zero3_and_gpipe(tmp_path_factory):
-    """Zero3Parallel and a GPipe pipeline (the same mesh and stages again)."""
-    trained = _train(tmp_path_factory, ("zero3", "gpipe"))
+def test_two_processes_match_one_device_under_zero3_gpipe_and_accumulation(tmp_path_factory):
+    """Zero3Parallel, a GPipe pipeline (the same mesh and stages again) and gradient
+    accumulation over 4 microbatches (one executable across both processes)."""
+    trained = _train(tmp_path_factory, ("zero3", "gpipe", "acc"))
     *_, ref = _reference()
     _check_run(trained, "zero3", 1e-5, ref)
     _check_run(trained, "gpipe", 2e-5, ref)
+    _check_run(trained, "acc", 2e-5, ref)
 
 
 def test_a_killed_process_stops_the_other_with_a_clear_error(tmp_path):

@@ -35,6 +35,7 @@ METHODS = {
     "zero3": autopar.Zero3Parallel(),
     "pipe": _pipeline(autopar.Schedule.ONE_F_ONE_B),
     "gpipe": _pipeline(autopar.Schedule.GPIPE),
+    "acc": autopar.ShardParallel(num_microbatches=4),   # accumulation: one executable
 }
 
 
