@@ -102,15 +102,18 @@ def _split_dims(graph: OpGraph, node, dims) -> tuple[int | None, ...] | None:
 
 def _reduced_axes(graph: OpGraph, node, dims, spec_of) -> tuple[int, ...] | None:
     """The mesh axes the batch dimension of `node`'s batch-split operands is split over, if
-    `node` sums the batch away (see `_split_dims`)."""
+    `node` sums the batch away (see `_split_dims`). Where the operands are split over nested
+    axes (an embedding's token ids over `data`, its cotangent rows over `data` x `model`),
+    the finest: the others are sliced to it on each device, which moves nothing."""
     split = _split_dims(graph, node, dims)
     if split is None:
         return None
     axes = {spec_of(t)[dims[t]] if spec_of(t) is not None else ()
             for t in node.inputs if dims[t] is not None}
-    if len(axes) != 1 or not next(iter(axes)):
+    finest = max(axes, key=len)
+    if not all(axes) or any(a != finest[:len(a)] for a in axes):
         return None
-    return next(iter(axes))
+    return finest
 
 
 def _linear_in(node, partial_positions: Sequence[int], float_positions: Sequence[int]) -> bool:

@@ -103,3 +103,30 @@ def test_an_unlabelled_partner_operand_is_split_with_the_batch():
     g, local = _local(lambda w, x: (x.T @ jnp.ones((8, 4)),), jnp.ones((3, 4)), x)
     (node,) = local.reducers
     assert local.split_dims[node] == (1, 0)          # x.T carries the batch on dim 1
+
+
+def _embedding_grad_locals(ids_axes, rows_axes):
+    """find_local_grads of an embedding gradient (a scatter of per-token rows into zeros) with
+    the token ids' batch split over `ids_axes` and float batch values over `rows_axes`."""
+    w, ids = jnp.ones((16, 4)), jnp.zeros((8, 3), jnp.int32)
+    g = trace(lambda w, ids: jax.grad(lambda w: jnp.sum(w[ids] ** 2))(w), (w, ids),
+              batch_argnums=(1,))
+    dims = batch_dims(g)
+
+    def spec_of(t):
+        if dims[t] is None:
+            return None
+        axes = ids_axes if g.tensors[t].dtype.startswith("int") else rows_axes
+        return tuple(axes if d == dims[t] else () for d in range(g.tensors[t].rank))
+    (scatter,) = [n for n in g.nodes if n.primitive == "scatter-add"]
+    return scatter, find_local_grads(g, spec_of, dims, g.outputs)
+
+
+def test_nested_batch_splits_keep_the_finest_partials():
+    """Token ids split over axis 0 and the rows scattered over axes 0 and 1 (a plan the ILP
+    makes for a GPT's embedding): the scatter keeps partial sums over both, the ids sliced on
+    each device; splits over unrelated axes keep the per-microbatch reduction."""
+    scatter, local = _embedding_grad_locals((0,), (0, 1))
+    assert local.reducers == {scatter.id: (0, 1)} and local.grad_outputs == (True,)
+    scatter, local = _embedding_grad_locals((1,), (0,))
+    assert not local and local.grad_outputs == (False,)
