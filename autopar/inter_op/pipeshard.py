@@ -249,10 +249,15 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         if loss.reduction is not None else [],
     }
     # The step's compute / communication / resharding / call-overhead split, in the stages'
-    # proportions; the apply-gradient executables add one call each.
+    # proportions; the apply-gradient executables add one call each (gradient accumulation on
+    # one mesh: the whole step is one call).
     scale = pipeline["predicted_latency_s"] / max(sum(lat), 1e-30)
     overhead = scale * sum(st.solution.overhead_s for st in result.stages) \
         + len(placement.segments) * cluster.call_overhead_s
+    if pipeline["one_executable"]:     # one call per step, not one per task and segment
+        tasks = scale * sum(st.solution.overhead_s for st in result.stages)
+        pipeline["predicted_latency_s"] += cluster.call_overhead_s - tasks
+        overhead = cluster.call_overhead_s
     shift = scale * sum(s.compute_s + s.comm_s + s.reshard_s for s in stages) + overhead \
         - result.chosen_latency_s
     return ParallelPlan(

@@ -102,3 +102,16 @@ def test_ratio_losses_and_per_example_outputs_merge_as_the_executor_does():
                      per_leaf_scale=True)
     assert_entrywise(jax.jit(_ratio_step)(params, batch), got, rtol=2e-5, what="vs jax.jit",
                      per_leaf_scale=True)
+
+
+def test_the_plan_charges_one_call_per_step(gpt):
+    """The whole step is one executable: the plan prices one call, not one per microbatch
+    task and apply segment, and its pipeline latency is its predicted step."""
+    call = 1e-3             # a cluster whose executable calls cost something
+    par = gpt["par"].with_cluster(dataclasses.replace(gpt["par"].cluster, call_overhead_s=call))
+    state, batch = gpt["state"], gpt["batches"][0]
+    plan = par.get_plan(gpt["copy"](state), batch)
+    assert plan.predicted_overhead_s == pytest.approx(call)
+    assert plan.predicted_step_s == pytest.approx(plan.pipeline["predicted_latency_s"])
+    per_task = M * plan.stages[0].latency_s          # what the DP summed: M tasks, 2 calls each
+    assert plan.predicted_step_s == pytest.approx(per_task - 2 * M * call + call)
