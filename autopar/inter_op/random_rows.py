@@ -63,11 +63,13 @@ def batch_draws(forward: OpGraph, full: OpGraph | None, *, num_microbatches: int
                     "drawn on its own. Fix: jax.config.update('jax_threefry_partitionable', "
                     "True)")
     found: dict[tuple[str, tuple[int, ...]], RandomRows] = {}
+    same: set[tuple[str, tuple[int, ...]]] = set()
     for node in nodes:
         mine = tuple(node.eqn.params["shape"])
         other = tuple(full.nodes[node.id].eqn.params["shape"])
-        if mine == other:
-            continue          # no batch dimension: every microbatch draws the same bits
+        if mine == other:     # no batch dimension: every microbatch draws the same bits
+            same.add((node.primitive, mine))
+            continue
         where = f"a {node.primitive} of shape {mine} ({node.source})"
         grown = [d for d, (a, b) in enumerate(zip(mine, other)) if a != b]
         if forward.tensors[node.inputs[0]].rank:
@@ -84,4 +86,7 @@ def batch_draws(forward: OpGraph, full: OpGraph | None, *, num_microbatches: int
                           per_example=mine[d] // rows)
         if found.setdefault((node.primitive, mine), draw) != draw:
             return (), f"{where} and another draw of that shape hold the batch differently"
+    if same & set(found):     # the executables tell draws apart by their shape
+        return (), ("a draw with the batch and one without it have the same shape "
+                    f"{next(iter(same & set(found)))[1]} at the microbatch size")
     return tuple(found.values()), ""

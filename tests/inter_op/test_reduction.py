@@ -197,6 +197,11 @@ def test_batch_draws_found_flattened_and_the_ones_that_fold_keys_warn():
                              .sum(1, keepdims=True))
     assert red.folds_keys and "not one dimension 4 times larger" in red.fold_reason
     assert any("fold_in(key, m)" in c for c in caught)
+    # a mask with the batch and a noise without it, both [2, 4] per microbatch: the stage
+    # executables could not tell them apart, so the keys fold (with the warning)
+    red, caught = _draw_case(lambda k, x: jax.random.uniform(k, x.shape)
+                             + jax.random.uniform(jax.random.fold_in(k, 1), (2, 4)).sum())
+    assert red.folds_keys and "the same shape (2, 4)" in red.fold_reason
 
 
 def test_draws_fold_keys_where_threefry_is_not_partitionable():
