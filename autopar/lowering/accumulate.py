@@ -83,10 +83,6 @@ class _Traced:
         self._merge = Merger(program.loss, program.num_microbatches)
 
     def __call__(self, *flat_args):
-        return self._step(*flat_args)
-
-    # -- the traced step -------------------------------------------------------------------
-    def _step(self, *flat_args):
         p = self.p
         step, place = p.loss.step, p.placement
         env: dict[int, Any] = dict(zip(step.inputs, flat_args))
