@@ -427,6 +427,9 @@ class StageSolution:
     out_specs: tuple[Spec, ...]  # float outputs then int outputs
     grad_specs: tuple[Spec, ...]
     constraints: tuple[tuple[int, Spec], ...] = ()   # (stage-graph tensor, spec) pinned inside
+    # (node, operand, spec): operands the lowering moves into another layout through
+    # constrained intermediate layouts (node -1: a result position), as `ParallelPlan.reshards`
+    reshards: tuple[tuple[int, int, Spec], ...] = ()
     ilp: IlpStats
     # ZeRO on this stage (its optimizer state split over the data axis, axis 0): the
     # parameter bytes per device whose state it splits, and the all-gather of the updated
@@ -461,6 +464,8 @@ def solution_from_record(record: dict) -> tuple[str, StageSolution]:
         d[k] = specs(d[k])
     d["logical_shape"] = tuple(d["logical_shape"])
     d["constraints"] = tuple((int(t), spec_from_json(s)) for t, s in d["constraints"])
+    d["reshards"] = tuple((int(n), int(i), spec_from_json(s))
+                          for n, i, s in d.get("reshards", ()))
     d["ilp"] = IlpStats(**d["ilp"])
     d["operators"] = tuple(_operator_plan(o) for o in d.get("operators", ()))
     d["collectives"] = tuple(_collective_plan(c) for c in d.get("collectives", ()))

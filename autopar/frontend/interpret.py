@@ -71,7 +71,7 @@ def _run(graph, nodes, env, constrain, reshard, entered) -> None:
         region = next((r for r in regions.get(node.id, ()) if r.id not in entered), None)
         if region is not None:        # a scan / while / cond: re-emitted around its body
             run_region(graph, region, env, constrain, reshard,
-                       functools.partial(run_nodes, entered=entered | {region.id}), _resharded)
+                       functools.partial(run_nodes, entered=entered | {region.id}), resharded)
             skip_to = region.stop
             continue
         if node.primitive in PSEUDO_PRIMITIVES:
@@ -85,11 +85,11 @@ def _run(graph, nodes, env, constrain, reshard, entered) -> None:
                 if node.id not in barred:
                     group = barriers[node.barrier]
                     values = jax.lax.optimization_barrier(tuple(
-                        _resharded(env, n.inputs[0], reshard.get((n.id, 0))) for n in group))
+                        resharded(env, n.inputs[0], reshard.get((n.id, 0))) for n in group))
                     barred.update(zip((n.id for n in group), values))
                 outs = (barred.pop(node.id),)
             else:
-                args = [_resharded(env, t, reshard.get((node.id, i)))
+                args = [resharded(env, t, reshard.get((node.id, i)))
                         for i, t in enumerate(node.inputs)]
                 params = _compat.lowering_params(eqn)
                 if params is None:           # an annotation: the plan placed the value
@@ -118,7 +118,7 @@ class Reemitted:
         return getattr(self._eqn, name)
 
 
-def _resharded(env: dict, tid: int, path) -> Any:
+def resharded(env: dict, tid: int, path) -> Any:
     """Tensor `tid` moved through the layouts of `path` ((spec, sharding) pairs), one
     constraint per step; each intermediate is kept (under the key (tid, spec)) so consumers
     wanting the same layout share the collective."""
@@ -138,5 +138,5 @@ def interpret(graph: OpGraph, flat_args, constrain: dict[int, Any] | None = None
     env.update(zip(graph.inputs, flat_args))
     run_nodes(graph, graph.nodes, env, constrain, reshard)
     reshard = reshard or {}
-    return [_resharded(env, t, reshard.get((RESULT, pos)))
+    return [resharded(env, t, reshard.get((RESULT, pos)))
             for pos, t in enumerate(graph.outputs)]

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 from autopar.core import _compat
 from autopar.core.graph import OpGraph, TensorKind
 from autopar.core.spec import Spec
-from autopar.frontend.interpret import run_nodes
+from autopar.frontend.interpret import resharded, run_nodes
 from autopar.frontend.loops import region_at
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.stage_solve import stage_batch_sources, stage_io
@@ -207,12 +207,13 @@ def partial_spec(spec: Spec, axes: tuple[int, ...]) -> Spec:
 
 
 def run_nodes_local(graph: OpGraph, nodes, env: dict, specs: dict[int, Spec],
-                    local: LocalGrads, mesh, named: Callable) -> None:
+                    local: LocalGrads, mesh, named: Callable,
+                    reshard: dict[tuple[int, int], tuple] | None = None) -> None:
     """`frontend.interpret.run_nodes` with the kept partial sums: reducers run under a
     `shard_map` manual over their axes, linear readers of partial values run vmapped over the
     partial dimension, and every pinned value is constrained to its spec (`partial_spec` for a
-    partial one)."""
-    names = mesh.axis_names
+    partial one). `reshard`: as for `run_nodes` (a partial operand is never moved)."""
+    names, reshard = mesh.axis_names, reshard or {}
     regions, skip_to, constrain = region_at(graph), -1, None
     for node in nodes:
         if node.id < skip_to:
@@ -221,13 +222,14 @@ def run_nodes_local(graph: OpGraph, nodes, env: dict, specs: dict[int, Spec],
             region = regions[node.id][0]         # not linear), so it runs as planned
             if constrain is None:
                 constrain = {t: named(mesh, s) for t, s in specs.items() if s is not None}
-            run_nodes(graph, graph.nodes[region.start:region.stop], env, constrain)
+            run_nodes(graph, graph.nodes[region.start:region.stop], env, constrain, reshard)
             skip_to = region.stop
             continue
         eqn = node.eqn
         prim, params = eqn.primitive, eqn.params
         with _compat.equation_context(eqn):
-            ins = [env[t] for t in node.inputs]
+            ins = [env[t] if t in local.partial else resharded(env, t, reshard.get((node.id, i)))
+                   for i, t in enumerate(node.inputs)]
             if node.id in local.reducers:
                 manual = tuple(names[a] for a in local.reducers[node.id])
                 in_specs = tuple(_manual_spec(len(np.shape(x)), d, manual)

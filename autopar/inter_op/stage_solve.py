@@ -32,7 +32,7 @@ from autopar.intra_op.batch_dims import batch_dims
 from autopar.intra_op.memory import schedule
 from autopar.intra_op.phases import run_order, tail_nodes
 from autopar.intra_op.planner import operator_plans
-from autopar.intra_op.predict import predict_collectives
+from autopar.intra_op.predict import implied_reshards, predict_collectives
 from autopar.intra_op.solve import (
     IntraOpProblem,
     ShardingAssignment,
@@ -360,6 +360,7 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         **_zero_fields(graph, ins[:p], logical),
         constraints=tuple((t, specs[t]) for t in constrained_tensors(graph,
                                                                         a.constant_tensors)),
+        reshards=tuple((r.node, r.operand, r.dst) for r in implied_reshards(graph, a)),
         operators=operator_plans(graph, a),
         collectives=predict_collectives(graph, a, CostModel(mesh=logical)))
 
@@ -392,6 +393,7 @@ def mirrored(sol: StageSolution, graph: OpGraph, logical: LogicalMesh) -> StageS
         data_specs=specs(sol.data_specs), act_specs=specs(sol.act_specs),
         out_specs=specs(sol.out_specs), grad_specs=specs(sol.grad_specs),
         constraints=tuple((t, swap(x)) for t, x in sol.constraints),
+        reshards=tuple((n, i, swap(x)) for n, i, x in sol.reshards),
         **_zero_fields(graph, param_specs, logical), **_mirrored_records(sol, logical))
 
 

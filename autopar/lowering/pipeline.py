@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from autopar.core import progress
 from autopar.core.enums import Schedule
-from autopar.frontend.interpret import run_nodes
+from autopar.frontend.interpret import RESULT, resharded, run_nodes
 from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
 from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
 from autopar.inter_op.pipeline import LossGraph, StageSlice
@@ -33,7 +33,7 @@ from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
 from autopar.lowering.accumulate import accumulated_step, runs_whole
 from autopar.lowering.microbatch_bits import with_batch_draws
-from autopar.lowering.single_mesh import named
+from autopar.lowering.single_mesh import named, reshard_paths
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -92,6 +92,15 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
     outs = dict(zip((*io.float_outputs, *io.int_outputs), sh(sol.out_specs)))
     grads = sh(sol.grad_specs)
     constrain = {t: named(mesh, spec) for t, spec in sol.constraints}
+    # A planned resharding that takes more than one collective passes through its
+    # intermediate layouts, one constraint each: in one step XLA replicates the whole tensor
+    # ("involuntary full rematerialization"). A one-collective move is left to XLA, which
+    # measured cheaper on stage programs than forcing the planned one (it often avoids it).
+    pinned = dict(sol.constraints)
+    pinned.update(zip(graph.inputs, (*sol.param_specs, *sol.data_specs, *sol.act_specs,
+                                     *sol.out_specs[:len(io.float_outputs)])))
+    reshard = {k: path for k, path in reshard_paths(
+        graph, pinned, sol.reshards, sol.logical_shape, mesh).items() if len(path) > 1}
     split = split_train_graph(graph, sl)
     nodes = lambda g, ids: [g.nodes[n] for n in ids]
     n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
@@ -102,7 +111,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
     reduce = None
     if local:
         specs = dict(sol.constraints)
-        run_bwd = lambda g, env, ns: run_nodes_local(g, ns, env, specs, local, mesh, named)
+        run_bwd = lambda g, env, ns: run_nodes_local(g, ns, env, specs, local, mesh, named,
+                                                     reshard)
         acc_sh = [named(mesh, partial_spec(s, local.partial[t])) if kept else g
                   for s, g, t, kept in zip(sol.grad_specs, grads, graph.outputs[n_out:],
                                            local.grad_outputs)]
@@ -111,20 +121,28 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
                          out_shardings=list(grads))
         grads = tuple(acc_sh)
     else:
-        run_bwd = lambda g, env, ns: run_nodes(g, ns, env, constrain)
+        run_bwd = lambda g, env, ns: run_nodes(g, ns, env, constrain, reshard)
 
     def env_of(inputs, values):
         env = dict(graph.const_values)
         env.update(zip(inputs, values))
         return env
 
+    kept = set(i for i, k in enumerate(local.grad_outputs) if k) if local else set()
+
+    def result(env, pos):
+        """The stage graph's result `pos`, moved into its planned spec step by step (a kept
+        partial sum stays as it is)."""
+        path = None if pos - n_out in kept else reshard.get((RESULT, pos))
+        return resharded(env, graph.outputs[pos], path)
+
     def finish(env, acc):
         """(acc + param grads, act grads) on the ILP's shardings of params and acts."""
         constrain_to = jax.lax.with_sharding_constraint
-        param_grads = [env[t] for t in graph.outputs[n_out:n_out + n_grads]]
+        param_grads = [result(env, pos) for pos in range(n_out, n_out + n_grads)]
         if acc is not None:
             param_grads = [a + g for a, g in zip(acc, param_grads)]
-        act_grads = [env[t] for t in graph.outputs[n_out + n_grads:]]
+        act_grads = [result(env, pos) for pos in range(n_out + n_grads, len(graph.outputs))]
         return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
                 [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
 
@@ -140,8 +158,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
     def forward(params, data, float_acts, int_acts, mb):
         env = env_of(graph.inputs[:n_in], [*params, *data, *float_acts, *int_acts])
         g = drawn(mb)
-        run_nodes(g, nodes(g, split.forward_nodes), env, constrain)
-        out = [env[t] for t in graph.outputs[:n_out]]
+        run_nodes(g, nodes(g, split.forward_nodes), env, constrain, reshard)
+        out = [result(env, pos) for pos in range(n_out)]
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
             [env[t] for t in computed]
 
@@ -157,7 +175,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
         g = drawn(mb)
         run_bwd(g, env, g.nodes)
-        out = [env[t] for t in graph.outputs[:n_out]]
+        out = [result(env, pos) for pos in range(n_out)]
         return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
 
     out_sh = ([outs[t] for t in io.float_outputs], [outs[t] for t in io.int_outputs])

@@ -76,18 +76,19 @@ def _same_layout(a, b) -> bool:
             and a.mesh.devices.shape == b.mesh.devices.shape and a.spec == b.spec)
 
 
-def reshard_paths(graph: OpGraph, plan: ParallelPlan, mesh) -> dict[tuple[int, int], tuple]:
+def reshard_paths(graph: OpGraph, src: dict[int, Spec], reshards, mesh_shape,
+                  mesh) -> dict[tuple[int, int], tuple]:
     """(node, operand) -> ((spec, sharding), ...): the layouts each planned resharding
-    (`plan.reshards`) passes through, one collective each (`intra_op.predict.reshard_path`);
-    node -1 is a result position."""
-    src = dict(plan.constraints)
-    src.update((t, p.spec) for t, p in zip(graph.inputs, plan.inputs))
+    (node, operand, wanted spec) passes through, one collective each
+    (`intra_op.predict.reshard_path`); node -1 is a result position. `src`: the spec of
+    every tensor the lowering pins (its inputs and constrained intermediates); an operand
+    not pinned is left to XLA."""
     out = {}
-    for node, operand, dst in plan.reshards:
+    for node, operand, dst in reshards:
         tid = graph.outputs[operand] if node == RESULT else graph.nodes[node].inputs[operand]
         t = graph.tensors[tid]
         if tid in src:
-            steps = reshard_path(t.shape, t.itemsize, src[tid], dst, plan.mesh_shape)
+            steps = reshard_path(t.shape, t.itemsize, src[tid], dst, mesh_shape)
             out[(node, operand)] = tuple((s.dst, named(mesh, s.dst)) for s in steps)
     return out
 
@@ -133,7 +134,9 @@ def lower(graph: OpGraph, plan: ParallelPlan, mesh: jax.sharding.Mesh) -> Lowere
                 and len(c.src) == graph.tensors[c.tensor].rank:     # into a reduce-scatter)
             constrain[c.tensor] = (named(jmesh, c.src), constrain[c.tensor])
     donate = tuple(sorted(graph.donated_inputs))
-    reshard = reshard_paths(graph, plan, jmesh)
+    src = dict(plan.constraints)
+    src.update((t, p.spec) for t, p in zip(graph.inputs, plan.inputs))
+    reshard = reshard_paths(graph, src, plan.reshards, plan.mesh_shape, jmesh)
 
     def run(*flat_args):
         return tuple(interpret(graph, flat_args, constrain, reshard))

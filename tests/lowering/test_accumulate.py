@@ -11,6 +11,7 @@ import pytest
 
 import autopar
 from autopar.cost.hlo import collectives, loop_body_collectives, summary
+from autopar.models.gpt import GPTConfig
 from autopar.runtime.compile_only import abstract_args
 from autopar.runtime.executor import Executor
 from support.equivalence import assert_entrywise
@@ -115,3 +116,34 @@ def test_the_plan_charges_one_call_per_step(gpt):
     assert plan.predicted_step_s == pytest.approx(plan.pipeline["predicted_latency_s"])
     per_task = M * plan.stages[0].latency_s          # what the DP summed: M tasks, 2 calls each
     assert plan.predicted_step_s == pytest.approx(per_task - 2 * M * call + call)
+
+
+REMAT = "Involuntary full rematerialization"
+
+
+def _whole_step_hlo_err(par, state, batch, capfd) -> str:
+    program = par.get_compiled(state, batch)
+    capfd.readouterr()
+    program.whole_step.lower(*abstract_args(jax.tree_util.tree_leaves((state, batch)),
+                                            program.in_shardings)).compile()
+    return capfd.readouterr().err
+
+
+def test_a_stage_moves_a_tensor_by_its_planned_steps_not_by_replicating_it(capfd, monkeypatch):
+    """A stage's planned resharding that needs two collectives passes through its
+    intermediate layout (as a one-mesh plan's does): this GPT at 4 examples per microbatch
+    has one (a cotangent from [model, data, -] to the hidden split over both axes), which
+    XLA:CPU makes by replicating the whole tensor when asked in one step."""
+    from autopar.lowering import pipeline as lowering
+    cfg = GPTConfig(vocab_size=2048, seq_len=128, num_layers=1, hidden=256, num_heads=4)
+    step, state, batches = make_case("gpt", "linen", optax.sgd(0.1), batch_size=32,
+                                     value_and_grad=autopar.value_and_grad, gpt_config=cfg)
+    make = lambda: autopar.parallelize(step, mesh=mesh_of((2, 4)), plan_cache=False,
+                                       method=autopar.ShardParallel(num_microbatches=8))
+    par = make()
+    assert REMAT not in _whole_step_hlo_err(par, state, batches[0], capfd)
+    assert_entrywise(jax.jit(step)(state, batches[0]), par(state, batches[0]), rtol=2e-5,
+                     what="vs jax.jit", per_leaf_scale=True)
+    # the case has such a move: with its steps dropped, XLA replicates
+    monkeypatch.setattr(lowering, "reshard_paths", lambda *a: {})
+    assert REMAT in _whole_step_hlo_err(make(), state, batches[0], capfd)
