@@ -53,6 +53,7 @@ import jax.extend.core as jcore
 from jax.interpreters import ad, batching, mlir
 
 from autopar.core.errors import InvalidArgumentError
+from autopar.frontend.filter_grad import has_static_leaves, value_and_grad_filtered
 
 value_and_grad_p = jcore.Primitive("autopar_value_and_grad")
 value_and_grad_p.multiple_results = True
@@ -132,7 +133,9 @@ def _check_argnums(argnums, num_args: int) -> tuple[int, ...]:
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
     """Like `jax.value_and_grad(fun, argnums, has_aux)`, and marks the gradient for autopar.
     Differentiated NNX modules are taken as `nnx.value_and_grad` takes them (gradients of
-    their `nnx.Param`s, as an `nnx.State`; see `autopar.frontend.nnx_grad`).
+    their `nnx.Param`s, as an `nnx.State`; see `autopar.frontend.nnx_grad`), and pytrees with
+    non-array leaves (Equinox modules) as `eqx.filter_value_and_grad` takes them (gradients of
+    their floating arrays, None elsewhere; see `autopar.frontend.filter_grad`).
 
     Under gradient accumulation or a pipeline the loss and aux are combined over microbatches
     as the module docstring says: exact for a mean, a sum or a padding-weighted ratio of sums
@@ -143,6 +146,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
         >>> (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(params)
         >>> loss, grads = autopar.value_and_grad(nnx_loss_fn)(model, batch)
+        >>> loss, grads = autopar.value_and_grad(eqx_loss_fn)(eqx_model, x, y)
         >>> def padded_loss(params):      # exact with num_microbatches=M, logits full-batch
         ...     logits = model.apply(params, batch["inputs"])
         ...     w = jnp.where(batch["targets"] > 0, 1.0, 0.0)
@@ -158,6 +162,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         if any(holds_graph_nodes(args[i]) for i in nums):
             from autopar.frontend.nnx_grad import value_and_grad_nnx
             return value_and_grad_nnx(_marked, fun, argnums, nums, has_aux, args)
+        if has_static_leaves(args, nums):     # an Equinox module: eqx.filter_value_and_grad's
+            return value_and_grad_filtered(_marked, fun, argnums, nums, has_aux, args)
         return marked(*args)
 
     return wrapped

@@ -35,6 +35,7 @@ import jax
 from autopar.core import _compat
 from autopar.core.errors import InvalidArgumentError, UnsupportedError
 from autopar.frontend.checks import arg_names, argnums_text
+from autopar.frontend.static_leaves import PathKey, combined, with_static
 
 _TAG = "autopar.parallelize"      # the nnx update-context tag of a parallelized call
 
@@ -60,26 +61,6 @@ def _holds_objects(x) -> bool:
                for leaf in jax.tree_util.tree_leaves(x, is_leaf=is_node))
 
 
-class _PathKey:
-    """A pytree key that prints as an attribute path (`.layers[0].kernel`)."""
-    __slots__ = ("text",)
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return f"_PathKey({self.text!r})"
-
-    def __hash__(self) -> int:
-        return hash(self.text)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _PathKey) and other.text == self.text
-
-
 def path_text(parts: Sequence[Any]) -> str:
     """An NNX state path as attribute access: ('layers', 0, 'kernel') -> '.layers[0].kernel'."""
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
@@ -92,7 +73,7 @@ class StateLayout:
     part: int                        # this argument's index among them
     paths: tuple[tuple, ...]         # NNX path of each Variable (or array) of the argument
     leaf_defs: tuple                 # the pytree definition of each (Variable type, metadata)
-    keys: tuple[_PathKey, ...]       # one per leaf, for readable leaf paths
+    keys: tuple[PathKey, ...]        # one per leaf, for readable leaf paths
 
 
 class NnxState:
@@ -121,7 +102,7 @@ class NnxState:
             leaf_defs.append(leaf_def)
             for sub, value in flat:
                 sub = sub[1:] if sub and getattr(sub[0], "name", None) == "value" else sub
-                keys.append(_PathKey(path_text(path) + jax.tree_util.keystr(sub)))
+                keys.append(PathKey(path_text(path) + jax.tree_util.keystr(sub)))
                 values.append(value)
         return cls(StateLayout(graphdef=graphdef, part=part, paths=tuple(paths),
                                leaf_defs=tuple(leaf_defs), keys=tuple(keys)), values)
@@ -169,9 +150,10 @@ class PureStep:
         self.out_graphdefs: dict[Any, Any] = {}   # input graphdef -> graphdef of the outputs
 
     def __call__(self, *args):
+        args = tuple(combined(a) for a in args)       # static leaves back in place
         parts = [(i, a) for i, a in enumerate(args) if isinstance(a, NnxState)]
         if not parts:
-            return self.fun(*args)
+            return with_static(self.fun(*args))
         nnx = _nnx()
         graphdef = parts[0][1].layout.graphdef
         with nnx.merge_context(_TAG, inner=True) as ctx:
@@ -179,7 +161,7 @@ class PureStep:
         full = list(args)
         for (i, _), obj in zip(parts, objects):
             full[i] = obj
-        out = self.fun(*full)
+        out = with_static(self.fun(*full))
         if _holds_objects(out):
             raise UnsupportedError(
                 f"autopar.parallelize: {getattr(self.fun, '__name__', 'the step')} returns an "
@@ -230,13 +212,18 @@ class BoundCall:
         self._manager = self._graphdef = None
 
     def __enter__(self) -> BoundCall:
+        if _nnx() is not None:
+            self._split_nnx()
+        self.args = tuple(a if i in self._static or isinstance(a, NnxState) else with_static(a)
+                          for i, a in enumerate(self.args))
+        return self
+
+    def _split_nnx(self) -> None:
         nnx = _nnx()
-        if nnx is None:
-            return self
         self.positions = tuple(i for i, a in enumerate(self.args)
                                if i not in self._static and holds_graph_nodes(a))
         if not self.positions:
-            return self
+            return
         for i in self._batch:
             if isinstance(i, int) and -len(self.args) <= i < len(self.args) \
                     and i % len(self.args) in self.positions:
@@ -248,7 +235,6 @@ class BoundCall:
         for i, part in zip(self.positions, parts):
             args[i] = part
         self.args = tuple(args)
-        return self
 
     def __exit__(self, *exc) -> None:
         if self._manager is not None:
@@ -271,18 +257,18 @@ class BoundCall:
         """Write the new NNX states of `result` back into the user's objects; the step's own
         result."""
         if not self.positions:
-            return result
+            return combined(result)
         out, states = result[0], result[1:]
         with _nnx().merge_context(_TAG, inner=False) as ctx:
             ctx.merge(pure.out_graphdefs[self._graphdef], _joint_state(states))
-        return out
+        return combined(out)
 
 
 def as_state(tree) -> Any:
     """An `NnxState` (e.g. of NamedShardings) as the `nnx.State` it stands for, shaped like
-    `nnx.state(arg)`; any other tree unchanged."""
+    `nnx.state(arg)`; a tree with static leaves rebuilt with them; any other tree unchanged."""
     if not isinstance(tree, NnxState):
-        return tree
+        return combined(tree)
     items = tree.state_items()
     if [path for path, _ in items] == [()]:         # a Variable argument
         return items[0][1]
