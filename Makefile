@@ -89,7 +89,8 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # rules of layers (layer_rules), NNX/Flax models (models), and the pipeline passes and runtime
 # (stages, inter_op_pipeline, pipeshard), NNX objects in place (nnx), planned loops (loops),
 # explicit meshes and sharding annotations (annotations, meshes), the bad-input table (errors:
-# shard_map and the other JAX constructs it must recognize) and progress. LATEST_K leaves out the slowest repeats: the 1x4 and
+# shard_map and the other JAX constructs it must recognize), progress, and Equinox steps on the newest
+# Equinox (equinox, static_leaves). LATEST_K leaves out the slowest repeats: the 1x4 and
 # 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
 # pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
 LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
@@ -98,7 +99,7 @@ LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
 	tests/inter_op/test_stages.py tests/inter_op/test_inter_op_pipeline.py \
 	tests/inter_op/test_pipeshard.py tests/frontend/test_nnx.py tests/frontend/test_loops.py \
 	tests/intra_op/test_annotations.py tests/frontend/test_meshes.py tests/api/test_errors.py \
-	tests/core/test_progress.py
+	tests/core/test_progress.py tests/api/test_equinox.py tests/frontend/test_static_leaves.py
 LATEST_K ?= not (1x4 or 8x1 or test_moe_and_wide_resnet_pipelines)
 
 $(STAMP_LATEST): pyproject.toml
@@ -106,8 +107,8 @@ $(STAMP_LATEST): pyproject.toml
 	  "(python3.12, pyenv's 3.12/3.13); set PYTHON_LATEST=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
 	$(PY_LATEST) -m pip install --upgrade pip
-	$(PY_LATEST) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" jax jaxlib flax optax "pulp[cbc]"
-	$(PY_LATEST) -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|optax|numpy|pulp) '
+	$(PY_LATEST) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" jax jaxlib flax optax equinox "pulp[cbc]"
+	$(PY_LATEST) -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|optax|equinox|numpy|pulp) '
 	touch $(STAMP_LATEST)
 
 python-latest:   # prints the Python test-latest would use (empty: none found)
