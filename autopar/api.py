@@ -61,6 +61,7 @@ class _Entry:
     compiled: Any = None      # the XLA executable, compiled once (by a call or get_compiled)
     executor: Executor | None = None   # pipeline plans: runs the stages' executables
     out_pins: dict = dataclasses.field(default_factory=dict)  # pipelines: out_shardings
+    needs_mesh: bool = False  # traced only under jax.set_mesh (explicit-sharding code)
 
 
 class ParallelizedFunction:
@@ -137,9 +138,15 @@ class ParallelizedFunction:
         key = self._key(args)
         entry = self._cache.get(key)
         if entry is None:
+            under = []      # whether each try ran under a context mesh
+
+            def new_entry():
+                under.append(not jax.sharding.get_abstract_mesh().empty)
+                return self._new_entry(args)
             with self._progress(), no_full_collections():
-                entry = self._cache[key] = under_mesh_if_needed(
-                    self._mesh, lambda: self._new_entry(args))
+                entry = self._cache[key] = under_mesh_if_needed(self._mesh, new_entry)
+            # the caller set no mesh, so `under_mesh_if_needed` did: the step needs it
+            entry.needs_mesh = under[-1] and jax.sharding.get_abstract_mesh().empty
         return entry
 
     def _new_entry(self, args) -> _Entry:
@@ -284,7 +291,12 @@ class ParallelizedFunction:
             if entry.out_pins:      # a pipeline's results, moved where out_shardings says
                 out = [put(x, entry.out_pins[i]) if i in entry.out_pins else x
                        for i, x in enumerate(out)]
-        return jax.tree_util.tree_unflatten(entry.graph.out_tree, on_user_mesh(out, self._mesh))
+        # Results typed for the user's mesh (Explicit axes) where the caller works under it:
+        # under `jax.set_mesh`, or in a step that traces only there; else plain arrays
+        # (Auto axes), which mix with the caller's eager code as `jax.jit`'s results do.
+        typed = entry.needs_mesh or not jax.sharding.get_abstract_mesh().empty
+        return jax.tree_util.tree_unflatten(entry.graph.out_tree,
+                                            on_user_mesh(out, self._mesh) if typed else out)
 
     def input_shardings(self, *args) -> tuple:
         """Where the plan for these arguments places each positional argument: one pytree of
