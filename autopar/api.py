@@ -44,7 +44,7 @@ from autopar.inter_op.remat_plan import plan_step
 from autopar.lowering.pipeline import lower_pipeline
 from autopar.lowering.single_mesh import Lowered, lower, named, put
 from autopar.runtime.distributed import check_agreement
-from autopar.runtime.executor import Executor
+from autopar.runtime.executor import Executor, retarget
 from autopar.tools.plan_cache import cache_key, find_plan
 from autopar.tools.runner_ups import with_runner_ups
 from autopar.verify.memory_check import verified_plan
@@ -288,15 +288,35 @@ class ParallelizedFunction:
             flat = [put(relabel(x, s), s) for x, s in zip(leaves, shardings)]
             out = progress.first_run(entry.executor, flat, self._progress) if pipeline \
                 else compiled(*flat)
-            if entry.out_pins:      # a pipeline's results, moved where out_shardings says
-                out = [put(x, entry.out_pins[i]) if i in entry.out_pins else x
-                       for i, x in enumerate(out)]
+            if pipeline:
+                out = self._gathered(entry, out)
         # Results typed for the user's mesh (Explicit axes) where the caller works under it:
         # under `jax.set_mesh`, or in a step that traces only there; else plain arrays
         # (Auto axes), which mix with the caller's eager code as `jax.jit`'s results do.
         typed = entry.needs_mesh or not jax.sharding.get_abstract_mesh().empty
         return jax.tree_util.tree_unflatten(entry.graph.out_tree,
                                             on_user_mesh(out, self._mesh) if typed else out)
+
+    def _gathered(self, entry: _Entry, out: list) -> list:
+        """A pipeline's results where the caller can use them together: where
+        out_shardings says; else a value the step computed (a loss, metrics, logits) on the
+        whole mesh, as `jax.jit` returns it, so that eager code mixing results of different
+        stages runs. The next step's state (a carried result) stays on its stage. In a
+        multi-process job every result stays where its stage made it (JAX copies an array
+        between processes only onto as many devices as it is on)."""
+        carried = entry.executor.p.loss.step.carried_outputs
+        if jax.process_count() > 1:
+            carried = range(len(out))
+        whole = _compat.auto_mesh(self.mesh)
+        devices = set(whole.devices.flat)
+
+        def place(i, x):
+            if i in entry.out_pins:
+                return put(x, entry.out_pins[i])
+            if i in carried or not isinstance(x, jax.Array) or x.sharding.device_set == devices:
+                return x
+            return put(x, retarget(x, whole))
+        return [place(i, x) for i, x in enumerate(out)]
 
     def input_shardings(self, *args) -> tuple:
         """Where the plan for these arguments places each positional argument: one pytree of

@@ -37,7 +37,7 @@ class ExecutorStats:
     num_transfers: int = 0
 
 
-def _retarget(value, mesh) -> NamedSharding:
+def retarget(value, mesh) -> NamedSharding:
     """The sharding `value` gets on another stage's mesh: its partition spec where every
     sharded dimension still divides, else replicated."""
     spec = getattr(getattr(value, "sharding", None), "spec", None)
@@ -167,7 +167,7 @@ class Executor:
             if not where:     # a closed-over array (a constant of the step): placed once
                 return self._step_const(tid, sharding or NamedSharding(meshes[s], PartitionSpec()))
             src = where[s] if s in where else next(iter(where.values()))
-            val = self._put(src, sharding or _retarget(src, meshes[s]))
+            val = self._put(src, sharding or retarget(src, meshes[s]))
             if sharding is None:
                 where[s] = val
             return val

@@ -1,6 +1,6 @@
 """The pipeline program (`lower_pipeline`) and its executor: structure of a 2-stage program,
 `Executor.run` against `jax.jit` of the step (directly, under GPipe, with the in-flight throttle
-at one call), its statistics, `_retarget`, and a 4-stage step with auxiliary outputs, a tied
+at one call), its statistics, `retarget`, and a 4-stage step with auxiliary outputs, a tied
 parameter and a skip connection over two stages."""
 import dataclasses
 
@@ -17,7 +17,7 @@ from autopar.inter_op.apply_grad import PIPELINE
 from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.stages import AXIS_NAMES
 from autopar.lowering.pipeline import PipelineProgram
-from autopar.runtime.executor import Executor, _fused_tasks, _retarget
+from autopar.runtime.executor import Executor, _fused_tasks, retarget
 from support.steps import assert_equivalent, make_case, mesh_of, run_steps, sgd_momentum_clip
 
 M = 4
@@ -133,7 +133,7 @@ def test_gpipe_schedule_on_the_same_executables(mlp):
     close(out, mlp["direct"])
 
 
-# -- _retarget ------------------------------------------------------------------------------
+# -- retarget ------------------------------------------------------------------------------
 
 def _mesh(shape, first):
     n = int(np.prod(shape))
@@ -141,34 +141,34 @@ def _mesh(shape, first):
                              AXIS_NAMES)
 
 
-def test_retarget_keeps_a_dividing_spec():
+def testretarget_keeps_a_dividing_spec():
     x = jax.device_put(jnp.zeros((4, 6)), NamedSharding(_mesh((2, 2), 0), P("data", None)))
     target = _mesh((2, 2), 4)
-    sh = _retarget(x, target)
+    sh = retarget(x, target)
     assert sh.mesh == target and sh.spec == P("data", None)
     y = jax.device_put(jnp.zeros((4, 6)), NamedSharding(_mesh((1, 2), 0), P(None, "model")))
-    assert _retarget(y, _mesh((2, 3), 2)).spec == P(None, "model")       # 6 % 3 == 0
+    assert retarget(y, _mesh((2, 3), 2)).spec == P(None, "model")       # 6 % 3 == 0
 
 
-def test_retarget_replicates_when_the_spec_does_not_divide():
+def testretarget_replicates_when_the_spec_does_not_divide():
     x = jax.device_put(jnp.zeros((2, 6)), NamedSharding(_mesh((2, 2), 0), P("data", None)))
-    sh = _retarget(x, _mesh((4, 1), 4))           # 2 rows over 4 devices
+    sh = retarget(x, _mesh((4, 1), 4))           # 2 rows over 4 devices
     assert sh.spec == P() and sh.mesh.devices.size == 4
     y = jax.device_put(jnp.zeros((4, 4)), NamedSharding(_mesh((2, 2), 0),
                                                       P(("data", "model"), None)))
-    assert _retarget(y, _mesh((2, 4), 0)).spec == P()                     # 4 % 8 != 0
-    assert _retarget(y, _mesh((2, 2), 4)).spec == P(("data", "model"), None)
+    assert retarget(y, _mesh((2, 4), 0)).spec == P()                     # 4 % 8 != 0
+    assert retarget(y, _mesh((2, 2), 4)).spec == P(("data", "model"), None)
 
 
-def test_retarget_of_a_host_value_is_replicated():
+def testretarget_of_a_host_value_is_replicated():
     target = _mesh((1, 2), 0)
-    assert _retarget(np.zeros((3, 3)), target) == NamedSharding(target, P())
+    assert retarget(np.zeros((3, 3)), target) == NamedSharding(target, P())
 
 
-def test_retarget_to_a_mesh_without_the_axis_replicates():
+def testretarget_to_a_mesh_without_the_axis_replicates():
     x = jax.device_put(jnp.zeros((4,)), NamedSharding(_mesh((2, 2), 0), P("data")))
     other = jax.sharding.Mesh(np.array(jax.devices()[4:6]), ("batch",))
-    assert _retarget(x, other).spec == P()
+    assert retarget(x, other).spec == P()
 
 
 # -- three stages: aux outputs, a tied parameter, a skip over a stage ------------------------
