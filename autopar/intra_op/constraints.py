@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole, OpGraph, TensorKind
 from autopar.core.options import MethodKind, ShardParallel
-from autopar.core.primitives import REDUCTIONS
+from autopar.core.primitives import RANDOM_BITS, REDUCTIONS
 from autopar.core.spec import Spec, enumerate_specs, is_valid, num_shards, replicated
 from autopar.frontend.loops import stacked_tensors
 from autopar.intra_op.batch_dims import batch_dims
@@ -140,11 +140,14 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
     n = math.prod(mesh_shape[a] for a in axes)
     exact = method.kind != MethodKind.SHARD
     replicate_rest = method.kind == MethodKind.DATA
+    drawn = random_values(graph) if replicate_rest else frozenset()
 
     def allowed(tid: int, spec: Spec, wanted: bool = False) -> bool:
         d = dims[tid]
         if tid in whole and not wanted and any(spec):
             return False
+        if d is None and tid in drawn:    # random bits take any layout: the batch path's
+            return True
         if d is None or graph.tensors[tid].shape[d] % n:
             # an operator may take a slice of a replicated value: that moves nothing
             return wanted or not (replicate_rest and any(spec))
@@ -152,6 +155,25 @@ def method_tensor_rule(graph: OpGraph, method: ShardParallel, mesh_shape: Sequen
             return spec[d] == axes and not any(s for i, s in enumerate(spec) if i != d)
         return spec[d][:len(axes)] == axes
     return allowed
+
+
+def random_values(graph: OpGraph) -> frozenset[int]:
+    """Values made from random bits alone (with scalars and constants): a dropout mask drawn
+    from a fixed key has no batch dimension, yet its bits take any layout at no cost
+    (`random_bits_rule`), so DataParallel does not hold it replicated: it lies as the batch
+    path that reads it, and no activation is gathered to meet it."""
+    drawn: set[int] = set()
+    fixed = {t.id for t in graph.tensors if t.kind == TensorKind.CONST}   # and made from them
+    for node in graph.nodes:
+        if node.primitive in RANDOM_BITS:
+            drawn.update(node.outputs)
+        elif all(t in fixed for t in node.inputs):
+            fixed.update(node.outputs)
+        elif any(t in drawn for t in node.inputs) and all(
+                t in drawn or t in fixed or math.prod(graph.tensors[t].shape) == 1
+                for t in node.inputs):
+            drawn.update(node.outputs)
+    return frozenset(drawn)
 
 
 def _statistic_reductions(graph: OpGraph, tail, dims) -> set[int]:

@@ -132,19 +132,19 @@ def test_pipeline_runner_ups_are_stage_layouts_not_taken():
 
 def test_rivals_keep_their_warnings_to_themselves(mesh, caplog):
     """A rival the user did not ask for logs its "could not pin" note at DEBUG; planning that
-    method directly still warns (dropout's mask multiply keeps no batch-split strategy)."""
-    def dropout_step(params, batch):
+    method directly still warns (a cumulative sum over the examples keeps no batch-split
+    strategy)."""
+    def cumsum_step(params, batch):
         def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["l0"])
-            keep = jax.random.bernoulli(jax.random.key(0), 0.9, h.shape)
-            return jnp.mean((jnp.where(keep, h, 0.0) @ p["l1"] - batch["y"]) ** 2)
+            h = jnp.cumsum(jnp.tanh(batch["x"] @ p["l0"]), axis=0)
+            return jnp.mean((h @ p["l1"] - batch["y"]) ** 2)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     def plan(method):
         caplog.clear()
         with caplog.at_level("WARNING", logger="autopar"):
-            autopar.parallelize(dropout_step, mesh=mesh, method=method,
+            autopar.parallelize(cumsum_step, mesh=mesh, method=method,
                                 plan_cache=False).get_plan(PARAMS, BATCH)
         return [r for r in caplog.records if "could not pin" in r.getMessage()]
     assert plan(autopar.DataParallel())           # the note, for the method asked for
