@@ -7,14 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.training import train_state
 
 import autopar
-from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch
-from support.steps import mesh_of
+from support.steps import lm1b_state_and_batches, mesh_of
 
-LM = Lm1bConfig()
-LENGTHS = ([16, 3, 9, 12, 5, 16, 2, 7], [7, 16, 3, 9, 12, 5, 16, 2], [16, 1, 9, 12, 5, 1, 2, 7])
 LR = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
 
 
@@ -66,13 +62,7 @@ def _summaries(step, state, batches):
 
 
 def test_the_lm1b_train_step_runs_as_a_two_stage_pipeline_with_its_eager_loop():
-    key = jax.random.key(0)
-    batches = [make_lm1b_batch(jax.random.fold_in(key, i), 8, LM, lengths)
-               for i, lengths in enumerate(LENGTHS)]
-    model = Lm1bTransformer(LM)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(key, batches[0]["inputs"])["params"],
-        tx=optax.adamw(LR))
+    state, batches = lm1b_state_and_batches(optax.adamw(LR))
     want, _ = _summaries(jax.jit(make_step(jax.value_and_grad)), state, batches)
     par = autopar.parallelize(make_step(autopar.value_and_grad), mesh=mesh_of((2, 4)),
                               plan_cache=False, method=autopar.PipeshardParallel(

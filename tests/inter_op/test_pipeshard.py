@@ -9,17 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar.core.spec import num_shards
 from autopar.inter_op.pipeshard import accumulation_method
 from autopar.models import make_mlp_batch
 from autopar.models.gpt import GPTConfig
-from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch, weighted_cross_entropy
+from autopar.models.lm1b import make_lm1b_batch, weighted_cross_entropy
 from support.equivalence import assert_grads_close, assert_losses_close, assert_params_close
 from support.steps import (
+    LM1B,
+    LM1B_LENGTHS,
     assert_equivalent,
+    lm1b_state_and_batches,
     make_case,
     mesh_of,
     mlp_train_state,
@@ -378,21 +380,12 @@ def test_remat_blocks_in_a_pipeline_match_single_device():
 # uneven padding, logits returned as aux and used in the metrics, a closed-over numpy
 # position table, dropout drawing from an rng argument.
 
-LM = Lm1bConfig()                         # vocab 64, seq 16, hidden 32, 2 layers
-# Tokens per example in each step's batch: uneven microbatches (microbatch m holds examples m
-# and m + 4); in the last step examples 1 and 5 have no target, so microbatch 1 has none.
-LENGTHS = ([16, 3, 9, 12, 5, 16, 2, 7], [7, 16, 3, 9, 12, 5, 16, 2], [16, 1, 9, 12, 5, 1, 2, 7])
+LM, LENGTHS = LM1B, LM1B_LENGTHS
 
 
 def _lm1b_case(*, deterministic=True, value_and_grad=autopar.value_and_grad):
     """(step, state, batches, rng): `step(state, batch, rng) -> (state, metrics, grads)`."""
-    key = jax.random.key(0)
-    batches = [make_lm1b_batch(jax.random.fold_in(key, i), 8, LM, lengths)
-               for i, lengths in enumerate(LENGTHS)]
-    model = Lm1bTransformer(LM)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(key, batches[0]["inputs"])["params"],
-        tx=sgd_momentum_clip())
+    state, batches = lm1b_state_and_batches(sgd_momentum_clip())
 
     def step(state, batch, dropout_rng):
         inputs, targets = batch["inputs"], batch["targets"]

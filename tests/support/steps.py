@@ -13,6 +13,7 @@ from flax.training import train_state
 
 import autopar
 from autopar.models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
+from autopar.models.lm1b import Lm1bConfig, Lm1bTransformer, make_lm1b_batch
 from autopar.models.mlp import MLP, NnxMLP, make_mlp_batch, mse_loss
 from support.equivalence import assert_equivalent, params_of  # noqa: F401  (the tests' comparison rule)
 
@@ -191,3 +192,21 @@ def run_under_memory_scheduler(script: str, timeout_s: float = 900):
                          text=True, timeout=timeout_s)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+LM1B = Lm1bConfig()                       # vocab 64, seq 16, hidden 32, 2 layers
+# Tokens per example in each step's batch: uneven microbatches (microbatch m holds examples m
+# and m + 4); in the last step examples 1 and 5 have no target, so microbatch 1 has none.
+LM1B_LENGTHS = ([16, 3, 9, 12, 5, 16, 2, 7], [7, 16, 3, 9, 12, 5, 16, 2],
+                [16, 1, 9, 12, 5, 1, 2, 7])
+
+
+def lm1b_state_and_batches(tx):
+    """(TrainState of `Lm1bTransformer(LM1B)` with `tx`, three padded token batches of 8)."""
+    key = jax.random.key(0)
+    batches = [make_lm1b_batch(jax.random.fold_in(key, i), 8, LM1B, lengths)
+               for i, lengths in enumerate(LM1B_LENGTHS)]
+    model = Lm1bTransformer(LM1B)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(key, batches[0]["inputs"])["params"], tx=tx)
+    return state, batches
