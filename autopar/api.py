@@ -35,7 +35,7 @@ from autopar.core.plan import ParallelPlan, graph_fingerprint
 from autopar.cost.cluster import ClusterSpec, check_cluster
 from autopar.frontend import checks
 from autopar.frontend.jit_options import PinnedShardings, argnums_for_names
-from autopar.frontend.meshes import no_context_mesh, on_user_mesh, relabel, under_mesh_if_needed
+from autopar.frontend.meshes import for_caller, no_context_mesh, relabel, under_mesh_if_needed
 from autopar.frontend.nnx import PureStep, as_state
 from autopar.frontend.step import StepFrontend
 from autopar.frontend.tracer import abstract_signature, check_argnums, check_donated_aliases, trace
@@ -44,7 +44,7 @@ from autopar.inter_op.remat_plan import plan_step
 from autopar.lowering.pipeline import lower_pipeline
 from autopar.lowering.single_mesh import Lowered, lower, named, put
 from autopar.runtime.distributed import check_agreement
-from autopar.runtime.executor import Executor, retarget
+from autopar.runtime.executor import Executor, gathered
 from autopar.tools.plan_cache import cache_key, find_plan
 from autopar.tools.runner_ups import with_runner_ups
 from autopar.verify.memory_check import verified_plan
@@ -138,15 +138,11 @@ class ParallelizedFunction:
         key = self._key(args)
         entry = self._cache.get(key)
         if entry is None:
-            under = []      # whether each try ran under a context mesh
-
-            def new_entry():
-                under.append(not jax.sharding.get_abstract_mesh().empty)
-                return self._new_entry(args)
+            needed = []      # the step traced only under the mesh
             with self._progress(), no_full_collections():
-                entry = self._cache[key] = under_mesh_if_needed(self._mesh, new_entry)
-            # the caller set no mesh, so `under_mesh_if_needed` did: the step needs it
-            entry.needs_mesh = under[-1] and jax.sharding.get_abstract_mesh().empty
+                entry = self._cache[key] = under_mesh_if_needed(
+                    self._mesh, lambda: self._new_entry(args), needed)
+            entry.needs_mesh = bool(needed)
         return entry
 
     def _new_entry(self, args) -> _Entry:
@@ -289,34 +285,10 @@ class ParallelizedFunction:
             out = progress.first_run(entry.executor, flat, self._progress) if pipeline \
                 else compiled(*flat)
             if pipeline:
-                out = self._gathered(entry, out)
-        # Results typed for the user's mesh (Explicit axes) where the caller works under it:
-        # under `jax.set_mesh`, or in a step that traces only there; else plain arrays
-        # (Auto axes), which mix with the caller's eager code as `jax.jit`'s results do.
-        typed = entry.needs_mesh or not jax.sharding.get_abstract_mesh().empty
+                out = gathered(out, entry.executor.p.loss.step.carried_outputs,
+                               entry.out_pins, _compat.auto_mesh(self.mesh))
         return jax.tree_util.tree_unflatten(entry.graph.out_tree,
-                                            on_user_mesh(out, self._mesh) if typed else out)
-
-    def _gathered(self, entry: _Entry, out: list) -> list:
-        """A pipeline's results where the caller can use them together: where
-        out_shardings says; else a value the step computed (a loss, metrics, logits) on the
-        whole mesh, as `jax.jit` returns it, so that eager code mixing results of different
-        stages runs. The next step's state (a carried result) stays on its stage. In a
-        multi-process job every result stays where its stage made it (JAX copies an array
-        between processes only onto as many devices as it is on)."""
-        carried = entry.executor.p.loss.step.carried_outputs
-        if jax.process_count() > 1:
-            carried = range(len(out))
-        whole = _compat.auto_mesh(self.mesh)
-        devices = set(whole.devices.flat)
-
-        def place(i, x):
-            if i in entry.out_pins:
-                return put(x, entry.out_pins[i])
-            if i in carried or not isinstance(x, jax.Array) or x.sharding.device_set == devices:
-                return x
-            return put(x, retarget(x, whole))
-        return [place(i, x) for i, x in enumerate(out)]
+                                            for_caller(out, self._mesh, entry.needs_mesh))
 
     def input_shardings(self, *args) -> tuple:
         """Where the plan for these arguments places each positional argument: one pytree of

@@ -29,12 +29,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def under_mesh_if_needed(mesh: jax.sharding.Mesh | None, fn: Callable[[], T]) -> T:
+def under_mesh_if_needed(mesh: jax.sharding.Mesh | None, fn: Callable[[], T],
+                         needed: list | None = None) -> T:
     """`fn()` (which traces the step) as the caller set things up; if that fails with a JAX
     error while no context mesh is set and `mesh` has an Explicit axis, `fn()` again under
-    `jax.set_mesh(mesh)`: code written for explicit sharding (`out_sharding=`, `reshard`)
-    traces only under one. The step is not traced under the mesh otherwise, since a context
-    mesh changes the traced program (its types, some operators' forms)."""
+    `jax.set_mesh(mesh)` (and True appended to `needed`): code written for explicit sharding
+    (`out_sharding=`, `reshard`) traces only under one. The step is not traced under the mesh
+    otherwise, since a context mesh changes the traced program (its types, some operators'
+    forms)."""
     if mesh is None or not _compat.is_explicit(mesh) \
             or not jax.sharding.get_abstract_mesh().empty:
         return fn()
@@ -45,6 +47,8 @@ def under_mesh_if_needed(mesh: jax.sharding.Mesh | None, fn: Callable[[], T]) ->
     except Exception:          # a JAX tracing error: retried under the mesh, raised from there
         log.info("autopar: tracing the step without a context mesh failed; tracing it under "
                  "jax.set_mesh(mesh) (explicit axes)")
+    if needed is not None:
+        needed.append(True)
     with jax.set_mesh(mesh):
         return fn()
 
@@ -64,6 +68,16 @@ def on_user_mesh(values: list, mesh: jax.sharding.Mesh) -> list:
         return values
     return [relabel(v, NamedSharding(mesh, v.sharding.spec))
             if isinstance(getattr(v, "sharding", None), NamedSharding) else v for v in values]
+
+
+def for_caller(values: list, mesh: jax.sharding.Mesh | None, needs_mesh: bool) -> list:
+    """A step's results as the caller's code expects them: typed for `mesh` (its Explicit
+    axes, `on_user_mesh`) where the caller works under it (under `jax.set_mesh`, or the step
+    traces only under its mesh: `needs_mesh`); else as they are, plain arrays with Auto axes,
+    which mix with the caller's eager code as `jax.jit`'s results do."""
+    if needs_mesh or not jax.sharding.get_abstract_mesh().empty:
+        return on_user_mesh(values, mesh)
+    return values
 
 
 def relabel(x, sharding: NamedSharding):

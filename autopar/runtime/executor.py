@@ -52,6 +52,25 @@ def retarget(value, mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def gathered(out: list, carried, pins: dict, whole: jax.sharding.Mesh) -> list:
+    """A pipeline's results where the caller can use them together: result i where `pins`
+    (out_shardings) says; else a value the step computed (a loss, metrics, logits) on the
+    `whole` mesh, as `jax.jit` returns it, so that eager code mixing results of different
+    stages runs. The next step's state (a `carried` result) stays on its stage. In a
+    multi-process job every result stays where its stage made it (JAX copies an array between
+    processes only onto as many devices as it is on)."""
+    devices = set(whole.devices.flat)
+    stays = range(len(out)) if jax.process_count() > 1 else carried
+
+    def place(i, x):
+        if i in pins:
+            return put(x, pins[i])
+        if i in stays or not isinstance(x, jax.Array) or x.sharding.device_set == devices:
+            return x
+        return put(x, retarget(x, whole))
+    return [place(i, x) for i, x in enumerate(out)]
+
+
 def _first_array(tree):
     """The first array of a call's results (lists and tuples, depth first), without
     flattening them all: a backward returns the whole gradient accumulator."""

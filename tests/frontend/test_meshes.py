@@ -45,8 +45,11 @@ def test_under_mesh_if_needed_retries_under_an_explicit_mesh_only_on_failure():
         calls.append(jax.sharding.get_abstract_mesh().empty)
         return 1
 
-    assert under_mesh_if_needed(explicit, plain) == 1 and calls == [True]
-    assert under_mesh_if_needed(explicit, needs_mesh) is not None
+    needed = []
+    assert under_mesh_if_needed(explicit, plain, needed) == 1 and calls == [True]
+    assert needed == []
+    assert under_mesh_if_needed(explicit, needs_mesh, needed) is not None
+    assert needed == [True]                             # the caller learns the step needs it
     with pytest.raises(ValueError):     # a PartitionSpec outside a mesh context
         under_mesh_if_needed(auto, needs_mesh)          # an Auto mesh is never set
 
