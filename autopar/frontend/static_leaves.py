@@ -6,18 +6,18 @@ An argument that holds an Equinox module or a leaf `jax.jit` cannot trace (`hold
 replaced before tracing by a `WithStatic` pytree: its leaves are the argument's arrays, keyed
 by their paths in the argument; its static part (the argument's structure and the other
 leaves' values) is pytree metadata, so it is part of the plan and executable cache key. Any
-other argument is taken as `jax.jit` takes it (Python numbers traced). A static leaf
-is keyed by equality (and type) where it is hashable, else by identity. The step is called with
+other argument is taken as `jax.jit` takes it (Python numbers traced). A static leaf is
+keyed by equality (and type) where it is hashable, else by identity. The step is called with
 the argument rebuilt, and a result holding non-array leaves comes back the same way: its
-arrays are the step's outputs, its other leaves are the values the trace returned, put back in
-place.
+arrays are the step's outputs, its other leaves are the values the trace returned, put back
+in place.
 
 Example:
     >>> model = eqx.nn.MLP(16, 4, 64, 2, key=key)     # activation: a function leaf
     >>> part = with_static(model)
     >>> [type(x).__name__ for x in jax.tree_util.tree_leaves(part)][:2]
     ['ArrayImpl', 'ArrayImpl']
-    >>> combined(part) == model
+    >>> combined(part).activation is model.activation
     True
 """
 from __future__ import annotations
