@@ -24,12 +24,14 @@ from autopar.cost.cluster import ClusterSpec, check_cluster
 from autopar.cost.model import CostModel
 from autopar.frontend.checks import (
     DEFAULT_BATCH_ARGNUMS,
+    arg_names,
     argnums_text,
     as_argnums,
     method_instance,
     warn_one_microbatch,
     warn_unmatched_rules,
 )
+from autopar.frontend.nnx import BoundCall, PureStep
 from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
 from autopar.inter_op.remat_plan import plan_step, traced_for
@@ -117,10 +119,14 @@ def plan(fun: Callable, *args, cluster: ClusterSpec, method: ShardParallel | Non
 
     `verbose`: progress while planning, as in `parallelize` (see `autopar.progress`).
     """
-    with progress.session(verbose, getattr(fun, "__name__", "step")), no_full_collections():
-        return _plan(fun, *args, cluster=cluster, method=method, mesh_shape=mesh_shape,
-                     axis_names=axis_names, batch_argnums=batch_argnums,
-                     static_argnums=static_argnums, donate_argnums=donate_argnums)
+    static = as_argnums(static_argnums, "static_argnums", none_ok=True)
+    bound = BoundCall(tuple(args), static_argnums=static, names=arg_names(fun, len(args)),
+                      batch_argnums=as_argnums(batch_argnums, "batch_argnums"))
+    with progress.session(verbose, getattr(fun, "__name__", "step")), no_full_collections(), \
+            bound as call:     # NNX objects as their states, Equinox modules' arrays traced
+        return _plan(PureStep(fun), *call.args, cluster=cluster, method=method,
+                     mesh_shape=mesh_shape, axis_names=axis_names, batch_argnums=batch_argnums,
+                     static_argnums=static, donate_argnums=donate_argnums)
 
 
 def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, static_argnums,

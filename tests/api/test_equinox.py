@@ -139,3 +139,18 @@ def test_the_attention_model_takes_at_most_half_the_memory_of_one_device():
                                                 eqx.is_array))
     single = _peak(one.lower(arrays, opt_state, x, y).compile())
     assert sharded <= 0.5 * single, (sharded, single)
+
+
+def test_autopar_plan_takes_an_abstract_equinox_model():
+    """`autopar.plan` on `eqx.filter_eval_shape` values (nothing allocated): the arrays are
+    planned under their module paths, the static leaves stay out of the plan."""
+    tx = optax.adamw(1e-3)
+    model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0)))
+    opt_state = eqx.filter_eval_shape(lambda m: tx.init(eqx.filter(m, eqx.is_array)), model)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    plan = autopar.plan(_step(tx, eqx.filter_value_and_grad), model, opt_state, x, x,
+                        cluster=autopar.ClusterSpec.preset("cpu"), batch_argnums=(2, 3))
+    n_arrays = sum(isinstance(x, jax.ShapeDtypeStruct)
+                   for x in jax.tree_util.tree_leaves((model, opt_state)))
+    assert len(plan.inputs) == n_arrays + 2
+    assert any(".layers[0].weight" in t.path for t in plan.inputs), [t.path for t in plan.inputs]
