@@ -236,3 +236,19 @@ def test_returning_a_module_raises(mesh):
     step = autopar.parallelize(lambda model, batch: model, mesh=mesh)
     with pytest.raises(autopar.UnsupportedError, match="returns an NNX graph object"):
         step(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), regression_batches(1)[0])
+
+
+def test_autopar_plan_takes_nnx_objects_as_parallelize_does():
+    """`autopar.plan` binds NNX arguments as `parallelize` does: the model and optimizer are
+    planned as their states, leaves named by attribute path."""
+    cfg = GemmaConfig()
+    model = Gemma(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batch = make_gemma_batch(jax.random.key(1), 16, cfg)
+    plan = autopar.plan(nnx_train_step, model, optimizer, batch,
+                        cluster=autopar.ClusterSpec.preset("cpu"), mesh_shape=(2, 4),
+                        batch_argnums=(2,))
+    paths = [t.path for t in plan.inputs]
+    assert "model.embed.embedding" in paths and paths[-1] == "batch['tokens']", paths[-3:]
+    n_state = len(jax.tree_util.tree_leaves(nnx.state((model, optimizer))))
+    assert len(paths) == n_state + 1
