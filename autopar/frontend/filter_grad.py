@@ -40,22 +40,20 @@ def value_and_grad_filtered(marked_value_and_grad: Callable, fun: Callable, argn
     masks = {i: [_differentiated(x) for x in leaves] for i, (leaves, _) in flat.items()}
     diff = tuple([x for x, m in zip(flat[i][0], masks[i]) if m] for i in nums)
 
-    def rebuilt(i, values):
+    def filled(i, values, kept: bool):
+        """Argument i with `values` at its differentiated leaves, its other leaves (`kept`)
+        or None (a gradient) elsewhere."""
         it = iter(values)
         leaves, treedef = flat[i]
-        return tu.tree_unflatten(treedef, [next(it) if m else x
+        return tu.tree_unflatten(treedef, [next(it) if m else x if kept else None
                                            for x, m in zip(leaves, masks[i])])
 
     def pure(diff):
         full = list(args)
         for i, values in zip(nums, diff):
-            full[i] = rebuilt(i, values)
+            full[i] = filled(i, values, kept=True)
         return fun(*full)
 
     value, g = marked_value_and_grad(pure, argnums=0, has_aux=has_aux)(diff)
-    grads = []
-    for i, values in zip(nums, g):
-        it = iter(values)
-        leaves, treedef = flat[i]
-        grads.append(tu.tree_unflatten(treedef, [next(it) if m else None for m in masks[i]]))
+    grads = [filled(i, values, kept=False) for i, values in zip(nums, g)]
     return value, (grads[0] if isinstance(argnums, int) else tuple(grads))

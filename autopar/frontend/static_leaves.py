@@ -45,11 +45,10 @@ def _holds_equinox(tree) -> bool:
 
 def holds_static(tree) -> bool:
     """Whether `tree` is taken as `eqx.filter_jit` takes it (only its arrays traced): it holds
-    an Equinox module, or a leaf `jax.jit` could not trace (a function, a string, an object).
+    a leaf `jax.jit` could not trace (a function, a string, an object), or an Equinox module.
     Any other tree is taken as `jax.jit` takes it: its Python numbers are traced too."""
-    return _holds_equinox(tree) or any(
-        not (is_array(x) or isinstance(x, (bool, int, float, complex)))
-        for x in jax.tree_util.tree_leaves(tree))
+    return any(not (is_array(x) or isinstance(x, (bool, int, float, complex)))
+               for x in jax.tree_util.tree_leaves(tree)) or _holds_equinox(tree)
 
 
 class PathKey:

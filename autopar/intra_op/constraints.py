@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from autopar.core.errors import InvalidArgumentError
-from autopar.core.graph import InputRole, OpGraph, TensorKind
+from autopar.core.graph import InputRole, OpGraph, TensorKind, cheap_source_tensors
 from autopar.core.options import MethodKind, ShardParallel
 from autopar.core.primitives import RANDOM_BITS, REDUCTIONS
 from autopar.core.spec import Spec, enumerate_specs, is_valid, num_shards, replicated
@@ -163,14 +163,12 @@ def random_values(graph: OpGraph) -> frozenset[int]:
     (`random_bits_rule`), so DataParallel does not hold it replicated: it lies as the batch
     path that reads it, and no activation is gathered to meet it."""
     drawn: set[int] = set()
-    fixed = {t.id for t in graph.tensors if t.kind == TensorKind.CONST}   # and made from them
+    fixed = cheap_source_tensors(graph)          # computed from constants alone
     for node in graph.nodes:
         if node.primitive in RANDOM_BITS:
             drawn.update(node.outputs)
-        elif all(t in fixed for t in node.inputs):
-            fixed.update(node.outputs)
         elif any(t in drawn for t in node.inputs) and all(
-                t in drawn or t in fixed or math.prod(graph.tensors[t].shape) == 1
+                t in drawn or fixed[t] or math.prod(graph.tensors[t].shape) == 1
                 for t in node.inputs):
             drawn.update(node.outputs)
     return frozenset(drawn)
