@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.core.errors import InvalidArgumentError
 from autopar.frontend.checks import arg_names, dtype_name, is_parallelized
+from autopar.frontend.static_leaves import combined, is_array, with_static
 from autopar.lowering.single_mesh import put
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class InitPart:
 class ShardedInit:
     """`create_state` compiled to output the state in a step's plan layout (see
     `compile_init`); `run(*create_args)` creates it."""
-    state_tree: Any                            # treedef of the state
+    state_tree: Any                            # treedef of the state's arrays (`with_static`)
     shardings: Any                             # the plan's sharding of every state leaf
     args_tree: Any                             # treedef of create_args
     parts: tuple[InitPart, ...]
@@ -86,18 +87,27 @@ class ShardedInit:
             outs = part.compiled(*(put(x, s) for x, s in zip(flat, part.arg_shardings)))
             for i, x in zip(part.leaves, outs):
                 leaves[i] = x
-        return jax.tree_util.tree_unflatten(self.state_tree, leaves)
+        return combined(jax.tree_util.tree_unflatten(self.state_tree, leaves))
 
 
 def abstract_state(create_state: Callable, create_args: Sequence = ()) -> Any:
     """`jax.eval_shape(create_state, *create_args)` with strong types, as `init_sharded`
     creates it: a weakly typed leaf (a Python `0` step counter) would come back from the step
-    as a strong array and re-plan the second call."""
-    return jax.tree_util.tree_map(_strong, jax.eval_shape(create_state, *create_args))
+    as a strong array and re-plan the second call. Leaves other than arrays (an Equinox
+    module's activation function) come back as they are, as `eqx.filter_eval_shape` gives
+    them."""
+    return jax.tree_util.tree_map(_strong, _eval_shape(create_state, create_args))
 
 
-def _strong(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if x.weak_type else x
+def _eval_shape(create_state: Callable, create_args: Sequence) -> Any:
+    """`jax.eval_shape` of a function whose result may hold static leaves (`with_static`)."""
+    return combined(jax.eval_shape(lambda *a: with_static(create_state(*a)), *create_args))
+
+
+def _strong(x):
+    if isinstance(x, jax.ShapeDtypeStruct) and x.weak_type:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
 
 
 def compile_init(create_state: Callable, step, *example_args, state_argnum: int = 0,
@@ -127,14 +137,14 @@ def compile_init(create_state: Callable, step, *example_args, state_argnum: int 
             f"positional arguments, e.g. create_args=(jax.random.key(0),).")
     create_args = tuple(create_args)
     _check_state_argnum(step, state_argnum, len(example_args))
-    weak = jax.eval_shape(create_state, *create_args)
+    weak = _eval_shape(create_state, create_args)
     state = jax.tree_util.tree_map(_strong, weak)
     args = (*example_args[:state_argnum], state, *example_args[state_argnum:])
     _check_matches(step, args, state_argnum)
     shardings = step.input_shardings(*args)[state_argnum]
-    abstract, state_tree = jax.tree_util.tree_flatten(state)
-    weak_flat = [x.weak_type for x in jax.tree_util.tree_leaves(weak)]
-    flat_sh = state_tree.flatten_up_to(shardings)
+    abstract, state_tree = jax.tree_util.tree_flatten(with_static(state))
+    weak_flat = [x.weak_type for x in jax.tree_util.tree_leaves(with_static(weak))]
+    flat_sh = _array_leaves(state, shardings)
     flat_args, args_tree = jax.tree_util.tree_flatten(create_args)
     impls = tuple(jax.random.key_impl(x) if _is_key(x) else None for x in flat_args)
     flat_args = _key_data(flat_args)
@@ -191,6 +201,12 @@ def init_sharded(create_state: Callable, step, *example_args, state_argnum: int 
                         create_args=create_args).run(*create_args)
 
 
+def _array_leaves(state, tree) -> list:
+    """The leaves of `tree` (shaped like `state`) where `state` holds arrays, in order."""
+    full, treedef = jax.tree_util.tree_flatten(state)
+    return [x for x, s in zip(treedef.flatten_up_to(tree), full) if is_array(s)]
+
+
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -207,8 +223,8 @@ def _part_fn(create_state, args_tree, impls, idx, weak) -> Callable:
     def fn(*flat_args):
         flat_args = [x if impl is None else jax.random.wrap_key_data(x, impl=impl)
                      for x, impl in zip(flat_args, impls)]
-        out = jax.tree_util.tree_leaves(create_state(*jax.tree_util.tree_unflatten(
-            args_tree, flat_args)))
+        out = jax.tree_util.tree_leaves(with_static(create_state(
+            *jax.tree_util.tree_unflatten(args_tree, flat_args))))
         return tuple(jax.lax.convert_element_type(out[i], jax.numpy.result_type(out[i]))
                      if w else out[i] for i, w in zip(idx, weak))
     return fn
@@ -233,7 +249,8 @@ def _check_state_argnum(step, state_argnum, num_example_args: int) -> None:
 def _leaf_texts(fun, args, state_argnum) -> list[tuple[str, tuple, str]]:
     name = arg_names(fun, len(args))[state_argnum]
     return [(name + jax.tree_util.keystr(path), tuple(x.shape), dtype_name(x))
-            for path, x in jax.tree_util.tree_flatten_with_path(args[state_argnum])[0]]
+            for path, x in jax.tree_util.tree_flatten_with_path(
+                with_static(args[state_argnum]))[0]]
 
 
 def _check_matches(step, args, state_argnum) -> None:
@@ -242,7 +259,8 @@ def _check_matches(step, args, state_argnum) -> None:
     plan, source = step._saved_plan, "its saved plan (parallelize(plan=...))"
     fix = "re-plan (parallelize without plan=)"
     if plan is None:
-        key = step._key(args)
+        with step._front.bind(args, {}) as call:
+            key = step._key(call.args)
         if key in step._cache:
             return
         same = [e for k, e in step._cache.items() if len(k) == len(key) and all(
@@ -252,7 +270,7 @@ def _check_matches(step, args, state_argnum) -> None:
         plan, source = same[-1].plan, "the plan it already made for these other arguments"
         fix = "create it with a fresh step for the new model (step.with_mesh(step.mesh))"
     count = lambda i: (0 if i in step._static else
-                       len(jax.tree_util.tree_leaves(args[i])))
+                       len(jax.tree_util.tree_leaves(with_static(args[i]))))
     before = sum(count(i) for i in range(state_argnum))
     after = sum(count(i) for i in range(state_argnum + 1, len(args)))
     want = [(t.path, tuple(t.shape), t.dtype)

@@ -154,3 +154,45 @@ def test_autopar_plan_takes_an_abstract_equinox_model():
                    for x in jax.tree_util.tree_leaves((model, opt_state)))
     assert len(plan.inputs) == n_arrays + 2
     assert any(".layers[0].weight" in t.path for t in plan.inputs), [t.path for t in plan.inputs]
+
+
+@pytest.mark.parametrize("how", ["shard", "2-stage pipeline"])
+def test_step_init_creates_an_equinox_model_in_the_plan_layout(how):
+    """`step.init` with a `create_state` that builds an Equinox model and its optimizer state:
+    it comes back as the module (activations in place) with every array on the plan's
+    sharding, the step runs it without re-planning and equals `eqx.filter_jit`."""
+    _, tx, _, x, y = _case("attention")
+    key = jax.random.key(3)
+
+    def create(k):
+        model = Net(8, 64, 4, 2, 8, k)
+        return model, tx.init(eqx.filter(model, eqx.is_array))
+
+    vg = autopar.value_and_grad if "pipeline" in how else eqx.filter_value_and_grad
+    inner = _step(tx, vg)
+    def step(state, x, y):                    # the model and optimizer state as one argument
+        model, opt_state, loss = inner(*state, x, y)
+        return (model, opt_state), loss
+
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=METHODS[how][1](),
+                              batch_argnums=(1, 2), plan_cache=False)
+    state = par.init(create, x, y, create_args=(key,))
+    want = create(key)
+    assert type(state[0]) is Net
+    static = lambda m: jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array, inverse=True))
+    assert static(state) == static(want)
+    placed = jax.tree_util.tree_leaves(eqx.filter(par.input_shardings(state, x, y)[0],
+                                                  lambda s: hasattr(s, "spec")))
+    assert [a.sharding for a in jax.tree_util.tree_leaves(eqx.filter(state, eqx.is_array))] \
+        == placed
+    assert_norm_close(eqx.filter(want, eqx.is_array), eqx.filter(state, eqx.is_array),
+                      rtol=1e-6, what="created state")
+    ref = eqx.filter_jit(step)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        state, loss = par(state, x, y)
+        want, ref_loss = ref(want, x, y)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
+    assert len(par._cache) == 1                  # the init's plan was used
+    assert_losses_close(jnp.stack(ref_losses), jnp.stack(losses), rtol=1e-5, smooth=True)
