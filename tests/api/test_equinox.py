@@ -187,6 +187,8 @@ def test_step_init_creates_an_equinox_model_in_the_plan_layout(how):
         == placed
     assert_norm_close(eqx.filter(want, eqx.is_array), eqx.filter(state, eqx.is_array),
                       rtol=1e-6, what="created state")
+    if how == "shard":                          # step.lower takes the module as it is
+        assert 'mhlo.num_partitions = 8' in par.lower(state, x, y).as_text()
     ref = eqx.filter_jit(step)
     losses, ref_losses = [], []
     for _ in range(STEPS):
