@@ -9,9 +9,16 @@ from autopar.core.errors import InvalidArgumentError
 
 
 class Schedule(enum.Enum):
-    """Pipeline schedule policy."""
+    """Pipeline schedule policy (`inter_op.schedule` builds each one's table)."""
     GPIPE = "gpipe"            # all forwards, then all backwards
     ONE_F_ONE_B = "1f1b"       # PipeDream-flush: warm-up forwards, steady 1F1B, cool-down backwards
+    # v stage chunks per device group, stage k on group k mod G (Megatron's interleaved 1F1B)
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    # the backward split into B (input gradient) and W (weight gradient), W filling the
+    # bubble: H1 at 1F1B's in-flight activations, H2 with about twice as many (Qi et al.)
+    ZERO_BUBBLE_H1 = "zb-h1"
+    ZERO_BUBBLE_H2 = "zb-h2"
+    ZERO_BUBBLE_V = "zb-v"     # 2 chunks per group in a V (stage k and 2G-1-k on group k)
 
 
 class SolverBackend(enum.Enum):

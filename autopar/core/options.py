@@ -408,6 +408,9 @@ class ManualStageOption:
 StageOption = AutoStageOption | UniformStageOption | ManualStageOption
 
 
+RUNS = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B})   # schedules a plan can run
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipeshardParallel(ShardParallel):
     """Inter- and intra-op parallelism (Alpa's PipeshardParallel): the loss is cut into layers,
@@ -450,6 +453,12 @@ class PipeshardParallel(ShardParallel):
             raise InvalidArgumentError(
                 f"PipeshardParallel.schedule={self.schedule!r} is not a Schedule. Fix: pass one "
                 f"of {[s for s in Schedule]}, e.g. schedule=autopar.Schedule.ONE_F_ONE_B.")
+        if self.schedule not in RUNS:
+            raise InvalidArgumentError(
+                f"PipeshardParallel.schedule={self.schedule}: its tables are built and checked "
+                f"(autopar.runtime.make_schedule), but the stage search does not place stage "
+                f"chunks or split backwards for it yet, so no plan runs it. Fix: use one of "
+                f"{sorted(s.name for s in RUNS)}.")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise InvalidArgumentError(
                 f"PipeshardParallel.layer_option={self.layer_option!r} is not a layer option. "

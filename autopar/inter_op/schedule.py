@@ -1,16 +1,25 @@
-"""Pipeline schedules: which stage runs which microbatch's forward or backward at each clock.
+"""Pipeline schedules as data: which device group runs which task at each clock.
 
-A schedule is a pure function ``(schedule, num_stages, num_microbatches) -> clock table``.
-One clock is one forward or one backward of one microbatch on one stage (equal durations).
-Both GPipe and 1F1B take ``2 * (M + S - 1)`` clocks with bubble fraction
-``(S - 1) / (M + S - 1)``; 1F1B keeps only ``min(S - s, M)`` microbatches' activations alive
-on stage ``s`` instead of GPipe's ``M``.
+A task is the forward (F), backward (B) or weight gradient (W) of one microbatch on one
+pipeline stage. Tables that split the backward (the zero-bubble ones) run B as the input
+gradient alone, which the previous stage waits for, and W as the weight gradient, which may
+wait to fill a bubble; the others run B as the whole backward. A stage lives on one device
+group (a submesh): one stage per group, or `virtual_stages` = v stage chunks per group
+(interleaved: stage k on group k mod G; ZB-V: stages k and 2G-1-k on group k).
+
+One function builds every table (`make_schedule`): clock by clock, each group runs the task
+its schedule's policy prefers among those whose dependencies finished at an earlier clock,
+within the schedule's in-flight promise. `schedule_check.check_schedule` verifies any table,
+`schedule_check.simulate` times it with per-task durations, and the runtime executes any
+valid table in clock order.
 
     >>> s = make_schedule(Schedule.ONE_F_ONE_B, num_stages=2, num_microbatches=3)
     >>> s.num_clocks, s.in_flight()
     (8, (2, 1))
     >>> " ".join(str(t) for t in s.tasks_of(0))
     'F0 F1 B0 F2 B1 B2'
+    >>> " ".join(str(t) for t in make_schedule(Schedule.ZERO_BUBBLE_H1, 2, 3).tasks_of(1))
+    'F0 B0 F1 B1 W0 F2 B2 W1 W2'
 
 Pure Python: no JAX import.
 """
@@ -18,10 +27,14 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
 from autopar.core.errors import InvalidArgumentError
+
+SPLIT = frozenset({Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2, Schedule.ZERO_BUBBLE_V})
+CHUNKED = frozenset({Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V})
 
 
 def one_executable(num_stages: int, num_microbatches: int) -> bool:
@@ -37,12 +50,16 @@ def one_executable(num_stages: int, num_microbatches: int) -> bool:
 
 class Phase(enum.Enum):
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"   # the input gradient; with it the weight gradient, unless split
+    WEIGHT = "weight"       # the weight gradient, split from the backward
+
+
+LETTER = {Phase.FORWARD: "F", Phase.BACKWARD: "B", Phase.WEIGHT: "W"}
 
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """One forward or backward of one microbatch on one stage.
+    """One forward, backward or weight gradient of one microbatch on one stage.
 
         >>> str(Task(Phase.BACKWARD, stage=1, microbatch=3))
         'B3'
@@ -52,7 +69,7 @@ class Task:
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{'F' if self.phase is Phase.FORWARD else 'B'}{self.microbatch}"
+        return f"{LETTER.get(self.phase, '?')}{self.microbatch}"
 
     def describe(self) -> str:
         """Long form for error messages, e.g. ``B(stage=1, microbatch=3)``."""
@@ -61,7 +78,10 @@ class Task:
 
 @dataclass(frozen=True, slots=True)
 class PipelineSchedule:
-    """A clock table: ``clocks[c][s]`` is the task stage ``s`` runs at clock ``c`` (None: idle).
+    """A clock table: ``clocks[c][g]`` is the task device group ``g`` runs at clock ``c``
+    (None: idle). ``placement[k]`` is the group of stage ``k`` (empty: stage k on group k);
+    ``promise[g]``, where given, the most stage-microbatches whose forward ran on group g and
+    whose backward has not (the activations the schedule promises to keep at most).
 
         >>> s = make_schedule(Schedule.GPIPE, 2, 2)
         >>> [[str(t) if t else "." for t in row] for row in s.clocks]
@@ -71,6 +91,20 @@ class PipelineSchedule:
     num_stages: int
     num_microbatches: int
     clocks: tuple[tuple[Task | None, ...], ...]
+    placement: tuple[int, ...] = ()
+    promise: tuple[int, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.placement) + 1 if self.placement else self.num_stages
+
+    def group_of(self, stage: int) -> int:
+        return self.placement[stage] if self.placement else stage
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the table runs W (the weight gradient) apart from B."""
+        return self.schedule in SPLIT
 
     @property
     def num_clocks(self) -> int:
@@ -78,8 +112,9 @@ class PipelineSchedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle stage-clocks / total stage-clocks (0.0 for an empty table)."""
-        total = self.num_clocks * self.num_stages
+        """Idle group-clocks / total group-clocks, every task one clock (0.0 for an empty
+        table); `schedule_check.simulate` weighs tasks by their durations."""
+        total = self.num_clocks * self.num_groups
         if total == 0:
             return 0.0
         idle = sum(1 for row in self.clocks for t in row if t is None)
@@ -88,30 +123,51 @@ class PipelineSchedule:
     def in_flight(self) -> tuple[int, ...]:
         """Per stage, the most microbatches whose forward ran there and whose backward has not
         yet: the activations that stage must keep alive."""
-        live: list[set[int]] = [set() for _ in range(self.num_stages)]
-        peak = [0] * self.num_stages
-        for row in self.clocks:
-            for s, t in enumerate(row):
-                if t is None:
-                    continue
-                if t.phase is Phase.FORWARD:
-                    live[s].add(t.microbatch)
-                    peak[s] = max(peak[s], len(live[s]))
-                else:
-                    live[s].discard(t.microbatch)
-        return tuple(peak)
+        return _peaks(self, Phase.FORWARD, Phase.BACKWARD, self.num_stages, lambda t: t.stage)
 
-    def tasks_of(self, stage: int) -> tuple[Task, ...]:
-        """The tasks stage ``stage`` runs, in execution order."""
-        stage = _index(stage, "stage", 0)
-        if stage >= self.num_stages:
+    def group_in_flight(self) -> tuple[int, ...]:
+        """Per device group, the most stage-microbatches in flight over its stages."""
+        return _peaks(self, Phase.FORWARD, Phase.BACKWARD, self.num_groups,
+                      lambda t: self.group_of(t.stage))
+
+    def deferred_weights(self) -> tuple[int, ...]:
+        """Per stage, the most microbatches whose B ran and whose W has not (what W's saved
+        tensors keep alive); zeros for a table that does not split the backward."""
+        return _peaks(self, Phase.BACKWARD, Phase.WEIGHT, self.num_stages, lambda t: t.stage) \
+            if self.split_backward else (0,) * self.num_stages
+
+    def tasks_of(self, group: int) -> tuple[Task, ...]:
+        """The tasks device group ``group`` (stage ``group`` in a table of one stage per
+        group) runs, in execution order."""
+        group = index_arg(group, "stage", 0)
+        if group >= self.num_groups:
             raise InvalidArgumentError(
-                f"stage={stage} is out of range for a schedule with num_stages={self.num_stages}; "
-                f"pass a stage in 0..{self.num_stages - 1}.")
-        return tuple(row[stage] for row in self.clocks if row[stage] is not None)
+                f"stage={group} is out of range for a schedule with {self.num_groups} device "
+                f"group(s); pass a stage in 0..{self.num_groups - 1}.")
+        return tuple(row[group] for row in self.clocks if row[group] is not None)
+
+    def order(self) -> tuple[Task, ...]:
+        """Every task in clock order (within a clock, by group): the order the runtime
+        dispatches them in."""
+        return tuple(t for row in self.clocks for t in row if t is not None)
 
 
-def _index(value: object, name: str, minimum: int) -> int:
+def _peaks(s: PipelineSchedule, opens: Phase, closes: Phase, n: int, where) -> tuple[int, ...]:
+    live, peak = [0] * n, [0] * n
+    for row in s.clocks:
+        for t in row:
+            if t is None:
+                continue
+            if t.phase is opens:
+                live[where(t)] += 1
+                peak[where(t)] = max(peak[where(t)], live[where(t)])
+            elif t.phase is closes:
+                live[where(t)] -= 1
+    return tuple(peak)
+
+
+def index_arg(value: object, name: str, minimum: int) -> int:
+    """`value` as an int >= `minimum`, or an InvalidArgumentError naming `name`."""
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name}={value!r} is a bool; pass an int >= {minimum}.")
     try:
@@ -126,7 +182,7 @@ def _index(value: object, name: str, minimum: int) -> int:
     return value
 
 
-def _check_schedule_enum(schedule: object) -> Schedule:
+def check_schedule_enum(schedule: object) -> Schedule:
     if not isinstance(schedule, Schedule):
         choices = ", ".join(f"Schedule.{s.name}" for s in Schedule)
         raise InvalidArgumentError(
@@ -135,121 +191,160 @@ def _check_schedule_enum(schedule: object) -> Schedule:
     return schedule
 
 
-def _stage_order(schedule: Schedule, stage: int, num_stages: int,
-                 num_microbatches: int) -> list[Task]:
-    """The order in which one stage wants to run its tasks."""
-    F = lambda m: Task(Phase.FORWARD, stage, m)   # noqa: E731
-    B = lambda m: Task(Phase.BACKWARD, stage, m)  # noqa: E731
-    M = num_microbatches
-    if schedule is Schedule.GPIPE:
-        return [F(m) for m in range(M)] + [B(m) for m in range(M)]
-    warmup = min(num_stages - stage, M)
-    order = [F(m) for m in range(warmup)]
-    for b, f in enumerate(range(warmup, M)):      # steady state: one backward, one forward
-        order += [B(b), F(f)]
-    order += [B(b) for b in range(M - warmup, M)]  # cool-down
-    return order
-
-
-def _deps(task: Task, num_stages: int) -> list[Task]:
-    s, m = task.stage, task.microbatch
+def deps(task: Task, num_stages: int) -> list[Task]:
+    """The tasks `task` waits for: F(k, m) on F(k-1, m); B(k, m) on F(k, m) and B(k+1, m);
+    W(k, m) on B(k, m)."""
+    k, m = task.stage, task.microbatch
     if task.phase is Phase.FORWARD:
-        return [Task(Phase.FORWARD, s - 1, m)] if s > 0 else []
-    deps = [Task(Phase.FORWARD, s, m)]
-    if s < num_stages - 1:
-        deps.append(Task(Phase.BACKWARD, s + 1, m))
-    return deps
+        return [Task(Phase.FORWARD, k - 1, m)] if k > 0 else []
+    if task.phase is Phase.WEIGHT:
+        return [Task(Phase.BACKWARD, k, m)]
+    out = [Task(Phase.FORWARD, k, m)]
+    if k < num_stages - 1:
+        out.append(Task(Phase.BACKWARD, k + 1, m))
+    return out
 
 
-def make_schedule(schedule: Schedule, num_stages: int, num_microbatches: int) -> PipelineSchedule:
-    """Simulate ``schedule`` clock by clock: each stage runs the next task its policy wants if
-    every dependency finished at an earlier clock, else idles.
+@dataclass(frozen=True, slots=True)
+class _Policy:
+    """How a schedule's groups choose their next task (see `make_schedule`)."""
+    placement: tuple[int, ...]     # stage -> group
+    live: tuple[int, ...]          # per group: in-flight stage-microbatches at most
+    deferred: tuple[int, ...]      # per group: Ws left waiting beyond which W runs first
+    f_key: Callable[[int, int], tuple]   # (stage, microbatch) -> rank among ready Fs
+    b_key: Callable[[int, int], tuple]
+
+
+def _policy(schedule: Schedule, K: int, M: int, v: int) -> _Policy:
+    G = K // v
+    chunk = lambda k: k // G                                           # noqa: E731
+    plain = lambda k, m: (m, -k)                                       # noqa: E731
+    huge = (K * M,) * G
+    if schedule is Schedule.GPIPE:
+        return _Policy(tuple(range(K)), huge, huge, plain, plain)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        # Megatron's order: microbatches in rounds of G, each round through chunk 0, 1, ...
+        # forward and ..., 1, 0 backward; group g warms up with 2(G-g-1) + (v-1)G forwards
+        live = tuple(min(2 * (G - g - 1) + (v - 1) * G + 1, v * M) for g in range(G))
+        return _Policy(tuple(k % G for k in range(K)), live, huge,
+                       lambda k, m: (m // G, chunk(k), m),
+                       lambda k, m: (m // G, v - 1 - chunk(k), m))
+    if schedule is Schedule.ZERO_BUBBLE_V:
+        place = tuple(k if k < G else 2 * G - 1 - k for k in range(K))
+        # 1F1B's activation memory: G whole-stage microbatches, 2G chunk-microbatches
+        return _Policy(place, (min(2 * G, 2 * M),) * G, (2 * G,) * G,
+                       lambda k, m: (m, -k), lambda k, m: (m, k))
+    live = [min(K - g, M) for g in range(K)]
+    if schedule is Schedule.ONE_F_ONE_B:
+        return _Policy(tuple(range(K)), tuple(live), huge, plain, plain)
+    if schedule is Schedule.ZERO_BUBBLE_H1:     # 1F1B's in-flight; stage g defers g Ws
+        return _Policy(tuple(range(K)), tuple(live), tuple(range(K)), plain, plain)
+    if schedule is Schedule.ZERO_BUBBLE_H2:     # about twice the in-flight; W fills gaps
+        return _Policy(tuple(range(K)), tuple(min(2 * (K - g) - 1, M) for g in range(K)),
+                       huge, plain, plain)
+    raise AssertionError(schedule)
+
+
+def virtual_stages_of(schedule: Schedule, virtual_stages: int | None) -> int:
+    """Stage chunks per device group: `virtual_stages` for interleaved 1F1B (default 2), 2
+    for ZB-V, 1 for the rest."""
+    if schedule is Schedule.ZERO_BUBBLE_V:
+        if virtual_stages not in (None, 2):
+            raise InvalidArgumentError(
+                f"virtual_stages={virtual_stages!r} with Schedule.ZERO_BUBBLE_V: ZB-V places "
+                f"exactly 2 stage chunks per device group. Fix: leave virtual_stages unset.")
+        return 2
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return 2 if virtual_stages is None else index_arg(virtual_stages, "virtual_stages", 1)
+    if virtual_stages not in (None, 1):
+        raise InvalidArgumentError(
+            f"virtual_stages={virtual_stages!r} with Schedule.{schedule.name}: it places one "
+            f"stage per device group. Fix: use Schedule.INTERLEAVED_1F1B for several chunks.")
+    return 1
+
+
+def make_schedule(schedule: Schedule, num_stages: int, num_microbatches: int, *,
+                  virtual_stages: int | None = None) -> PipelineSchedule:
+    """The clock table of `schedule` for `num_stages` pipeline stages (chunks, for the
+    chunked schedules: `num_stages / virtual_stages` device groups) and `num_microbatches`.
+
+    Each clock, each group runs the task its policy ranks first among those ready (every
+    dependency finished at an earlier clock): a ready B first (all but GPipe), then where
+    within the schedule's in-flight promise an F, then a waiting W (one stage's Ws beyond
+    its allowance first).
 
         >>> make_schedule(Schedule.GPIPE, num_stages=4, num_microbatches=8).bubble_fraction
         0.2727272727272727
+        >>> make_schedule(Schedule.INTERLEAVED_1F1B, 4, 4, virtual_stages=2).num_groups
+        2
     """
-    schedule = _check_schedule_enum(schedule)
-    S = _index(num_stages, "num_stages", 1)
-    M = _index(num_microbatches, "num_microbatches", 1)
-    orders = [_stage_order(schedule, s, S, M) for s in range(S)]
-    cursor = [0] * S
-    done: set[Task] = set()
-    clocks: list[tuple[Task | None, ...]] = []
-    while any(cursor[s] < len(orders[s]) for s in range(S)):
-        row: list[Task | None] = [None] * S
-        for s in range(S):
-            if cursor[s] < len(orders[s]):
-                task = orders[s][cursor[s]]
-                if all(d in done for d in _deps(task, S)):
-                    row[s] = task
-                    cursor[s] += 1
-        if all(t is None for t in row):  # cannot happen for the built-in policies
-            raise AssertionError(f"{schedule} deadlocked at clock {len(clocks)} (S={S}, M={M})")
-        done.update(t for t in row if t is not None)  # visible from the next clock on
-        clocks.append(tuple(row))
-    return PipelineSchedule(schedule, S, M, tuple(clocks))
-
-
-def check_schedule(s: PipelineSchedule) -> None:
-    """Raise InvalidArgumentError naming the first rule ``s`` breaks; return None if it is valid.
-
-    Rules, in the order checked: table shape, task range, one task per stage per clock, task in
-    its stage's column, every task exactly once, and the dependencies (F(s, m) after F(s-1, m);
-    B(s, m) after F(s, m); B(s, m) after B(s+1, m); each at a strictly earlier clock).
-
-        >>> check_schedule(make_schedule(Schedule.ONE_F_ONE_B, 3, 5))  # valid: returns None
-    """
-    if not isinstance(s, PipelineSchedule):
+    schedule = check_schedule_enum(schedule)
+    K = index_arg(num_stages, "num_stages", 1)
+    M = index_arg(num_microbatches, "num_microbatches", 1)
+    v = virtual_stages_of(schedule, virtual_stages)
+    if K % v:
         raise InvalidArgumentError(
-            f"check_schedule got {type(s).__name__}; pass a PipelineSchedule.")
-    _check_schedule_enum(s.schedule)
-    S = _index(s.num_stages, "num_stages", 1)
-    M = _index(s.num_microbatches, "num_microbatches", 1)
-    when: dict[Task, int] = {}
-    for c, row in enumerate(s.clocks):
-        if len(row) != S:
-            raise InvalidArgumentError(
-                f"rule 'table shape': clock {c} has {len(row)} entries but num_stages={S}; "
-                f"give every clock one entry (a Task or None) per stage.")
-        seen: dict[int, Task] = {}
-        for col, t in enumerate(row):
+            f"num_stages={K} with Schedule.{schedule.name} and {v} stage chunks per device "
+            f"group: the stages must split evenly over the groups. Fix: a multiple of {v}.")
+    pol = _policy(schedule, K, M, v)
+    return _simulate_clocks(schedule, K, M, pol, schedule in SPLIT)
+
+
+def _simulate_clocks(schedule: Schedule, K: int, M: int, pol: _Policy,
+                     split: bool) -> PipelineSchedule:
+    G = max(pol.placement) + 1
+    stages_of = [[k for k in range(K) if pol.placement[k] == g] for g in range(G)]
+    next_f, next_b = [0] * K, [0] * K        # per stage: the next microbatch to run
+    f_done, b_done = [0] * K, [0] * K         # per stage: microbatches finished (in order)
+    waiting_w: list[list[Task]] = [[] for _ in range(G)]
+    live = [0] * G
+    clocks: list[tuple[Task | None, ...]] = []
+    total = (3 if split else 2) * K * M
+    ran = 0
+    while ran < total:
+        row: list[Task | None] = [None] * G
+        for g in range(G):
+            row[g] = _choose(g, stages_of[g], pol, K, M, next_f, next_b, f_done, b_done,
+                             waiting_w[g], live[g])
+        if all(t is None for t in row):   # cannot happen for the built-in policies
+            raise AssertionError(f"{schedule} deadlocked at clock {len(clocks)} (K={K}, M={M})")
+        for g, t in enumerate(row):       # visible from the next clock on
             if t is None:
                 continue
-            if (not isinstance(t, Task) or not isinstance(t.phase, Phase)
-                    or not 0 <= t.stage < S or not 0 <= t.microbatch < M):
-                raise InvalidArgumentError(
-                    f"rule 'task range': clock {c}, stage {col} holds {t!r}; a task needs a Phase, "
-                    f"a stage in 0..{S - 1} and a microbatch in 0..{M - 1}.")
-            if t.stage in seen:
-                raise InvalidArgumentError(
-                    f"rule 'one task per stage per clock': stage {t.stage} runs both "
-                    f"{seen[t.stage].describe()} and {t.describe()} at clock {c}; "
-                    f"move one of them to another clock.")
-            seen[t.stage] = t
-            if t.stage != col:
-                raise InvalidArgumentError(
-                    f"rule 'task in its stage's column': {t.describe()} is in column {col} at "
-                    f"clock {c}; put it at clocks[{c}][{t.stage}].")
-            if t in when:
-                raise InvalidArgumentError(
-                    f"rule 'exactly once': {t.describe()} runs at clocks {when[t]} and {c}; "
-                    f"keep one of them.")
-            when[t] = c
-    for st in range(S):
-        for m in range(M):
-            for phase in Phase:
-                t = Task(phase, st, m)
-                if t not in when:
-                    raise InvalidArgumentError(
-                        f"rule 'exactly once': {t.describe()} is missing from the schedule; "
-                        f"add it at a clock after its dependencies.")
-    for t in sorted(when, key=when.__getitem__):
-        for d in _deps(t, S):
-            if when[d] >= when[t]:
-                rule = ("F(s, m) after F(s-1, m)" if t.phase is Phase.FORWARD else
-                        "B(s, m) after F(s, m)" if d.phase is Phase.FORWARD else
-                        "B(s, m) after B(s+1, m)")
-                raise InvalidArgumentError(
-                    f"rule '{rule}': {t.describe()} runs at clock {when[t]} but its dependency "
-                    f"{d.describe()} runs at clock {when[d]}; run {t.describe()} at a clock "
-                    f"after {when[d]}.")
+            ran += 1
+            if t.phase is Phase.FORWARD:
+                next_f[t.stage] += 1
+                f_done[t.stage] += 1
+                live[g] += 1
+            elif t.phase is Phase.BACKWARD:
+                next_b[t.stage] += 1
+                b_done[t.stage] += 1
+                live[g] -= 1
+                if split:
+                    waiting_w[g].append(Task(Phase.WEIGHT, t.stage, t.microbatch))
+            else:
+                waiting_w[g].remove(t)
+        clocks.append(tuple(row))
+    return PipelineSchedule(schedule, K, M, tuple(clocks), placement=pol.placement,
+                            promise=pol.live)
+
+
+def _choose(g, stages, pol: _Policy, K, M, next_f, next_b, f_done, b_done, waiting_w,
+            live) -> Task | None:
+    """The task group g runs this clock: Ws waiting beyond the group's allowance first, then a
+    ready F within the in-flight promise, then a ready B, then a waiting W (microbatches run
+    in order on each stage, so only each stage's next F and next B can be ready)."""
+    if len(waiting_w) > pol.deferred[g]:
+        return waiting_w[0]
+    if live < pol.live[g]:
+        f_ready = [k for k in stages
+                   if next_f[k] < M and (k == 0 or f_done[k - 1] > next_f[k])]
+        if f_ready:
+            k = min(f_ready, key=lambda k: pol.f_key(k, next_f[k]))
+            return Task(Phase.FORWARD, k, next_f[k])
+    b_ready = [k for k in stages if next_b[k] < M and f_done[k] > next_b[k]
+               and (k == K - 1 or b_done[k + 1] > next_b[k])]
+    if b_ready:
+        k = min(b_ready, key=lambda k: pol.b_key(k, next_b[k]))
+        return Task(Phase.BACKWARD, k, next_b[k])
+    return waiting_w[0] if waiting_w else None

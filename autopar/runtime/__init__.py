@@ -8,6 +8,8 @@ schedules are planning data in `inter_op.schedule`, re-exported here).
 from __future__ import annotations
 
 from autopar.core.enums import Schedule
-from autopar.inter_op.schedule import Phase, PipelineSchedule, Task, check_schedule, make_schedule
+from autopar.inter_op.schedule import Phase, PipelineSchedule, Task, make_schedule
+from autopar.inter_op.schedule_check import Timeline, check_schedule, simulate
 
-__all__ = ["Schedule", "Phase", "Task", "PipelineSchedule", "make_schedule", "check_schedule"]
+__all__ = ["Schedule", "Phase", "Task", "PipelineSchedule", "make_schedule", "check_schedule",
+           "simulate", "Timeline"]

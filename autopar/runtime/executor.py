@@ -14,6 +14,7 @@ stage's devices, every microbatch is then sharded the same way without moving da
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ class ExecutorStats:
     max_live_microbatches: list[int] = field(default_factory=list)  # per stage: residuals kept
     num_dispatches: int = 0
     num_transfers: int = 0
+    order: list = field(default_factory=list)    # the schedule's tasks, in the order they ran
 
 
 def retarget(value, mesh) -> NamedSharding:
@@ -86,12 +88,14 @@ def _first_array(tree):
 
 def _fused_tasks(schedule) -> frozenset[tuple[int, int]]:
     """(stage, microbatch) pairs whose forward and backward run as one call: on the last
-    stage (nothing later sends it cotangents), when its next task after the forward of m is
-    the backward of m (every microbatch under 1F1B; under GPipe only with one microbatch)."""
+    stage (nothing later sends it cotangents), when its group's next task after the forward
+    of m is the backward of m (every microbatch under 1F1B; under GPipe only with one
+    microbatch)."""
     last = schedule.num_stages - 1
-    tasks = [row[last] for row in schedule.clocks if row[last] is not None]
+    tasks = schedule.tasks_of(schedule.group_of(last))
     return frozenset((last, a.microbatch) for a, b in zip(tasks, tasks[1:])
-                     if a.phase is Phase.FORWARD and b.phase is Phase.BACKWARD
+                     if a.stage == b.stage == last
+                     and a.phase is Phase.FORWARD and b.phase is Phase.BACKWARD
                      and a.microbatch == b.microbatch)
 
 
@@ -237,16 +241,16 @@ class Executor:
             shares = self._dispatched(self._merge.weights(
                 *(get(gnode.inputs[q], s) for q in self._merge.den_inputs)))
             state.weights = dict(zip(loss.reduction.dens, shares))
-        for row in p.schedule.clocks:
-            for s, task in enumerate(row):
-                if task is None:
-                    continue
-                fused = (s, task.microbatch) in self._fused
-                if task.phase is Phase.FORWARD:
-                    (self._train if fused else self._forward)(state, p.stages[s],
-                                                              task.microbatch)
-                elif not fused:       # a fused microbatch's backward ran with its forward
-                    self._backward(state, p.stages[s], task.microbatch)
+        for task in p.schedule.order():
+            st = p.stages[task.stage]
+            fused = (task.stage, task.microbatch) in self._fused
+            if task.phase is Phase.FORWARD:
+                (self._train if fused else self._forward)(state, st, task.microbatch)
+                self.stats.order += [task, dataclasses.replace(task, phase=Phase.BACKWARD)] \
+                    if fused else [task]
+            elif not fused:       # a fused microbatch's backward ran with its forward
+                self._backward(state, st, task.microbatch)
+                self.stats.order.append(task)
         self._finish(env, gnode, state)
 
     def _acts(self, state: _StepState, st, m: int) -> list:

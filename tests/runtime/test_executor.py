@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar.core.enums import Schedule
 from autopar.inter_op.apply_grad import PIPELINE
-from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule import Phase, make_schedule
+from autopar.inter_op.schedule_check import check_schedule
 from autopar.inter_op.stages import AXIS_NAMES
 from autopar.lowering.pipeline import PipelineProgram
 from autopar.runtime.executor import Executor, _fused_tasks, retarget
@@ -113,6 +114,36 @@ def test_executor_run_directly_matches_jit(mlp):
     # new state lands back where the step's inputs live, so the next step needs no moves
     for x, sh in zip(jax.tree_util.tree_leaves(state), mlp["program"].in_shardings):
         assert x.sharding == sh
+
+
+def _as_run(schedule, fused) -> list:
+    """The table's tasks in the order the executor runs them: a fused pair's B right after
+    its F (one call runs both)."""
+    out = []
+    for t in schedule.order():
+        if (t.stage, t.microbatch) not in fused:
+            out.append(t)
+        elif t.phase is Phase.FORWARD:
+            out += [t, dataclasses.replace(t, phase=Phase.BACKWARD)]
+    return out
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+def test_the_executor_runs_the_tasks_in_the_tables_order(mlp, schedule):
+    """Cost model and runtime agree: the order the executor logs is the table's clock order
+    (fused last-stage pairs together), which `check_schedule` accepts."""
+    table = make_schedule(schedule, 2, M)
+    ex, _ = run_program(mlp, dataclasses.replace(mlp["program"], schedule=table))
+    assert ex.stats.order == _as_run(table, ex._fused)
+    assert len(ex.stats.order) == 2 * 2 * M
+    ran = [[] for _ in range(table.num_groups)]
+    for t in ex.stats.order:
+        ran[table.group_of(t.stage)].append(t)
+    assert [tuple(r) for r in ran] == [table.tasks_of(g) for g in range(2)]
+    # the fused pairs break no dependency: as a table (one task per clock) it checks
+    one = tuple(tuple(t if g == table.group_of(t.stage) else None for g in range(2))
+                for t in ex.stats.order)
+    check_schedule(dataclasses.replace(table, clocks=one))
 
 
 @pytest.mark.parametrize("limit", [1, None])
