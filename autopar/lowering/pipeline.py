@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from autopar.core import progress
 from autopar.core.enums import Schedule
 from autopar.frontend.interpret import RESULT, resharded, run_nodes
+from autopar.frontend.loops import atomic_spans
 from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
 from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
 from autopar.inter_op.pipeline import LossGraph, StageSlice
@@ -54,6 +55,12 @@ class StageExecutable:
                           # act_grads); acc=None the first time
     fused: Callable       # (params, data, float_acts, int_acts, cts, acc, mb) -> (outs,
                           # int_outs, acc, act_grads)
+    # The backward split for zero-bubble schedules: B gives the activation gradients and the
+    # values W reads that B computes (its hand-off); W adds the parameter gradients.
+    backward_input: Callable | None = None    # (saved, cts, mb) -> (act_grads, handoff)
+    backward_weight: Callable | None = None   # (saved, handoff, acc, mb) -> acc
+    backward_split: Any = None                # the BackwardSplit they run, of `graph`
+    graph: Any = None                         # the stage's training graph (an OpGraph)
     reduce: Callable | None = None   # acc -> the step's gradients, where the accumulator
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
@@ -136,15 +143,22 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         path = None if pos - n_out in kept else reshard.get((RESULT, pos))
         return resharded(env, graph.outputs[pos], path)
 
-    def finish(env, acc):
-        """(acc + param grads, act grads) on the ILP's shardings of params and acts."""
-        constrain_to = jax.lax.with_sharding_constraint
+    constrain_to = jax.lax.with_sharding_constraint
+
+    def param_grads_of(env, acc):
+        """acc + the param grads, on the ILP's shardings of the params."""
         param_grads = [result(env, pos) for pos in range(n_out, n_out + n_grads)]
         if acc is not None:
             param_grads = [a + g for a, g in zip(acc, param_grads)]
+        return [constrain_to(g, s) for g, s in zip(param_grads, grads)]
+
+    def act_grads_of(env):
         act_grads = [result(env, pos) for pos in range(n_out + n_grads, len(graph.outputs))]
-        return ([constrain_to(g, s) for g, s in zip(param_grads, grads)],
-                [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)])
+        return [constrain_to(g, acts[t]) for g, t in zip(act_grads, io.float_acts)]
+
+    def finish(env, acc):
+        """(acc + param grads, act grads) on the ILP's shardings of params and acts."""
+        return param_grads_of(env, acc), act_grads_of(env)
 
     # The forward returns the residuals it computes; those that are the stage's inputs (its
     # parameters, data and activations) the executor keeps and hands the backward as they are
@@ -163,13 +177,30 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
             [env[t] for t in computed]
 
-    def backward(saved, cts, acc, mb):
+    def saved_env(saved, extra_ids=(), extra=()):
         residuals, params, data, acts = saved
-        env = env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts),
-                      *graph.inputs[n_in:]), [*residuals, *params, *data, *acts, *cts])
+        return env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts), *extra_ids),
+                      [*residuals, *params, *data, *acts, *extra])
+
+    def backward(saved, cts, acc, mb):
+        env = saved_env(saved, graph.inputs[n_in:], cts)
         g = drawn(mb)       # a draw recomputed in the backward (remat) is the forward's
         run_bwd(g, env, nodes(g, split.backward_nodes))
         return finish(env, acc)
+
+    parts = split_backward(graph, split.backward_nodes, n_out, n_grads, graph.inputs[n_in:])
+
+    def backward_input(saved, cts, mb):
+        env = saved_env(saved, graph.inputs[n_in:], cts)
+        g = drawn(mb)
+        run_bwd(g, env, nodes(g, parts.input_nodes))
+        return act_grads_of(env), [env[t] for t in parts.handoff]
+
+    def backward_weight(saved, handoff, acc, mb):
+        env = saved_env(saved, parts.handoff, handoff)
+        g = drawn(mb)
+        run_bwd(g, env, nodes(g, parts.weight_nodes))
+        return param_grads_of(env, acc)
 
     def fused(params, data, float_acts, int_acts, cts, acc, mb):
         env = env_of(graph.inputs, [*params, *data, *float_acts, *int_acts, *cts])
@@ -185,8 +216,54 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
+        backward_input=jax.jit(backward_input),
+        backward_weight=jax.jit(backward_weight, donate_argnums=(2,)), backward_split=parts,
+        graph=graph,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
         saved_acts=saved_acts, acc_shardings=grads)
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardSplit:
+    """A stage backward cut in two: B (`input_nodes`: what the activation gradients need)
+    and W (`weight_nodes`: the rest of what the parameter gradients need); `handoff` are the
+    tensors W reads that B computes or receives (the output cotangents), which B returns."""
+    input_nodes: tuple[int, ...]
+    weight_nodes: tuple[int, ...]
+    handoff: tuple[int, ...]
+
+
+def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> BackwardSplit:
+    """Cut the stage's backward (`backward_nodes`; graph outputs: `n_out` stage outputs, then
+    `n_grads` parameter gradients, then the activation gradients) into B and W. A loop region
+    (a scanned backward) stays whole on B's side, its parameter gradients handed to W."""
+    ids = set(backward_nodes)
+    producer = {t: n for n in backward_nodes for t in graph.nodes[n].outputs}
+    spans = {n: (a, b) for a, b in atomic_spans(graph) for n in range(a, b) if n in ids}
+
+    def needed(targets) -> set[int]:
+        seen: set[int] = set()
+        stack = [producer[t] for t in targets if t in producer]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            a, b = spans.get(n, (n, n + 1))
+            for k in range(a, b):
+                if k in ids and k not in seen:
+                    seen.add(k)
+                    stack += [producer[t] for t in graph.nodes[k].inputs if t in producer]
+        return seen
+
+    b = needed(graph.outputs[n_out + n_grads:])
+    w = needed(graph.outputs[n_out:n_out + n_grads]) - b
+    reads = {t for n in w for t in graph.nodes[n].inputs}
+    reads.update(graph.outputs[n_out:n_out + n_grads])
+    made_by_b = [t for n in backward_nodes if n in b for t in graph.nodes[n].outputs]
+    handoff = tuple(dict.fromkeys(t for t in (*made_by_b, *cts) if t in reads))
+    return BackwardSplit(input_nodes=tuple(n for n in backward_nodes if n in b),
+                         weight_nodes=tuple(n for n in backward_nodes if n in w),
+                         handoff=handoff)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],

@@ -88,15 +88,15 @@ def _first_array(tree):
 
 def _fused_tasks(schedule) -> frozenset[tuple[int, int]]:
     """(stage, microbatch) pairs whose forward and backward run as one call: on the last
-    stage (nothing later sends it cotangents), when its group's next task after the forward
-    of m is the backward of m (every microbatch under 1F1B; under GPipe only with one
-    microbatch)."""
+    stage (nothing later sends it cotangents), when its group's next tasks after the forward
+    of m are the backward of m (and in a split table its W): every microbatch under 1F1B,
+    under GPipe only with one microbatch."""
     last = schedule.num_stages - 1
     tasks = schedule.tasks_of(schedule.group_of(last))
-    return frozenset((last, a.microbatch) for a, b in zip(tasks, tasks[1:])
-                     if a.stage == b.stage == last
-                     and a.phase is Phase.FORWARD and b.phase is Phase.BACKWARD
-                     and a.microbatch == b.microbatch)
+    run = tuple(Phase) if schedule.split_backward else (Phase.FORWARD, Phase.BACKWARD)
+    return frozenset((last, ts[0].microbatch) for ts in zip(*(tasks[i:] for i in range(len(run))))
+                     if all(t.stage == last and t.phase is p
+                            and t.microbatch == ts[0].microbatch for t, p in zip(ts, run)))
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +109,7 @@ class _StepState:
     residuals: list = field(default_factory=list)  # per stage: microbatch -> residuals
     cts: dict = field(default_factory=lambda: collections.defaultdict(list))
     acc: list = field(default_factory=list)        # per stage: accumulated param gradients
+    handoffs: list = field(default_factory=list)   # per stage: microbatch -> B's hand-off to W
     final: dict = field(default_factory=dict)      # loss output tensor -> per-microbatch values
     weights: dict = field(default_factory=dict)    # RATIO denominator -> per-microbatch weights
 
@@ -232,7 +233,7 @@ class Executor:
                     per_mb[m].append(parts[m])
             data.append(per_mb)
         state = _StepState(params=params, data=data, residuals=[{} for _ in p.stages],
-                           acc=[None] * len(p.stages),
+                           handoffs=[{} for _ in p.stages], acc=[None] * len(p.stages),
                            final={t: [] for t in loss.forward.outputs})
         if self._merge.weights is not None and m_total > 1:
             # A loss sum(num) / sum(den): each microbatch's share of the denominator, computed
@@ -241,16 +242,18 @@ class Executor:
             shares = self._dispatched(self._merge.weights(
                 *(get(gnode.inputs[q], s) for q in self._merge.den_inputs)))
             state.weights = dict(zip(loss.reduction.dens, shares))
+        split = p.schedule.split_backward
+        run = {Phase.FORWARD: self._forward, Phase.WEIGHT: self._weight,
+               Phase.BACKWARD: self._backward_input if split else self._backward}
         for task in p.schedule.order():
             st = p.stages[task.stage]
-            fused = (task.stage, task.microbatch) in self._fused
-            if task.phase is Phase.FORWARD:
-                (self._train if fused else self._forward)(state, st, task.microbatch)
-                self.stats.order += [task, dataclasses.replace(task, phase=Phase.BACKWARD)] \
-                    if fused else [task]
-            elif not fused:       # a fused microbatch's backward ran with its forward
-                self._backward(state, st, task.microbatch)
+            if (task.stage, task.microbatch) not in self._fused:
+                run[task.phase](state, st, task.microbatch)
                 self.stats.order.append(task)
+            elif task.phase is Phase.FORWARD:    # the later tasks of m run in this call
+                self._train(state, st, task.microbatch)
+                self.stats.order += [dataclasses.replace(task, phase=ph) for ph in Phase
+                                     if split or ph is not Phase.WEIGHT]
         self._finish(env, gnode, state)
 
     def _acts(self, state: _StepState, st, m: int) -> list:
@@ -302,6 +305,19 @@ class Executor:
                         state.acc[st.index], self._index(st, m)))
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
+
+    def _backward_input(self, state: _StepState, st, m: int) -> None:
+        """B of a split backward: the activation gradients; the residuals stay for W."""
+        act_grads, state.handoffs[st.index][m] = self._dispatched(st.backward_input(
+            state.residuals[st.index][m], self._cotangents(state, st, m), self._index(st, m)))
+        for t, g in zip(st.io.float_acts, act_grads):
+            state.cts[(t, m)].append(g)
+
+    def _weight(self, state: _StepState, st, m: int) -> None:
+        """W of a split backward: the parameter gradients into the accumulator."""
+        state.acc[st.index] = self._dispatched(st.backward_weight(
+            state.residuals[st.index].pop(m), state.handoffs[st.index].pop(m),
+            state.acc[st.index], self._index(st, m)))
 
     def _index(self, st, m: int):
         """Microbatch m's index on the stage's devices (its random draws are its rows of the

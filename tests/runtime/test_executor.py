@@ -117,25 +117,39 @@ def test_executor_run_directly_matches_jit(mlp):
 
 
 def _as_run(schedule, fused) -> list:
-    """The table's tasks in the order the executor runs them: a fused pair's B right after
-    its F (one call runs both)."""
+    """The table's tasks in the order the executor runs them: a fused microbatch's B (and W)
+    right after its F (one call runs them)."""
     out = []
     for t in schedule.order():
         if (t.stage, t.microbatch) not in fused:
             out.append(t)
         elif t.phase is Phase.FORWARD:
-            out += [t, dataclasses.replace(t, phase=Phase.BACKWARD)]
+            out += [dataclasses.replace(t, phase=ph) for ph in Phase
+                    if schedule.split_backward or ph is not Phase.WEIGHT]
     return out
 
 
-@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE,
+                                      Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2])
 def test_the_executor_runs_the_tasks_in_the_tables_order(mlp, schedule):
     """Cost model and runtime agree: the order the executor logs is the table's clock order
-    (fused last-stage pairs together), which `check_schedule` accepts."""
+    (fused last-stage tasks together), which `check_schedule` accepts; the zero-bubble
+    tables run the backward as B and W executables and give the same step."""
     table = make_schedule(schedule, 2, M)
-    ex, _ = run_program(mlp, dataclasses.replace(mlp["program"], schedule=table))
+    ex, out = run_program(mlp, dataclasses.replace(mlp["program"], schedule=table))
+    close(out, mlp["direct"])
     assert ex.stats.order == _as_run(table, ex._fused)
-    assert len(ex.stats.order) == 2 * 2 * M
+    assert len(ex.stats.order) == (3 if table.split_backward else 2) * 2 * M
+    # B: each layer's input-gradient matmul; W: each kernel's gradient matmul. Stage 0 sends
+    # no gradient back: its whole backward is W.
+    s0, s1 = mlp["program"].stages
+    for st in (s0, s1):
+        dots = lambda ids: sum(st.graph.nodes[n].primitive == "dot_general" for n in ids)
+        assert not set(st.backward_split.input_nodes) & set(st.backward_split.weight_nodes)
+        kernels = len(st.slice.param_inputs) // 2
+        assert dots(st.backward_split.input_nodes) == (kernels if st is s1 else 0)
+        assert dots(st.backward_split.weight_nodes) >= kernels
+    assert dots(s1.backward_split.weight_nodes) == 2 and not s0.backward_split.input_nodes
     ran = [[] for _ in range(table.num_groups)]
     for t in ex.stats.order:
         ran[table.group_of(t.stage)].append(t)
