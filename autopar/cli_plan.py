@@ -22,7 +22,8 @@ from autopar.core.errors import InvalidArgumentError
 
 METHODS = {"shard": "ShardParallel", "data": "DataParallel", "zero2": "Zero2Parallel",
             "zero3": "Zero3Parallel", "pipeshard": "PipeshardParallel"}
-SCHEDULES = {"1f1b": "ONE_F_ONE_B", "gpipe": "GPIPE"}
+SCHEDULES = {"1f1b": "ONE_F_ONE_B", "gpipe": "GPIPE", "zb-h1": "ZERO_BUBBLE_H1",
+             "zb-h2": "ZERO_BUBBLE_H2"}
 
 
 class UserCodeError(Exception):

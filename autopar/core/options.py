@@ -408,7 +408,8 @@ class ManualStageOption:
 StageOption = AutoStageOption | UniformStageOption | ManualStageOption
 
 
-RUNS = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B})   # schedules a plan can run
+RUNS = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE_H1,
+                  Schedule.ZERO_BUBBLE_H2})              # schedules a plan can run
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -423,8 +424,11 @@ class PipeshardParallel(ShardParallel):
       num_microbatches: the batch is split into this many equal microbatches (it must
         divide the batch size); the loss, gradients and aux come back as the full batch's,
         combined over microbatches as `ShardParallel.num_microbatches` says.
-      schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage)
-        or `Schedule.GPIPE`.
+      schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage),
+        `Schedule.GPIPE`, or a zero-bubble table: `Schedule.ZERO_BUBBLE_H1` (each backward
+        split into B, the input gradient, and W, the weight gradient, W filling the bubble:
+        about a third of 1F1B's bubble, every stage holding up to S microbatches, 1F1B's
+        first stage's count) or `Schedule.ZERO_BUBBLE_H2` (about twice as many in flight).
       layer_option: `AutoLayerOption(num_layers=...)` or `ManualLayerOption()`.
       stage_option: `AutoStageOption()`, `UniformStageOption(num_stages=...)` or
         `ManualStageOption(...)`.

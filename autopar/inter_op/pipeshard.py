@@ -222,7 +222,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value,
             zero=st.zero))
     schedule = make_schedule(method.schedule, len(stages), m)
-    in_flight = schedule.in_flight()
+    in_flight = schedule.held()
     peak = max(s.peak_memory_bytes for s in stages)
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)

@@ -125,6 +125,13 @@ class PipelineSchedule:
         yet: the activations that stage must keep alive."""
         return _peaks(self, Phase.FORWARD, Phase.BACKWARD, self.num_stages, lambda t: t.stage)
 
+    def held(self) -> tuple[int, ...]:
+        """Per stage, the most microbatches whose forward ran and whose backward has not
+        finished (its W, where the table splits it): whose residuals the stage holds, since
+        the runtime keeps them until W. 1F1B's in-flight counts for the other tables."""
+        closes = Phase.WEIGHT if self.split_backward else Phase.BACKWARD
+        return _peaks(self, Phase.FORWARD, closes, self.num_stages, lambda t: t.stage)
+
     def group_in_flight(self) -> tuple[int, ...]:
         """Per device group, the most stage-microbatches in flight over its stages."""
         return _peaks(self, Phase.FORWARD, Phase.BACKWARD, self.num_groups,

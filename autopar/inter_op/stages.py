@@ -136,7 +136,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
     solution when the stage's graph and logical shape are the ones it was solved for."""
     stages = []
     lean = lean or [False] * len(spans)
-    in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).in_flight()
+    in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).held()
     for p, ((i, j), sub, shape, devs) in progress.each(enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))), len(spans),
             "stages solved whole"):
@@ -280,7 +280,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
 
 def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
     """(peak bytes, microbatches in flight) per stage under the schedule (the DP's formula)."""
-    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).in_flight()
+    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).held()
     opt_ratio = opt_ratio_of(loss.step)
     return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
              q) for st, q in zip(stages, in_flight)]

@@ -175,8 +175,7 @@ def test_bad_chunk_arguments_are_named(schedule, stages, kw, match):
         make_schedule(schedule, stages, 4, **kw)
 
 
-@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V,
-                                      Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2])
+@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V])
 def test_a_schedule_no_plan_runs_yet_is_refused_by_name(schedule):
     import autopar
     with pytest.raises(InvalidArgumentError, match=f"{schedule}.*no plan runs it"):
