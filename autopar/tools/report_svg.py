@@ -181,13 +181,24 @@ def timeline_tasks(plan: ParallelPlan):
     p = plan.pipeline
     table = make_schedule(Schedule(p["schedule"]), len(plan.stages), p["num_microbatches"])
     lat = [s.latency_s for s in plan.stages]
-    return table, max(max(lat) / 2, 1e-30), lat
+    return table, max(max(lat) / _tasks_per_microbatch(table), 1e-30), lat
+
+
+def _tasks_per_microbatch(table) -> int:
+    """F and B per microbatch and stage, and W where the table splits the backward."""
+    return 3 if table.split_backward else 2
+
+
+_KIND = {Phase.FORWARD: ("forward", "fwd", ' fill-opacity="0.55"'),
+         Phase.BACKWARD: ("backward", "bwd", ""),
+         Phase.WEIGHT: ("weight gradient", "wgt", ' fill-opacity="0.8" stroke-dasharray="3 2"')}
 
 
 def timeline_svg(plan: ParallelPlan) -> str:
-    """Each microbatch's forward (light) and backward (dark) per stage over time: one clock
-    is half the slowest stage's forward+backward; each stage's task fills half its own
-    forward+backward, so slack and the pipeline's bubbles (blank) show."""
+    """Each microbatch's forward (light), backward (dark) and, in a zero-bubble table, weight
+    gradient (dashed) per stage over time: one clock is one task of the slowest stage (half
+    its forward+backward, a third where W is split off); each stage's task fills its own
+    share, so slack and the pipeline's bubbles (blank) show."""
     table, clock, lat = timeline_tasks(plan)
     S, n = table.num_stages, table.num_clocks
     left, top, row_h, gap = 80, 24, 30, 8
@@ -203,14 +214,12 @@ def timeline_svg(plan: ParallelPlan) -> str:
             t = row[s]
             if t is None:
                 continue
-            fwd = t.phase is Phase.FORWARD
-            w = cw * min(lat[s] / 2 / clock, 1.0)
+            name, cls, style = _KIND[t.phase]
+            w = cw * min(lat[s] / _tasks_per_microbatch(table) / clock, 1.0)
             colour = stage_colour(s)
             body.append(_rect(left + c * cw, y, w, row_h, colour,
-                              f"stage {s} {'forward' if fwd else 'backward'} of microbatch "
-                              f"{t.microbatch}: clock {c}",
-                              f' class="task {"fwd" if fwd else "bwd"}" stroke="#fff"'
-                              + (' fill-opacity="0.55"' if fwd else "")))
+                              f"stage {s} {name} of microbatch {t.microbatch}: clock {c}",
+                              f' class="task {cls}" stroke="#fff"' + style))
             body.append(_text(left + c * cw + w / 2, y + row_h / 2 + 4, str(t), cls="tasklabel",
                               anchor="middle"))
     axis_y = top + S * (row_h + gap)
@@ -219,8 +228,9 @@ def timeline_svg(plan: ParallelPlan) -> str:
         c = n * k / ticks
         body.append(_text(left + c * cw, axis_y + 14, format_time(c * clock), cls="small",
                           anchor="middle"))
+    split = ", W = weight gradient (dashed)" if table.split_backward else ""
     body.append(_text(left, axis_y + 34, f"{n} clocks of {format_time(clock)}; F = forward, "
-                      "B = backward (darker); blank = bubble", cls="small"))
+                      f"B = backward (darker){split}; blank = bubble", cls="small"))
     return _svg(width, height, body, "pipeline schedule")
 
 

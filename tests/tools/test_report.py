@@ -100,6 +100,17 @@ def pipe_plan(case):
         state, batches[0])
 
 
+@pytest.fixture(scope="module")
+def zb_plan(case):
+    step, state, batches = case
+    method = autopar.PipeshardParallel(
+        num_microbatches=4, schedule=autopar.Schedule.ZERO_BUBBLE_H1,
+        layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=2))
+    return autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method).get_plan(
+        state, batches[0])
+
+
 def _common_structure(plan, text: str) -> _Page:
     page = _parse(text)
     for ident in SECTIONS:
@@ -245,7 +256,27 @@ def _load(path) -> tuple[str, list[str]]:
     return proc.stdout, [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
 
 
-def test_report_loads_in_chromium(pipe_plan, tmp_path):
+def test_zero_bubble_timeline_draws_f_b_and_w(zb_plan):
+    """A ZB-H1 plan's timeline: every F, B and W of every stage (W dashed, said in the
+    legend), idle clocks only where the table has them, and the table's bubble stated."""
+    plan = zb_plan
+    text = autopar.report(plan)
+    page = _common_structure(plan, text)
+    tl = _svgs(text)["pipeline schedule"]
+    S, M = len(plan.stages), plan.pipeline["num_microbatches"]
+    assert plan.pipeline["schedule"] == "zb-h1"
+    for cls in ("fwd", "bwd", "wgt"):
+        assert len(_rects(tl, cls)) == S * M, cls
+    table = make_schedule(Schedule.ZERO_BUBBLE_H1, S, M)
+    assert len(_rects(tl, "task")) == 3 * S * M
+    assert table.bubble_fraction == pytest.approx(plan.pipeline["bubble_fraction"])
+    assert "W = weight gradient" in ET.tostring(tl, encoding="unicode")
+    assert f"predicted bubble {plan.pipeline['bubble_fraction']:.1%}" in page.section("timeline")
+
+
+@pytest.mark.parametrize("which", ["pipe_plan", "zb_plan"])
+def test_report_loads_in_chromium(which, request, tmp_path):
+    pipe_plan = request.getfixturevalue(which)
     bad = tmp_path / "bad.html"            # the check sees console errors
     bad.write_text("<!DOCTYPE html><html><body><script>console.error('boom')</script>"
                    "</body></html>")
