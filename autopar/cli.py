@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeshard: cut the loss into this many layers (default: the "
                         "method's, 4)")
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default=None,
-                   help="pipeshard: the pipeline schedule (default: 1f1b; zb-h1, zb-h2: zero-bubble)")
+                   help="pipeshard: the pipeline schedule (default: 1f1b; zb-h1, zb-h2: "
+                   "zero-bubble)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
     p = command("dump", cmd_dump, "print or convert a saved plan (text, markdown, json, html)")
