@@ -197,7 +197,7 @@ class ParallelizedFunction:
 
         def program_of(parts):
             return lower_pipeline(parts.loss, parts.placement, parts.inter_op.stages,
-                                  list(mesh.devices.flat), method.schedule,
+                                  list(mesh.devices.flat), parts.schedule,
                                   method.num_microbatches, method.max_in_flight_calls,
                                   parts.local_grads)
 

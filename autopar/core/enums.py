@@ -19,6 +19,7 @@ class Schedule(enum.Enum):
     ZERO_BUBBLE_H1 = "zb-h1"
     ZERO_BUBBLE_H2 = "zb-h2"
     ZERO_BUBBLE_V = "zb-v"     # 2 chunks per group in a V (stage k and 2G-1-k on group k)
+    AUTO = "auto"              # the stage search prices every schedule a plan can run
 
 
 class SolverBackend(enum.Enum):

@@ -409,7 +409,7 @@ StageOption = AutoStageOption | UniformStageOption | ManualStageOption
 
 
 RUNS = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE_H1,
-                  Schedule.ZERO_BUBBLE_H2})              # schedules a plan can run
+                  Schedule.ZERO_BUBBLE_H2, Schedule.AUTO})    # schedules a plan can run
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -428,7 +428,10 @@ class PipeshardParallel(ShardParallel):
         `Schedule.GPIPE`, or a zero-bubble table: `Schedule.ZERO_BUBBLE_H1` (each backward
         split into B, the input gradient, and W, the weight gradient, W filling the bubble:
         about a third of 1F1B's bubble, every stage holding up to S microbatches, 1F1B's
-        first stage's count) or `Schedule.ZERO_BUBBLE_H2` (about twice as many in flight).
+        first stage's count), `Schedule.ZERO_BUBBLE_H2` (about twice as many in flight), or
+        `Schedule.AUTO`: the stages are solved for 1F1B, then every schedule is priced by
+        its own table with those stages' F, B and W times, and the fastest whose stages fit
+        memory runs (`plan.pipeline["schedule_search"]` lists them).
       layer_option: `AutoLayerOption(num_layers=...)` or `ManualLayerOption()`.
       stage_option: `AutoStageOption()`, `UniformStageOption(num_stages=...)` or
         `ManualStageOption(...)`.

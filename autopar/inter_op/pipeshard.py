@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from autopar.core.enums import Schedule
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole
 from autopar.core.options import (
@@ -47,6 +48,7 @@ from autopar.inter_op.apply_grad import Placement, place
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from autopar.inter_op.schedule import make_schedule, one_executable
+from autopar.inter_op.schedule_choice import choose_schedule
 from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from autopar.intra_op.constraints import method_input_options
 from autopar.intra_op.planner import output_paths, tensor_plans
@@ -60,6 +62,7 @@ class PipelineParts:
     inter_op: InterOpResult
     placement: Placement
     local_grads: tuple[LocalGrads | None, ...]   # per stage (None: one microbatch)
+    schedule: Schedule = Schedule.ONE_F_ONE_B    # the schedule the plan runs (AUTO's choice)
 
 
 def microbatch_args(args: tuple, batch_argnums: Sequence[int], num_microbatches: int,
@@ -163,7 +166,8 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                        {"trace": t_trace, "inter_op": t_stages},
                        (stage_method or method).kind, local)
     return plan, PipelineParts(loss=loss, inter_op=result, placement=placement,
-                               local_grads=local), step
+                               local_grads=local,
+                               schedule=Schedule(plan.pipeline["schedule"])), step
 
 
 def _state_pins(loss: LossGraph, result: InterOpResult, method: ShardParallel):
@@ -208,30 +212,33 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
                 local: tuple[LocalGrads | None, ...]) -> ParallelPlan:
     step = loss.step
     m = method.num_microbatches
+    budget = float(method.memory_budget_bytes or cluster.memory_bytes)
+    choice = choose_schedule(loss, result.stages, method.schedule, m, budget)
     stages = []
-    for st in result.stages:
+    for st, (peak_bytes, _) in zip(result.stages, choice.peaks):
         sol = st.solution
         stages.append(StagePlan(
             index=st.slice.index, device_ids=st.device_ids,
             logical_mesh_shape=sol.logical_shape, axis_names=AXIS_NAMES,
             compute_s=sol.compute_s, comm_s=sol.comm_s, reshard_s=sol.reshard_s,
-            peak_memory_bytes=st.peak_bytes,
+            peak_memory_bytes=peak_bytes,
             layers=st.layers, submesh=st.submesh, latency_s=sol.latency_s,
             activation_bytes=sol.activation_bytes,
             activation_bytes_without_remat=st.activation_bytes_without_remat,
             scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value,
             zero=st.zero))
-    schedule = make_schedule(method.schedule, len(stages), m)
-    in_flight = schedule.held()
+    schedule = make_schedule(choice.schedule, len(stages), m)
     peak = max(s.peak_memory_bytes for s in stages)
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
                  for tid, spec in zip(step.outputs, placement.output_spec)]
     pipeline = {
-        "schedule": method.schedule.value, "num_microbatches": m,
+        "schedule": choice.schedule.value, "num_microbatches": m,
+        # Schedule.AUTO: every schedule priced for these stages (the chosen one is above)
+        "schedule_search": list(choice.candidates),
         "num_layers": len(result.boundaries) - 1, "layer_boundaries": list(result.boundaries),
-        "bubble_fraction": schedule.bubble_fraction, "in_flight": list(in_flight),
-        "predicted_latency_s": sum(lat) + (m - 1) * max(lat),
+        "bubble_fraction": schedule.bubble_fraction, "in_flight": [q for _, q in choice.peaks],
+        "predicted_latency_s": choice.latency_s,
         "num_ilps": result.num_ilps, "num_reused": result.num_reused,
         "num_replayed": result.num_replayed,
         "dp_candidates": result.dp_candidates, "dp_pruned": result.dp_pruned,
@@ -274,7 +281,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         predicted_reshard_s=scale * sum(s.reshard_s for s in stages),
         predicted_overhead_s=overhead,
         peak_memory_bytes=float(peak),
-        memory_budget_bytes=float(method.memory_budget_bytes or cluster.memory_bytes),
+        memory_budget_bytes=budget,
         timings_s=timings, pipeline=pipeline,
         # the runner-up layouts, on the plan's step time scale (its apply-gradient calls)
         alternatives=tuple({**a, "predicted_step_s": a["predicted_step_s"] + shift}

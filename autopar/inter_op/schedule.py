@@ -252,6 +252,12 @@ def _policy(schedule: Schedule, K: int, M: int, v: int) -> _Policy:
     raise AssertionError(schedule)
 
 
+def planned(schedule: Schedule) -> Schedule:
+    """The schedule the stages are solved for: 1F1B's for `Schedule.AUTO` (the least
+    activations in flight among the candidates; `schedule_choice` then prices them all)."""
+    return Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
+
+
 def virtual_stages_of(schedule: Schedule, virtual_stages: int | None) -> int:
     """Stage chunks per device group: `virtual_stages` for interleaved 1F1B (default 2), 2
     for ZB-V, 1 for the rest."""
@@ -286,6 +292,11 @@ def make_schedule(schedule: Schedule, num_stages: int, num_microbatches: int, *,
         2
     """
     schedule = check_schedule_enum(schedule)
+    if schedule is Schedule.AUTO:
+        raise InvalidArgumentError(
+            "make_schedule(Schedule.AUTO): AUTO is a choice the stage search makes among the "
+            "schedules (the plan's pipeline['schedule'] names the one it chose), not a table. "
+            "Fix: pass a concrete schedule, e.g. Schedule.ONE_F_ONE_B.")
     K = index_arg(num_stages, "num_stages", 1)
     M = index_arg(num_microbatches, "num_microbatches", 1)
     v = virtual_stages_of(schedule, virtual_stages)

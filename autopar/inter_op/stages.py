@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core import progress
-from autopar.core.enums import Remat
+from autopar.core.enums import Remat, Schedule
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.graph import OpGraph
 from autopar.core.options import (
@@ -38,7 +38,7 @@ from autopar.cost.model import CostModel
 from autopar.inter_op.lazy_options import KindOptions, OptionContext, exact_dp
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
-from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule import make_schedule, planned
 from autopar.inter_op.stage_costs import (
     reranked,
     run_dp,
@@ -136,7 +136,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
     solution when the stage's graph and logical shape are the ones it was solved for."""
     stages = []
     lean = lean or [False] * len(spans)
-    in_flight = make_schedule(method.schedule, len(spans), method.num_microbatches).held()
+    in_flight = make_schedule(planned(method.schedule), len(spans), method.num_microbatches).held()
     for p, ((i, j), sub, shape, devs) in progress.each(enumerate(
             zip(spans, submeshes, shapes, _place(submeshes, device_ids))), len(spans),
             "stages solved whole"):
@@ -278,12 +278,17 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          runner_ups=others, chosen_latency_s=chosen)
 
 
-def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
-    """(peak bytes, microbatches in flight) per stage under the schedule (the DP's formula)."""
-    in_flight = make_schedule(method.schedule, len(stages), method.num_microbatches).held()
+def stage_peaks(stages, loss: LossGraph, schedule: Schedule,
+                num_microbatches: int) -> list[tuple[float, int]]:
+    """(peak bytes, microbatches held) per stage under `schedule` (the DP's formula)."""
+    held = make_schedule(planned(schedule), len(stages), num_microbatches).held()
     opt_ratio = opt_ratio_of(loss.step)
     return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
-             q) for st, q in zip(stages, in_flight)]
+             q) for st, q in zip(stages, held)]
+
+
+def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
+    return stage_peaks(stages, loss, method.schedule, method.num_microbatches)
 
 
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:

@@ -25,13 +25,13 @@ from jax.sharding import NamedSharding
 from autopar.core import progress
 from autopar.core.enums import Schedule
 from autopar.frontend.interpret import RESULT, resharded, run_nodes
-from autopar.frontend.loops import atomic_spans
 from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
 from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
 from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule
 from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
+from autopar.inter_op.task_costs import stage_backward_split
 from autopar.lowering.accumulate import accumulated_step, runs_whole
 from autopar.lowering.microbatch_bits import with_batch_draws
 from autopar.lowering.single_mesh import named, reshard_paths
@@ -188,7 +188,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         run_bwd(g, env, nodes(g, split.backward_nodes))
         return finish(env, acc)
 
-    parts = split_backward(graph, split.backward_nodes, n_out, n_grads, graph.inputs[n_in:])
+    parts = stage_backward_split(loss, sl, graph)
 
     def backward_input(saved, cts, mb):
         env = saved_env(saved, graph.inputs[n_in:], cts)
@@ -221,49 +221,6 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         graph=graph,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
         saved_acts=saved_acts, acc_shardings=grads)
-
-
-@dataclass(frozen=True, slots=True)
-class BackwardSplit:
-    """A stage backward cut in two: B (`input_nodes`: what the activation gradients need)
-    and W (`weight_nodes`: the rest of what the parameter gradients need); `handoff` are the
-    tensors W reads that B computes or receives (the output cotangents), which B returns."""
-    input_nodes: tuple[int, ...]
-    weight_nodes: tuple[int, ...]
-    handoff: tuple[int, ...]
-
-
-def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> BackwardSplit:
-    """Cut the stage's backward (`backward_nodes`; graph outputs: `n_out` stage outputs, then
-    `n_grads` parameter gradients, then the activation gradients) into B and W. A loop region
-    (a scanned backward) stays whole on B's side, its parameter gradients handed to W."""
-    ids = set(backward_nodes)
-    producer = {t: n for n in backward_nodes for t in graph.nodes[n].outputs}
-    spans = {n: (a, b) for a, b in atomic_spans(graph) for n in range(a, b) if n in ids}
-
-    def needed(targets) -> set[int]:
-        seen: set[int] = set()
-        stack = [producer[t] for t in targets if t in producer]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            a, b = spans.get(n, (n, n + 1))
-            for k in range(a, b):
-                if k in ids and k not in seen:
-                    seen.add(k)
-                    stack += [producer[t] for t in graph.nodes[k].inputs if t in producer]
-        return seen
-
-    b = needed(graph.outputs[n_out + n_grads:])
-    w = needed(graph.outputs[n_out:n_out + n_grads]) - b
-    reads = {t for n in w for t in graph.nodes[n].inputs}
-    reads.update(graph.outputs[n_out:n_out + n_grads])
-    made_by_b = [t for n in backward_nodes if n in b for t in graph.nodes[n].outputs]
-    handoff = tuple(dict.fromkeys(t for t in (*made_by_b, *cts) if t in reads))
-    return BackwardSplit(input_nodes=tuple(n for n in backward_nodes if n in b),
-                         weight_nodes=tuple(n for n in backward_nodes if n in w),
-                         handoff=handoff)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],

@@ -38,6 +38,9 @@ class Role(enum.Enum):
                              # act grads)
     FUSED = "fused"          # (params, data, float acts, int acts, cts, acc) -> (outs, int
                              # outs, acc, act grads)
+    BACKWARD_INPUT = "backward-input"   # B of a split backward: ((residuals, params, data,
+                                        # acts), cts) -> (act grads, hand-off to W)
+    WEIGHT = "weight"        # W: ((residuals, ...), hand-off, acc) -> acc
     REDUCE = "reduce"        # acc -> the step's gradients (partial sums reduced)
     APPLY = "apply"          # an apply-gradient segment
     STEP = "step"            # the whole step as one executable (gradient accumulation)
@@ -133,6 +136,8 @@ class _CompileOnly(Executor):
             st, forward=wrap(st.forward, Role.FORWARD, st.index),
             backward=wrap(st.backward, Role.BACKWARD, st.index),
             fused=wrap(st.fused, Role.FUSED, st.index),
+            backward_input=wrap(st.backward_input, Role.BACKWARD_INPUT, st.index),
+            backward_weight=wrap(st.backward_weight, Role.WEIGHT, st.index),
             reduce=wrap(st.reduce, Role.REDUCE, st.index)) for st in program.stages)
         segments = tuple(wrap(fn, Role.APPLY, seg.stage)
                          for seg, fn in zip(program.placement.segments, program.segment_fns))

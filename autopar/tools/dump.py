@@ -212,7 +212,16 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
-             "(sum t_i + (B - 1) max t_i)"]
+             "(sum t_i + (B - 1) max t_i" + ("" if p["schedule"] == "1f1b" else
+                                             ", scaled by its table's simulated time over "
+                                             "1F1B's") + ")"]
+    if p.get("schedule_search"):
+        one = next((c["predicted_latency_s"] for c in p["schedule_search"]
+                    if c["schedule"] == "1f1b"), None)
+        lines.append("schedules priced (Schedule.AUTO), predicted step vs 1F1B: " + ", ".join(
+            f"{c['schedule']} {c['predicted_latency_s'] / one:.3f}x"
+            + ("" if c["fits"] else f" (needs {_bytes(c['peak_memory_bytes'])}: does not fit)")
+            for c in p["schedule_search"]) if one else "")
     rows = []
     for s, q, c in zip(plan.stages, p["in_flight"], compiled):
         if stage is not None and s.index != stage:

@@ -57,7 +57,8 @@ from autopar.frontend.meshes import no_context_mesh
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 
-_PIPELINE_ROLES = (Role.FORWARD, Role.BACKWARD, Role.FUSED, Role.REDUCE)
+_PIPELINE_ROLES = (Role.FORWARD, Role.BACKWARD, Role.FUSED, Role.REDUCE, Role.BACKWARD_INPUT,
+                   Role.WEIGHT)
 _FIX = ("Fix: raise memory_budget_bytes, use more devices per stage or more stages, more "
         "(smaller) microbatches, or remat='full'.")
 
@@ -104,6 +105,8 @@ def _held_bytes(call: Call, positions: tuple[int, ...] | None = None) -> int:
 def _accumulator(call: Call) -> tuple[int, int]:
     """(bytes of the accumulator argument, of the accumulator result) of a backward / fused
     call (the argument is None on the first microbatch)."""
+    if call.role is Role.WEIGHT:
+        return shard_bytes(call.args[2]), shard_bytes(call.outs)
     acc_in = call.args[2] if call.role is Role.BACKWARD else call.args[5]
     acc_out = call.outs[0] if call.role is Role.BACKWARD else call.outs[2]
     return shard_bytes(acc_in), shard_bytes(acc_out)
@@ -132,7 +135,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
         if any(f is None for f in feet.values()):
             return None
         held = sum(shard_bytes(a) for a, where in zip(args, placement.input_stage) if where == s)
-        derived = data = acc = stash = work = apply = 0
+        derived = data = acc = stash = handoff = work = apply = 0
         split = loss.batch_inputs | _rng_inputs(program)
         for c in mine:
             if c.role in (Role.FORWARD, Role.FUSED):
@@ -145,8 +148,10 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
                 acts = [*c.args[2], *c.args[3]]
                 stash = max(stash, shard_bytes(c.outs[2])
                             + shard_bytes([acts[i] for i in st.saved_acts]))
-            if c.role in (Role.BACKWARD, Role.FUSED):
+            if c.role in (Role.BACKWARD, Role.FUSED, Role.WEIGHT):
                 acc = max(acc, *_accumulator(c))
+            if c.role is Role.BACKWARD_INPUT:       # kept with the residuals until W
+                handoff = max(handoff, shard_bytes(c.outs[1]))
         for c in mine:
             counted = 0
             if c.role is Role.FORWARD:
@@ -154,6 +159,11 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
             elif c.role is Role.BACKWARD:      # residuals, parameters, data, saved acts
                 a_in, a_out = _accumulator(c)
                 counted = shard_bytes(c.args[0]) + (a_in or a_out)
+            elif c.role is Role.BACKWARD_INPUT:
+                counted = shard_bytes(c.args[0])
+            elif c.role is Role.WEIGHT:        # saved, the hand-off and the accumulator
+                a_in, a_out = _accumulator(c)
+                counted = shard_bytes(c.args[0]) + shard_bytes(c.args[1]) + (a_in or a_out)
             elif c.role is Role.FUSED:
                 a_in, a_out = _accumulator(c)
                 counted = shard_bytes(c.args[0]) + shard_bytes(c.args[1]) + (a_in or a_out)
@@ -164,7 +174,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
             elif c.role is Role.APPLY:
                 apply = max(apply, feet[id(c)] - _held_bytes(c))
         out.append(StageMemory(stage=s, held=held + derived, data=data, accumulator=acc,
-                               stash=stash, in_flight=live[s], work=max(work, 0),
+                               stash=stash + handoff, in_flight=live[s], work=max(work, 0),
                                apply=max(apply, 0)))
     return tuple(out)
 

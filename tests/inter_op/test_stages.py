@@ -173,11 +173,13 @@ def test_stages_over_budget_are_infeasible(loss, bounds, cluster):
 
 def test_stage_peaks_count_the_schedule_and_respect_the_budget(loss, bounds, cluster):
     """A stage's peak: its ILP's working memory, the gradient accumulator and the activations
-    its schedule keeps in flight (GPipe keeps all 8 microbatches, 1F1B at most S); a budget
-    below it is met by another sharding or refused with the numbers, never exceeded."""
+    its schedule keeps in flight (GPipe keeps all 8 microbatches, 1F1B at most S, ZB-H1 S on
+    every stage; AUTO's stages are solved for 1F1B's); a budget below it is met by another
+    sharding or refused with the numbers, never exceeded."""
     uniform = autopar.UniformStageOption(num_stages=2)
     peaks = {}
-    for schedule in autopar.Schedule:
+    S = autopar.Schedule
+    for schedule in (S.GPIPE, S.ONE_F_ONE_B, S.ZERO_BUBBLE_H1, S.ZERO_BUBBLE_H2, S.AUTO):
         res = choose_stages(loss, bounds, cluster, DEVICES,
                             method(uniform, num_microbatches=8, schedule=schedule))
         peaks[schedule] = [st.peak_bytes for st in res.stages]
@@ -185,6 +187,8 @@ def test_stage_peaks_count_the_schedule_and_respect_the_budget(loss, bounds, clu
             assert st.peak_bytes > st.solution.peak_memory_bytes   # + accumulator, in flight
     gpipe, one_f = peaks[autopar.Schedule.GPIPE], peaks[autopar.Schedule.ONE_F_ONE_B]
     assert all(g > f for g, f in zip(gpipe, one_f))
+    assert peaks[S.AUTO] == one_f and peaks[S.ZERO_BUBBLE_H1][0] == one_f[0]
+    assert peaks[S.ZERO_BUBBLE_H1][1] > one_f[1]          # 2 microbatches held, not 1
     for fraction in (0.9, 0.5):
         budget = int(max(gpipe) * fraction)
         try:

@@ -7,7 +7,9 @@ import optax
 import pytest
 
 import autopar
+from autopar.core.enums import Schedule
 from autopar.inter_op.schedule import Phase, make_schedule
+from autopar.inter_op.schedule_choice import pick
 from autopar.models.bert import BertMLM, bert_batch, mlm_loss
 from support.equivalence import ROUTING_PARAM_RTOL, assert_norm_close
 from support.steps import assert_equivalent, make_case, mesh_of, run_steps
@@ -38,11 +40,11 @@ def _bert_case():
     return step, (params, tx.init(params)), batches
 
 
-def _case(model, layers):
+def _case(model, layers, batch_size=16):
     if model == "bert":
         return _bert_case()
     return make_case(model, "linen", optax.adam(1e-2), num_layers=layers,
-                     value_and_grad=autopar.value_and_grad)
+                     batch_size=batch_size, value_and_grad=autopar.value_and_grad)
 
 
 @pytest.mark.parametrize("model,layers,stages,schedule,microbatches", [
@@ -87,3 +89,63 @@ def test_h1_holds_each_stage_at_most_1f1b_first_stage_count_and_splits_every_bac
     assert sum(t.phase is Phase.WEIGHT for t in ex.stats.order) == 4 * 8
     text = autopar.dump(par.get_plan(state, batches[0]))
     assert "schedule zb-h1, 8 microbatch(es)" in text
+
+
+def _auto_plan(budget=None, schedule=autopar.Schedule.AUTO, batch_size=16):
+    step, state, batches = _case("mlp", 4, batch_size)
+    method = autopar.PipeshardParallel(
+        num_microbatches=8, schedule=schedule, memory_budget_bytes=budget,
+        layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=4))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    return par, step, state, batches
+
+
+def test_schedule_auto_prices_every_schedule_and_runs_the_fastest_that_fits():
+    par, step, state, batches = _auto_plan()
+    plan = par.get_plan(state, batches[0])
+    search = {c["schedule"]: c for c in plan.pipeline["schedule_search"]}
+    assert set(search) == {"1f1b", "zb-h1", "zb-h2", "gpipe"}
+    best = min((c for c in search.values() if c["fits"]), key=lambda c: c["predicted_latency_s"])
+    assert plan.pipeline["schedule"] == best["schedule"]
+    assert plan.pipeline["predicted_latency_s"] == best["predicted_latency_s"]
+    # by its table, H1's bubble is smaller than 1F1B's for the same stages
+    assert search["zb-h1"]["predicted_latency_s"] < search["1f1b"]["predicted_latency_s"]
+    assert search["zb-h1"]["peak_memory_bytes"] >= search["1f1b"]["peak_memory_bytes"]
+    # the plan runs the schedule it chose, and equals jax.jit
+    ref = run_steps(jax.jit(step), state, batches)
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=False, rtol=2e-5)
+    order = par.get_executor(state, batches[0]).stats.order
+    chosen = autopar.Schedule(plan.pipeline["schedule"])
+    assert sorted(map(str, order)) == sorted(map(str, make_schedule(chosen, 4, 8).order()))
+    text = autopar.dump(plan)
+    assert "schedules priced (Schedule.AUTO)" in text and "1f1b" in text
+
+
+def test_schedule_auto_keeps_the_fastest_schedule_that_fits():
+    """Where a faster table's stages would not fit memory (H1's later stages hold S
+    microbatches, not S - s), the choice falls to the fastest that does; with none fitting,
+    to the schedule the stages were solved for (the first)."""
+    one, h1, h2 = (Schedule.ONE_F_ONE_B, 3.0, (), True), (Schedule.ZERO_BUBBLE_H1, 2.0, (),
+                                                          False), (Schedule.ZERO_BUBBLE_H2,
+                                                                   2.5, (), True)
+    assert pick([one, h1, h2])[0] is Schedule.ZERO_BUBBLE_H2
+    assert pick([one, h1])[0] is Schedule.ONE_F_ONE_B
+    assert pick([(Schedule.ONE_F_ONE_B, 3.0, (), False), h1])[0] is Schedule.ONE_F_ONE_B
+    tie = (Schedule.GPIPE, 3.0, (), True)
+    assert pick([one, tie])[0] is Schedule.ONE_F_ONE_B
+
+
+def test_a_fixed_schedule_is_priced_by_its_table():
+    """The same stages under 1F1B and ZB-H1: H1's predicted step is 1F1B's scaled by the
+    ratio of their tables' simulated makespans (smaller), not 1F1B's formula."""
+    one, _, state, batches = _auto_plan(schedule=autopar.Schedule.ONE_F_ONE_B)
+    h1, _, _, _ = _auto_plan(schedule=H1)
+    p1, ph = one.get_plan(state, batches[0]), h1.get_plan(state, batches[0])
+    assert [s.latency_s for s in p1.stages] == [s.latency_s for s in ph.stages]
+    assert ph.pipeline["predicted_latency_s"] < p1.pipeline["predicted_latency_s"]
+    lat = [s.latency_s for s in p1.stages]
+    assert p1.pipeline["predicted_latency_s"] == pytest.approx(sum(lat) + 7 * max(lat))
+    with pytest.raises(autopar.InvalidArgumentError, match="AUTO is a choice"):
+        make_schedule(autopar.Schedule.AUTO, 4, 8)

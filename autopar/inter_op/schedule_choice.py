@@ -1,0 +1,71 @@
+"""Which schedule a pipeline plan runs: each candidate's table timed with the stages' F, B and
+W durations (`task_costs`), its stages' memory with the microbatches that table holds, and
+the fastest that fits chosen (`Schedule.AUTO`), or the user's schedule priced the same way.
+
+The step time of a table is reported on the scale of the stage DP's (Alpa's
+`sum t + (M - 1) max t`, which the stages were chosen by): 1F1B's formula times the table's
+simulated makespan over 1F1B's. A 1F1B plan's prediction is thus unchanged, and every other
+schedule is priced by its own order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.core.enums import Schedule
+from autopar.core.options import RUNS
+from autopar.inter_op.pipeline import LossGraph
+from autopar.inter_op.schedule import one_executable
+from autopar.inter_op.stages import stage_peaks
+from autopar.inter_op.task_costs import schedule_seconds, task_seconds
+
+# The order ties go: 1F1B first (the least memory in flight), GPipe last.
+CANDIDATES = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2,
+              Schedule.GPIPE)
+
+
+def pick(priced: list[tuple]) -> tuple:
+    """The fastest of `priced` ((schedule, predicted seconds, peaks, fits) in candidate
+    order; ties to the earlier) that fits memory; the first where none fits (its stages were
+    solved for it, so an infeasible plan raised there already).
+
+        >>> h1_too_big = (Schedule.ZERO_BUBBLE_H1, 2.0, (), False)
+        >>> pick([(Schedule.ONE_F_ONE_B, 3.0, (), True), h1_too_big])[0]
+        <Schedule.ONE_F_ONE_B: '1f1b'>
+    """
+    fitting = [c for c in priced if c[3]] or priced[:1]
+    return min(fitting, key=lambda c: c[1])
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleChoice:
+    schedule: Schedule
+    latency_s: float                          # the chosen table's predicted step
+    peaks: tuple[tuple[float, int], ...]      # per stage: (peak bytes, microbatches held)
+    candidates: tuple[dict, ...]              # each priced schedule (AUTO: all of them)
+
+
+def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatches: int,
+                    budget: float) -> ScheduleChoice:
+    """Price `schedule` (every candidate for `Schedule.AUTO`) for these chosen stages."""
+    m = num_microbatches
+    lat = [st.solution.latency_s for st in stages]
+    formula = sum(lat) + (m - 1) * max(lat)
+    if one_executable(len(stages), m):          # one loop in one executable: no table
+        fixed = Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
+        return ScheduleChoice(fixed, formula, tuple(stage_peaks(stages, loss, fixed, m)), ())
+    tasks = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
+                          st.solution.overhead_s) for st in stages]
+    base = schedule_seconds(Schedule.ONE_F_ONE_B, tasks, m)
+    names = CANDIDATES if schedule is Schedule.AUTO else (schedule,)
+    priced = []
+    for s in names:
+        if s not in RUNS:
+            continue
+        peaks = tuple(stage_peaks(stages, loss, s, m))
+        t = formula * schedule_seconds(s, tasks, m) / max(base, 1e-30)
+        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p, _ in peaks)))
+    best = pick(priced)
+    records = tuple({"schedule": s.value, "predicted_latency_s": t,
+                     "peak_memory_bytes": max(p for p, _ in peaks), "fits": fits}
+                    for s, t, peaks, fits in priced) if schedule is Schedule.AUTO else ()
+    return ScheduleChoice(best[0], best[1], best[2], records)

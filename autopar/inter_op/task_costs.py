@@ -1,0 +1,121 @@
+"""What a pipeline task costs, and what a schedule's table makes of it.
+
+A stage's backward is cut into B (what the activation gradients need: the previous stage
+waits for it) and W (the rest of what the parameter gradients need), as the zero-bubble
+tables run it (`split_backward`; `lowering.pipeline` lowers each part as an executable). A
+stage's time per microbatch (`StageSolution.latency_s`: its forward and backward, with a
+call's overhead each) is shared out over F, B and W by their FLOPs (`task_seconds`), and a
+schedule is timed by simulating its table with those durations (`schedule_seconds`), so
+every schedule is priced by its own order, not by a formula that holds for 1F1B alone.
+
+    >>> tasks = [TaskSeconds(1.0, 1.0, 1.0, 0.0)] * 4           # 4 stages, unit F, B, W
+    >>> schedule_seconds(Schedule.ONE_F_ONE_B, tasks, 8), schedule_seconds(
+    ...     Schedule.ZERO_BUBBLE_H1, tasks, 8)
+    (33.0, 27.0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.core.enums import Schedule
+from autopar.core.graph import OpGraph
+from autopar.frontend.loops import atomic_spans
+from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.inter_op.schedule import Phase, make_schedule
+from autopar.inter_op.schedule_check import simulate
+from autopar.inter_op.stage_solve import split_train_graph, stage_io
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardSplit:
+    """A stage backward cut in two: B (`input_nodes`: what the activation gradients need)
+    and W (`weight_nodes`: the rest of what the parameter gradients need); `handoff` are the
+    tensors W reads that B computes or receives (the output cotangents), which B returns."""
+    input_nodes: tuple[int, ...]
+    weight_nodes: tuple[int, ...]
+    handoff: tuple[int, ...]
+
+
+def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> BackwardSplit:
+    """Cut the stage's backward (`backward_nodes`; graph outputs: `n_out` stage outputs, then
+    `n_grads` parameter gradients, then the activation gradients) into B and W. A loop region
+    (a scanned backward) stays whole on B's side, its parameter gradients handed to W."""
+    ids = set(backward_nodes)
+    producer = {t: n for n in backward_nodes for t in graph.nodes[n].outputs}
+    spans = {n: (a, b) for a, b in atomic_spans(graph) for n in range(a, b) if n in ids}
+
+    def needed(targets) -> set[int]:
+        seen: set[int] = set()
+        stack = [producer[t] for t in targets if t in producer]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            a, b = spans.get(n, (n, n + 1))
+            for k in range(a, b):
+                if k in ids and k not in seen:
+                    seen.add(k)
+                    stack += [producer[t] for t in graph.nodes[k].inputs if t in producer]
+        return seen
+
+    b = needed(graph.outputs[n_out + n_grads:])
+    w = needed(graph.outputs[n_out:n_out + n_grads]) - b
+    reads = {t for n in w for t in graph.nodes[n].inputs}
+    reads.update(graph.outputs[n_out:n_out + n_grads])
+    made_by_b = [t for n in backward_nodes if n in b for t in graph.nodes[n].outputs]
+    handoff = tuple(dict.fromkeys(t for t in (*made_by_b, *cts) if t in reads))
+    return BackwardSplit(input_nodes=tuple(n for n in backward_nodes if n in b),
+                         weight_nodes=tuple(n for n in backward_nodes if n in w),
+                         handoff=handoff)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSeconds:
+    """One microbatch's F, B and W on a stage, each with its call's overhead; `call_s` is
+    that overhead (a backward run whole is one call: B + W - call_s)."""
+    forward: float
+    backward: float
+    weight: float
+    call_s: float
+
+    def of(self, phase: Phase, split: bool) -> float:
+        if phase is Phase.FORWARD:
+            return self.forward
+        if phase is Phase.WEIGHT:
+            return self.weight
+        return self.backward if split else self.backward + self.weight - self.call_s
+
+
+def stage_backward_split(loss: LossGraph, sl: StageSlice, graph: OpGraph) -> BackwardSplit:
+    """`split_backward` of a stage's training graph (its outputs, parameter gradients and
+    activation gradients as `inter_op.stage_solve.stage_io` orders them)."""
+    io = stage_io(loss, sl)
+    n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
+    return split_backward(graph, split_train_graph(graph, sl).backward_nodes,
+                          len(io.float_outputs) + len(io.int_outputs), len(sl.param_inputs),
+                          graph.inputs[n_in:])
+
+
+def task_seconds(loss: LossGraph, sl: StageSlice, graph: OpGraph, latency_s: float,
+                 overhead_s: float) -> TaskSeconds:
+    """The stage's `latency_s` (forward + backward of one microbatch, `overhead_s` of it two
+    calls' overhead) shared out by the FLOPs of its forward, B and W nodes."""
+    parts = stage_backward_split(loss, sl, graph)
+    backward = set(parts.input_nodes) | set(parts.weight_nodes)
+    flops = lambda ids: sum(graph.nodes[n].flops for n in ids)             # noqa: E731
+    f = flops(n for n in range(len(graph.nodes)) if n not in backward)
+    b, w = flops(parts.input_nodes), flops(parts.weight_nodes)
+    call = overhead_s / 2
+    work = max(latency_s - overhead_s, 0.0)
+    total = f + b + w
+    if total <= 0:
+        return TaskSeconds(work / 2 + call, work / 4 + call, work / 4 + call, call)
+    return TaskSeconds(work * f / total + call, work * b / total + call,
+                       work * w / total + call, call)
+
+
+def schedule_seconds(schedule: Schedule, tasks, num_microbatches: int) -> float:
+    """The makespan of `schedule`'s table for stages with these `TaskSeconds`."""
+    table = make_schedule(schedule, len(tasks), num_microbatches)
+    split = table.split_backward
+    return simulate(table, lambda t: tasks[t.stage].of(t.phase, split)).makespan

@@ -1,0 +1,147 @@
+"""Pipeline schedules side by side: predicted and measured step of 1F1B, ZB-H1 and ZB-H2 on
+the same stages, and what `Schedule.AUTO` chooses.
+
+    .venv/bin/python benchmarks/schedules.py  # -> benchmarks/results/schedules.md
+    .venv/bin/python benchmarks/schedules.py --out /tmp/s.md --rounds 3
+
+A GPT (4 layers, hidden 128, 4 heads, vocab 1024, seq 64, batch 32, adam) as a 4-stage
+pipeline with 8 microbatches on 8 simulated CPU devices (2 x 4 mesh, 2 devices per stage),
+uniform stages. Each schedule is planned and compiled once; then `--rounds` rounds each run
+every schedule `--steps` steps in turn (after a warm-up step), so the machine's load falls
+alike on all of them: the median step per schedule, and its ratio to 1F1B's in the same
+round. Predicted: the plan's step (1F1B's formula scaled by the table's simulated makespan)
+with the `cpu` preset and, for the same stages' graphs, the V100 preset's prediction, each
+over 1F1B's. Losses are compared with 1F1B's (the same stages, so equal to rounding).
+`make bench` runs it (from run_all.py). Nothing is invented: a case that fails says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from common import md_row, result_path, run_worker, section_head, section_tail, write_result
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "auto")
+DEFAULT_OUT = result_path("schedules")
+
+
+def _worker(out_path: str, rounds: int, steps: int) -> None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
+    os.environ["AUTOPAR_PLAN_CACHE"] = "off"
+    import jax
+    import numpy as np
+    import optax
+
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=4, hidden=128, num_heads=4)
+    net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 32, cfg)
+    params = net.init(jax.random.key(0), batch["tokens"])
+    tx = optax.adam(1e-3)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+
+    def step(params, opt, batch):
+        loss, grads = autopar.value_and_grad(
+            lambda p: gpt_loss(net.apply(p, batch["tokens"]), batch["tokens"]))(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    def method(name, cluster=None):
+        return autopar.PipeshardParallel(
+            num_microbatches=8, schedule=autopar.Schedule(name),
+            layer_option=autopar.AutoLayerOption(num_layers=4),
+            stage_option=autopar.UniformStageOption(num_stages=4))
+    rows, pars, states = {}, {}, {}
+    for name in SCHEDULES:
+        row = rows[name] = {"schedule": name}
+        try:
+            par = autopar.parallelize(step, mesh=mesh, method=method(name), batch_argnums=(2,))
+            plan = par.get_plan(params, tx.init(params), batch)
+            v100 = par.with_cluster(autopar.ClusterSpec.preset("v100", num_hosts=1)).get_plan(
+                params, tx.init(params), batch)
+            row.update(chosen=plan.pipeline["schedule"],
+                       predicted_s=plan.pipeline["predicted_latency_s"],
+                       predicted_v100_s=v100.pipeline["predicted_latency_s"],
+                       chosen_v100=v100.pipeline["schedule"], times=[], losses=[])
+            t0 = time.perf_counter()
+            states[name] = par(params, tx.init(params), batch)      # compile + first step
+            jax.block_until_ready(states[name])
+            row["first_step_s"] = time.perf_counter() - t0
+            pars[name] = par
+        except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for r in range(rounds):
+        for name, par in pars.items():
+            p, o, _ = states[name]
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                p, o, loss = par(p, o, batch)
+                jax.block_until_ready(loss)
+                rows[name]["times"].append(time.perf_counter() - t0)
+                rows[name]["losses"].append(float(np.asarray(loss)))
+            states[name] = (p, o, loss)
+        print(f"schedules: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+        with open(out_path, "w") as f:      # after every round: a killed run keeps them
+            json.dump(list(rows.values()), f)
+
+
+def run(rounds: int = 5, steps: int = 3, timeout_s: float = 1800) -> dict:
+    return run_worker(__file__, ["--rounds", str(rounds), "--steps", str(steps)], timeout_s)
+
+
+def section(res: dict, cmdline: str) -> str:
+    out = section_head("Pipeline schedules: 1F1B, ZB-H1, ZB-H2 and AUTO", res, cmdline) + [
+        "GPT (4 layers, hidden 128, seq 64, batch 32, adam), 4 uniform stages of 2 simulated "
+        "CPU devices, 8 microbatches. *predicted*: the plan's step over 1F1B's with the cpu "
+        "preset, and for the same stages with the v100 preset; *measured*: the median step "
+        "over 1F1B's, steps of all schedules interleaved round by round; *loss vs 1F1B*: the "
+        "largest relative difference of the losses, step by step.", "",
+        md_row(["schedule", "runs", "predicted / 1F1B (cpu)", "predicted / 1F1B (v100)",
+                "AUTO picks (v100)", "measured median step", "measured / 1F1B",
+                "loss vs 1F1B"]),
+        md_row(["---", "---", "---:", "---:", "---", "---:", "---:", "---:"])]
+    rows = {r["schedule"]: r for r in res.get("rows", [])}
+    base = rows.get("1f1b", {})
+    for name, row in rows.items():
+        if "error" in row:
+            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 6))
+            continue
+        med = statistics.median(row["times"]) if row["times"] else float("nan")
+        bmed = statistics.median(base["times"]) if base.get("times") else float("nan")
+        diff = max((abs(a - b) / abs(b) for a, b in zip(row["losses"], base.get("losses", []))),
+                   default=float("nan"))
+        out.append(md_row([
+            name, row["chosen"], f"{row['predicted_s'] / base['predicted_s']:.3f}",
+            f"{row['predicted_v100_s'] / base['predicted_v100_s']:.3f}", row["chosen_v100"],
+            f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}"]))
+    return section_tail(out, res)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="the Markdown file to write (default: benchmarks/results/schedules.md)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._worker:
+        _worker(args._worker, args.rounds, args.steps)
+        return 0
+    cmd = "python benchmarks/schedules.py" + "".join(
+        f" {flag} {v}" for flag, v, default in (("--out", args.out, DEFAULT_OUT),
+                                                ("--rounds", args.rounds, 5),
+                                                ("--steps", args.steps, 3)) if v != default)
+    text = section(run(args.rounds, args.steps), cmd)
+    write_result(text, args.out)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
