@@ -35,9 +35,10 @@ scanned GPT next to its unrolled twin), `shared_copies.py` (shared_copies.md: th
 plans next to the shared ILP's),
 `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
 `budget_plan.py` (budget_plan.md: planning under a binding memory budget),
-`memory.py` (memory.md: memory fidelity) and `runner_ups.py` (runner_ups.md: what pricing the
-runner-ups costs), run last. The other reports (`make bench-paper`'s fidelity.md and paper.md,
-gpu.md from a GPU machine, ...) are left as they are.
+`memory.py` (memory.md: memory fidelity), `runner_ups.py` (runner_ups.md: what pricing the
+runner-ups costs) and `schedules.py` (schedules.md: 1F1B, ZB-H1, ZB-H2 and AUTO on the same
+stages, predicted and measured), run last. The other reports (`make bench-paper`'s
+fidelity.md and paper.md, gpu.md from a GPU machine, ...) are left as they are.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
 the reason.
@@ -61,6 +62,7 @@ import pipeline as pipeline_bench  # benchmarks/pipeline.py (this script's folde
 import pipeline_report
 import real_world as real_world_bench  # benchmarks/real_world.py (this script's folder)
 import runner_ups as runner_ups_bench  # benchmarks/runner_ups.py (this script's folder)
+import schedules as schedules_bench  # benchmarks/schedules.py (this script's folder)
 import shared_copies as shared_copies_bench  # benchmarks/shared_copies.py (this folder)
 from common import (
     AXIS_NAMES,
@@ -521,7 +523,8 @@ def main(argv=None) -> int:
                                  ("real_world", real_world_bench, "real-world steps"),
                                  ("budget_plan", budget_plan_bench, "planning under a budget"),
                                  ("memory", memory_bench, "memory fidelity"),
-                                 ("runner_ups", runner_ups_bench, "runner-ups")):
+                                 ("runner_ups", runner_ups_bench, "runner-ups"),
+                                 ("schedules", schedules_bench, "pipeline schedules")):
             _progress(f"{what} ...")
             save(key, bench.section(bench.run(), args.cmdline))
         # Once more, with the whole run's time.

@@ -51,7 +51,7 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, loss
 
-    def method(name, cluster=None):
+    def method(name):
         return autopar.PipeshardParallel(
             num_microbatches=8, schedule=autopar.Schedule(name),
             layer_option=autopar.AutoLayerOption(num_layers=4),
@@ -62,8 +62,8 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
         try:
             par = autopar.parallelize(step, mesh=mesh, method=method(name), batch_argnums=(2,))
             plan = par.get_plan(params, tx.init(params), batch)
-            v100 = par.with_cluster(autopar.ClusterSpec.preset("v100", num_hosts=1)).get_plan(
-                params, tx.init(params), batch)
+            v100 = par.with_cluster(autopar.ClusterSpec.preset(
+                "v100-p3.16xlarge", num_hosts=1)).get_plan(params, tx.init(params), batch)
             row.update(chosen=plan.pipeline["schedule"],
                        predicted_s=plan.pipeline["predicted_latency_s"],
                        predicted_v100_s=v100.pipeline["predicted_latency_s"],
