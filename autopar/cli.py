@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeshard: cut the loss into this many layers (default: the "
                         "method's, 4)")
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default=None,
-                   help="pipeshard: the pipeline schedule (default: 1f1b; zb-h1, zb-h2: "
+                   help="pipeshard: the pipeline schedule (default: 1f1b; zb-h1, zb-h2, zb-v: "
                    "zero-bubble)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 

@@ -18,12 +18,12 @@ import os
 import sys
 from pathlib import Path
 
+from autopar.core.enums import Schedule
 from autopar.core.errors import InvalidArgumentError
 
 METHODS = {"shard": "ShardParallel", "data": "DataParallel", "zero2": "Zero2Parallel",
             "zero3": "Zero3Parallel", "pipeshard": "PipeshardParallel"}
-SCHEDULES = {"1f1b": "ONE_F_ONE_B", "gpipe": "GPIPE", "zb-h1": "ZERO_BUBBLE_H1",
-             "zb-h2": "ZERO_BUBBLE_H2"}
+SCHEDULES = {s.value: s.name for s in Schedule}      # "1f1b", "zb-h1", "auto", ...
 
 
 class UserCodeError(Exception):

@@ -408,10 +408,6 @@ class ManualStageOption:
 StageOption = AutoStageOption | UniformStageOption | ManualStageOption
 
 
-RUNS = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE_H1,
-                  Schedule.ZERO_BUBBLE_H2, Schedule.AUTO})    # schedules a plan can run
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipeshardParallel(ShardParallel):
     """Inter- and intra-op parallelism (Alpa's PipeshardParallel): the loss is cut into layers,
@@ -425,7 +421,9 @@ class PipeshardParallel(ShardParallel):
         divide the batch size); the loss, gradients and aux come back as the full batch's,
         combined over microbatches as `ShardParallel.num_microbatches` says.
       schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage),
-        `Schedule.GPIPE`, or a zero-bubble table: `Schedule.ZERO_BUBBLE_H1` (each backward
+        `Schedule.GPIPE`, `Schedule.INTERLEAVED_1F1B` or `Schedule.ZERO_BUBBLE_V` (2 stage
+        chunks per device group; with UniformStageOption or ManualStageOption), or a
+        zero-bubble table: `Schedule.ZERO_BUBBLE_H1` (each backward
         split into B, the input gradient, and W, the weight gradient, W filling the bubble:
         about a third of 1F1B's bubble, every stage holding up to S microbatches, 1F1B's
         first stage's count), `Schedule.ZERO_BUBBLE_H2` (about twice as many in flight), or
@@ -460,12 +458,6 @@ class PipeshardParallel(ShardParallel):
             raise InvalidArgumentError(
                 f"PipeshardParallel.schedule={self.schedule!r} is not a Schedule. Fix: pass one "
                 f"of {[s for s in Schedule]}, e.g. schedule=autopar.Schedule.ONE_F_ONE_B.")
-        if self.schedule not in RUNS:
-            raise InvalidArgumentError(
-                f"PipeshardParallel.schedule={self.schedule}: its tables are built and checked "
-                f"(autopar.runtime.make_schedule), but the stage search does not place stage "
-                f"chunks or split backwards for it yet, so no plan runs it. Fix: use one of "
-                f"{sorted(s.name for s in RUNS)}.")
         if not isinstance(self.layer_option, (AutoLayerOption, ManualLayerOption)):
             raise InvalidArgumentError(
                 f"PipeshardParallel.layer_option={self.layer_option!r} is not a layer option. "

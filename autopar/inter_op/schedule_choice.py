@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
-from autopar.core.options import RUNS
+from autopar.inter_op.chunks import group_peaks, groups_of
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import one_executable
 from autopar.inter_op.stages import stage_peaks
@@ -59,11 +59,10 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     names = CANDIDATES if schedule is Schedule.AUTO else (schedule,)
     priced = []
     for s in names:
-        if s not in RUNS:
-            continue
         peaks = tuple(stage_peaks(stages, loss, s, m))
         t = formula * schedule_seconds(s, tasks, m) / max(base, 1e-30)
-        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p, _ in peaks)))
+        shared = group_peaks(groups_of(s, len(stages)), [p for p, _ in peaks])
+        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared)))
     best = pick(priced)
     records = tuple({"schedule": s.value, "predicted_latency_s": t,
                      "peak_memory_bytes": max(p for p, _ in peaks), "fits": fits}

@@ -35,10 +35,11 @@ from autopar.core.plan import StageSolution
 from autopar.core.plan import alternative_record as record
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
+from autopar.inter_op.chunks import chunk_devices, group_peaks, groups_of
 from autopar.inter_op.lazy_options import KindOptions, OptionContext, exact_dp
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
-from autopar.inter_op.schedule import make_schedule, planned
+from autopar.inter_op.schedule import CHUNKED, make_schedule, planned
 from autopar.inter_op.stage_costs import (
     reranked,
     run_dp,
@@ -126,7 +127,7 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
 
 
 def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, method,
-                     budget, remats, zeros, lean=None, given=()):
+                     budget, remats, zeros, lean=None, given=(), placed=None):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try,
     `remats[p]` the rematerializations and `zeros[p]` whether ZeRO may split its optimizer
     state (`StageSolver.stage`: the fastest plan that fits with its optimizer state and the
@@ -138,7 +139,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
     lean = lean or [False] * len(spans)
     in_flight = make_schedule(planned(method.schedule), len(spans), method.num_microbatches).held()
     for p, ((i, j), sub, shape, devs) in progress.each(enumerate(
-            zip(spans, submeshes, shapes, _place(submeshes, device_ids))), len(spans),
+            zip(spans, submeshes, shapes, placed or _place(submeshes, device_ids))), len(spans),
             "stages solved whole"):
         sl = slice_range(loss, boundaries[i], boundaries[j + 1], p)
         chosen = lambda sol, r, z: ChosenStage(slice=sl, layers=(i, j), submesh=tuple(sub),
@@ -233,6 +234,14 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     pipeline = stage_method is None          # not gradient accumulation
     dp, others, chosen = (0, 0, 0.0), (), 0.0
     dph = cluster.devices_per_host
+    chunked = pipeline and method.schedule in CHUNKED
+    if chunked and isinstance(option, AutoStageOption):
+        raise InvalidArgumentError(
+            f"PipeshardParallel(schedule={method.schedule}) places several stage chunks on "
+            f"each device group; the stage search does not choose such layouts yet (the DP "
+            f"gives each stage its own submesh). Fix: stage_option=UniformStageOption("
+            f"num_stages=K) with K a multiple of the chunks per group (2), a "
+            f"ManualStageOption, or another schedule.")
     if isinstance(option, ManualStageOption):
         if option.layer_spans[-1][1] != num_layers - 1:
             raise InvalidArgumentError(
@@ -244,7 +253,9 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   solver, method, budget,
                                   _stage_remats(method, option, len(option.layer_spans)),
                                   _stage_zeros(option, len(option.layer_spans), pipeline),
-                                  given=solutions)
+                                  given=solutions, placed=chunk_devices(
+                                      method.schedule, len(option.layer_spans), device_ids)
+                                  if chunked else None)
     elif isinstance(option, UniformStageOption):
         s = option.num_stages
         if s > num_layers or n % s:
@@ -252,14 +263,16 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                 f"UniformStageOption(num_stages={s}) needs at least {s} layers (have "
                 f"{num_layers}) and a device count divisible by {s} (have {n}). Fix: change "
                 "num_stages or the layer option.")
-        per = n // s
+        placed = chunk_devices(method.schedule, s, device_ids) if chunked else None
+        per = len(placed[0]) if placed else n // s
         sub = (per // dph, dph) if per >= dph and per % dph == 0 else (1, per)
         cuts = np.array_split(np.arange(num_layers), s)
         spans = [(int(c[0]), int(c[-1])) for c in cuts]
+        chunks = s // (max(groups_of(method.schedule, s)) + 1) if chunked else 1
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
                                   [logical_shapes(per)] * s, device_ids, solver, method,
-                                  budget, _stage_remats(method, option, s),
-                                  _stage_zeros(option, s, pipeline))
+                                  budget / chunks, _stage_remats(method, option, s),
+                                  _stage_zeros(option, s, pipeline), placed=placed)
     else:
         with PlanPool(plan_workers(option.workers)) as solver.pool:
             stages, dp, seen = _auto(loss, boundaries, cluster, device_ids, method, option,
@@ -295,12 +308,18 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
     out = []
-    for st, (peak, q) in zip(stages, _peaks(stages, loss, method)):
-        if peak > budget * (1 + 1e-9):
+    peaks = _peaks(stages, loss, method)
+    groups = groups_of(planned(method.schedule), len(stages))
+    shared = group_peaks(groups, [p for p, _ in peaks])      # stage chunks on one group add
+    for st, (peak, q), total in zip(stages, peaks, shared):
+        if total > budget * (1 + 1e-9):
+            chunks = groups.count(groups[st.slice.index])
             raise _infeasible(
                 f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
                 f"{st.submesh} with its optimizer state, gradient accumulator and {q} "
-                "microbatch(es) of activations in flight", budget, peak, any_mesh=False)
+                "microbatch(es) of activations in flight"
+                + (f", with the {chunks - 1} other stage chunk(s) on its devices"
+                   if chunks > 1 else ""), budget, total, any_mesh=False)
         out.append(dataclasses.replace(st, peak_bytes=peak))
     return out
 

@@ -200,25 +200,26 @@ def timeline_svg(plan: ParallelPlan) -> str:
     its forward+backward, a third where W is split off); each stage's task fills its own
     share, so slack and the pipeline's bubbles (blank) show."""
     table, clock, lat = timeline_tasks(plan)
-    S, n = table.num_stages, table.num_clocks
+    S, n = table.num_groups, table.num_clocks          # a lane per device group
     left, top, row_h, gap = 80, 24, 30, 8
     cw = min(max(700 / n, 14), 60)
     width = max(left + n * cw + 30, 560)
     height = top + S * (row_h + gap) + 48
     body = []
-    for s in range(S):
-        y = top + s * (row_h + gap)
-        body.append(_text(left - 10, y + row_h / 2 + 4, f"stage {s}", anchor="end"))
+    for g in range(S):
+        y = top + g * (row_h + gap)
+        stages = [k for k in range(table.num_stages) if table.group_of(k) == g]
+        label = f"stage {g}" if stages == [g] else "stages " + ", ".join(map(str, stages))
+        body.append(_text(left - 10, y + row_h / 2 + 4, label, anchor="end"))
         body.append(_rect(left, y, n * cw, row_h, "#f4f4f4", extra=' class="lane"'))
         for c, row in enumerate(table.clocks):
-            t = row[s]
+            t = row[g]
             if t is None:
                 continue
             name, cls, style = _KIND[t.phase]
-            w = cw * min(lat[s] / _tasks_per_microbatch(table) / clock, 1.0)
-            colour = stage_colour(s)
-            body.append(_rect(left + c * cw, y, w, row_h, colour,
-                              f"stage {s} {name} of microbatch {t.microbatch}: clock {c}",
+            w = cw * min(lat[t.stage] / _tasks_per_microbatch(table) / clock, 1.0)
+            body.append(_rect(left + c * cw, y, w, row_h, stage_colour(t.stage),
+                              f"stage {t.stage} {name} of microbatch {t.microbatch}: clock {c}",
                               f' class="task {cls}" stroke="#fff"' + style))
             body.append(_text(left + c * cw + w / 2, y + row_h / 2 + 4, str(t), cls="tasklabel",
                               anchor="middle"))

@@ -173,10 +173,3 @@ def test_the_checker_rejects_a_task_off_its_group_and_a_bad_placement():
 def test_bad_chunk_arguments_are_named(schedule, stages, kw, match):
     with pytest.raises(InvalidArgumentError, match=match):
         make_schedule(schedule, stages, 4, **kw)
-
-
-@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V])
-def test_a_schedule_no_plan_runs_yet_is_refused_by_name(schedule):
-    import autopar
-    with pytest.raises(InvalidArgumentError, match=f"{schedule}.*no plan runs it"):
-        autopar.PipeshardParallel(num_microbatches=4, schedule=schedule)

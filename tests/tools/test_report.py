@@ -100,15 +100,31 @@ def pipe_plan(case):
         state, batches[0])
 
 
-@pytest.fixture(scope="module")
-def zb_plan(case):
+def _plan_with(case, schedule, stages):
     step, state, batches = case
     method = autopar.PipeshardParallel(
-        num_microbatches=4, schedule=autopar.Schedule.ZERO_BUBBLE_H1,
+        num_microbatches=4, schedule=schedule,
         layer_option=autopar.AutoLayerOption(num_layers=4),
-        stage_option=autopar.UniformStageOption(num_stages=2))
+        stage_option=autopar.UniformStageOption(num_stages=stages))
     return autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method).get_plan(
         state, batches[0])
+
+
+@pytest.fixture(scope="module")
+def zb_plan(case):
+    return _plan_with(case, autopar.Schedule.ZERO_BUBBLE_H1, 2)
+
+
+def test_zb_v_timeline_has_a_lane_per_device_group(case):
+    """ZB-V: 4 stage chunks on 2 device groups, a lane each ("stages 0, 3" and "stages 1,
+    2"); every F, B and W of every stage drawn in its group's lane."""
+    plan = _plan_with(case, autopar.Schedule.ZERO_BUBBLE_V, 4)
+    tl = _svgs(autopar.report(plan))["pipeline schedule"]
+    text = ET.tostring(tl, encoding="unicode")
+    assert "stages 0, 3" in text and "stages 1, 2" in text
+    assert len(_rects(tl, "lane")) == 2
+    for cls in ("fwd", "bwd", "wgt"):
+        assert len(_rects(tl, cls)) == 4 * 4, cls
 
 
 def _common_structure(plan, text: str) -> _Page:

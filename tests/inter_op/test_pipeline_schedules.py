@@ -1,7 +1,9 @@
-"""Zero-bubble pipelines end to end (issue 27): `Schedule.ZERO_BUBBLE_H1` and `H2` split each
-stage's backward into B (input gradient) and W (weight gradient) executables and run the
-table's order; over 3 Adam steps the losses, gradients and parameters equal `jax.jit` on one
-device, on 8 simulated CPU devices (GPT, BERT MLM, an MLP split unevenly)."""
+"""Pipeline schedules end to end (issue 27): `Schedule.ZERO_BUBBLE_H1` and `H2` split each
+stage's backward into B (input gradient) and W (weight gradient) executables,
+`INTERLEAVED_1F1B` and `ZERO_BUBBLE_V` place two stage chunks on each device group, and
+each runs its table's order; over 3 Adam steps the losses, gradients and trained state equal
+`jax.jit` on one device, on 8 simulated CPU devices (GPT, BERT MLM, an MLP split unevenly).
+`Schedule.AUTO` prices them and runs the fastest that fits."""
 import jax
 import optax
 import pytest
@@ -15,6 +17,7 @@ from support.equivalence import ROUTING_PARAM_RTOL, assert_norm_close
 from support.steps import assert_equivalent, make_case, mesh_of, run_steps
 
 H1, H2 = autopar.Schedule.ZERO_BUBBLE_H1, autopar.Schedule.ZERO_BUBBLE_H2
+IL, ZV = autopar.Schedule.INTERLEAVED_1F1B, autopar.Schedule.ZERO_BUBBLE_V
 
 
 def _method(stages, schedule, microbatches, layers=4):
@@ -51,11 +54,16 @@ def _case(model, layers, batch_size=16):
     ("mlp", 3, 2, H1, 4),           # 3 layers on 2 stages: uneven
     ("gpt", 4, 2, H1, 2),           # M = S
     ("bert", 4, 2, H2, 4),
+    ("gpt", 4, 4, IL, 4),           # 4 stage chunks on 2 groups of 4 devices
+    ("mlp", 4, 4, ZV, 8),           # the V: stages 0 and 3 on group 0, 1 and 2 on group 1
     pytest.param("mlp", 4, 4, H2, 8, marks=pytest.mark.slow),
+    pytest.param("mlp", 3, 2, IL, 8, marks=pytest.mark.slow),     # 2 chunks on one group
+    pytest.param("bert", 4, 4, ZV, 4, marks=pytest.mark.slow),
+    pytest.param("gpt", 4, 4, ZV, 16, marks=pytest.mark.slow),
     pytest.param("gpt", 4, 4, H1, 16, marks=pytest.mark.slow),
     pytest.param("bert", 4, 4, H1, 8, marks=pytest.mark.slow),
 ])
-def test_zero_bubble_pipelines_equal_jit(model, layers, stages, schedule, microbatches):
+def test_pipeline_schedules_equal_jit(model, layers, stages, schedule, microbatches):
     step, state, batches = _case(model, layers)
     ref = run_steps(jax.jit(step), state, batches)
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)),
@@ -71,11 +79,19 @@ def test_zero_bubble_pipelines_equal_jit(model, layers, stages, schedule, microb
     table = make_schedule(schedule, stages, microbatches)
     assert plan.pipeline["in_flight"] == list(table.held())
     ex = par.get_executor(state, batches[0])
-    # the executor ran every F, B and W of the table, each group in the table's order
-    assert sorted(map(str, ex.stats.order)) == sorted(map(str, table.order()))
-    for g in range(stages):
-        assert tuple(t for t in ex.stats.order if t.stage == g) == table.tasks_of(g) \
-            or g == stages - 1          # the last stage may run F, B and W in one call
+    # the executor ran every F, B and W of the table, each group in the table's order (the
+    # last stage's group may run a microbatch's F, B and W in one call)
+    assert sorted(map(repr, ex.stats.order)) == sorted(map(repr, table.order()))
+    last = table.group_of(stages - 1)
+    for g in range(table.num_groups):
+        ran = tuple(t for t in ex.stats.order if table.group_of(t.stage) == g)
+        assert ran == table.tasks_of(g) or g == last
+    # stage chunks of one group share its devices; groups are disjoint
+    devices = {}
+    for st in plan.stages:
+        devices.setdefault(table.group_of(st.index), set()).add(st.device_ids)
+    assert all(len(d) == 1 for d in devices.values())
+    assert sorted(d for ds in devices.values() for ids in ds for d in ids) == list(range(8))
     # residuals are kept from F to W: never more than the table holds
     assert all(a <= b for a, b in zip(ex.stats.max_live_microbatches, table.held()))
 
@@ -123,6 +139,16 @@ def test_schedule_auto_prices_every_schedule_and_runs_the_fastest_that_fits():
     assert "schedules priced (Schedule.AUTO)" in text and "1f1b" in text
 
 
+def test_the_stage_search_does_not_place_chunks_yet():
+    step, state, batches = _case("mlp", 4)
+    method = autopar.PipeshardParallel(
+        num_microbatches=4, schedule=IL, layer_option=autopar.AutoLayerOption(num_layers=4))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    with pytest.raises(autopar.InvalidArgumentError,
+                       match="places several stage chunks.*does not choose"):
+        par.get_plan(state, batches[0])
+
+
 def test_schedule_auto_keeps_the_fastest_schedule_that_fits():
     """Where a faster table's stages would not fit memory (H1's later stages hold S
     microbatches, not S - s), the choice falls to the fastest that does; with none fitting,
@@ -149,3 +175,18 @@ def test_a_fixed_schedule_is_priced_by_its_table():
     assert p1.pipeline["predicted_latency_s"] == pytest.approx(sum(lat) + 7 * max(lat))
     with pytest.raises(autopar.InvalidArgumentError, match="AUTO is a choice"):
         make_schedule(autopar.Schedule.AUTO, 4, 8)
+
+
+def test_a_chunked_plan_replays_from_its_saved_plan():
+    """`parallelize(plan=...)` (and the plan cache) replays a ZB-V plan through its
+    ManualStageOption: the same chunks on the same devices, equal results."""
+    step, state, batches = _case("mlp", 4)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(4, ZV, 4))
+    plan = par.get_plan(state, batches[0])
+    again = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(4, ZV, 4),
+                                plan=plan)
+    replayed = again.get_plan(state, batches[0])
+    assert [s.device_ids for s in replayed.stages] == [s.device_ids for s in plan.stages]
+    assert replayed.stages[0].device_ids == replayed.stages[3].device_ids
+    assert_equivalent(run_steps(par, state, batches), run_steps(again, state, batches),
+                      compare_params=False, rtol=1e-6)
