@@ -49,11 +49,15 @@ def put(x, sharding):
     """`x` on `sharding`: itself if it is already there, else a copy. In a multi-process job a
     host-local value (numpy, or an array on one device) is taken as the same value on every
     process, and each process places its own shards (`jax.device_put` refuses a sharding
-    with no device on this process)."""
+    with no device on this process), as a strongly typed array on every process."""
     if has_sharding(x, sharding):
         return x
     local = not isinstance(x, jax.Array) or isinstance(x.sharding, SingleDeviceSharding)
-    if local and not sharding.is_fully_addressable:
+    # Every process of a job places a host-local value the same way, so that the array has
+    # one type everywhere: `jax.device_put` keeps a weak type (a Python-int step counter)
+    # where the sharding is this process's, the callback does not where it is another's; one
+    # process would then see a changed signature at the next call and re-plan alone.
+    if local and (not sharding.is_fully_addressable or jax.process_count() > 1):
         value = np.asarray(x)
         value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
         return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx],

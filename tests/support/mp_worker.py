@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
@@ -46,6 +47,10 @@ def flat(tree) -> list:
 def train(out: str, name: str, mesh) -> None:
     step, state, batches = make_case("gpt", "linen", sgd_momentum_clip(),
                                      value_and_grad=autopar.value_and_grad)
+    # the step counter as a jax.jit-made state has it: a weakly typed array on one device
+    # (each process must place it alike, or one re-plans alone at the next step and hangs)
+    state = state.replace(step=jnp.asarray(0))
+    assert state.step.weak_type
     par = autopar.parallelize(step, mesh=mesh, method=METHODS[name])
     plan = par.get_plan(state, batches[0])
     arrays = {}
