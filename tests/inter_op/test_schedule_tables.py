@@ -21,6 +21,8 @@ GRID = list(itertools.product(range(1, 7), range(1, 17)))    # (device groups, M
 def _tables():
     for G, M in GRID:
         for schedule in Schedule:
+            if schedule is Schedule.AUTO:          # a choice of the search, not a table
+                continue
             if schedule is Schedule.INTERLEAVED_1F1B:
                 for v in (2, 3):
                     yield G, M, v, make_schedule(schedule, G * v, M, virtual_stages=v)
