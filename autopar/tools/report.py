@@ -328,10 +328,22 @@ def _timeline(plan: ParallelPlan) -> str:
            f"bubble {p.get('bubble_fraction', 0.0):.1%}, predicted step "
            f"{format_time(p.get('predicted_latency_s', plan.predicted_step_s))}. Task order from "
            "the executor's schedule (runtime.schedule); the plan records each stage's "
-           "forward+backward per microbatch, not its split: each is drawn as half.")
+           "forward+backward per microbatch, not its split: each task is drawn as an equal "
+           "share." + _schedule_search(p))
     title = "Pipeline schedule" if plan.is_pipeline else \
         "Microbatch schedule (gradient accumulation on one mesh)"
     return _section("timeline", title, timeline_svg(plan), sub)
+
+
+def _schedule_search(p: dict) -> str:
+    """Schedule.AUTO's candidates: each one's predicted step against 1F1B's."""
+    found = p.get("schedule_search") or []
+    one = next((c["predicted_latency_s"] for c in found if c["schedule"] == "1f1b"), None)
+    if not one:
+        return ""
+    return (f" Schedule.AUTO chose {p['schedule']}; predicted step vs 1F1B: " + ", ".join(
+        f"{c['schedule']} {c['predicted_latency_s'] / one:.3f}x"
+        + ("" if c["fits"] else " (does not fit)") for c in found) + ".")
 
 
 # ----------------------------------------------------------------------- collectives

@@ -137,6 +137,8 @@ def test_schedule_auto_prices_every_schedule_and_runs_the_fastest_that_fits():
     assert sorted(map(str, order)) == sorted(map(str, make_schedule(chosen, 4, 8).order()))
     text = autopar.dump(plan)
     assert "schedules priced (Schedule.AUTO)" in text and "1f1b" in text
+    page = autopar.report(plan)                  # the report's timeline says so too
+    assert f"Schedule.AUTO chose {plan.pipeline['schedule']}; predicted step vs 1F1B" in page
 
 
 def test_the_stage_search_does_not_place_chunks_yet():
