@@ -12,9 +12,8 @@ import autopar
 from autopar.core.enums import Schedule
 from autopar.inter_op.schedule import Phase, make_schedule
 from autopar.inter_op.schedule_choice import pick
-from autopar.models.bert import BertMLM, bert_batch, mlm_loss
 from support.equivalence import ROUTING_PARAM_RTOL, assert_norm_close
-from support.steps import assert_equivalent, make_case, mesh_of, run_steps
+from support.steps import assert_equivalent, bert_mlm_case, make_case, mesh_of, run_steps
 
 H1, H2 = autopar.Schedule.ZERO_BUBBLE_H1, autopar.Schedule.ZERO_BUBBLE_H2
 IL, ZV = autopar.Schedule.INTERLEAVED_1F1B, autopar.Schedule.ZERO_BUBBLE_V
@@ -27,25 +26,9 @@ def _method(stages, schedule, microbatches, layers=4):
         stage_option=autopar.UniformStageOption(num_stages=stages))
 
 
-def _bert_case():
-    net = BertMLM(vocab=64, seq=16, hidden=32, heads=4, layers=4)
-    batches = [bert_batch(16, 16, 64, seed=i) for i in range(3)]
-    params = net.init(jax.random.key(0), batches[0]["tokens"], batches[0]["attention"])
-    tx = optax.adam(1e-2)
-
-    def step(state, batch):
-        params, opt = state
-        loss, grads = autopar.value_and_grad(lambda p: mlm_loss(
-            net.apply(p, batch["tokens"], batch["attention"]), batch["labels"],
-            batch["weights"]))(params)
-        updates, opt = tx.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), loss, grads
-    return step, (params, tx.init(params)), batches
-
-
 def _case(model, layers, batch_size=16):
     if model == "bert":
-        return _bert_case()
+        return bert_mlm_case()
     return make_case(model, "linen", optax.adam(1e-2), num_layers=layers,
                      batch_size=batch_size, value_and_grad=autopar.value_and_grad)
 

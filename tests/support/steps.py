@@ -210,3 +210,24 @@ def lm1b_state_and_batches(tx):
     state = train_state.TrainState.create(
         apply_fn=model.apply, params=model.init(key, batches[0]["inputs"])["params"], tx=tx)
     return state, batches
+
+
+def bert_mlm_case():
+    """(step, (params, opt_state), batches): the 4-layer BERT MLM of `autopar.models.bert`
+    (vocab 64, seq 16, hidden 32, 4 heads), batch 16, Adam, its loss taken with
+    `autopar.value_and_grad`; the step returns (state, loss, grads)."""
+    from autopar.models.bert import BertMLM, bert_batch, mlm_loss
+    net = BertMLM(vocab=64, seq=16, hidden=32, heads=4, layers=4)
+    batches = [bert_batch(16, 16, 64, seed=i) for i in range(3)]
+    params = net.init(jax.random.key(0), batches[0]["tokens"], batches[0]["attention"])
+    tx = optax.adam(1e-2)
+
+    def step(state, batch):
+        params, opt = state
+        loss, grads = autopar.value_and_grad(lambda p: mlm_loss(
+            net.apply(p, batch["tokens"], batch["attention"]), batch["labels"],
+            batch["weights"]))(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss, grads
+    return step, (params, tx.init(params)), batches
+
