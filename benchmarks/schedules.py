@@ -25,7 +25,7 @@ import time
 
 from common import md_row, result_path, run_worker, section_head, section_tail, write_result
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "auto")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "auto")
 DEFAULT_OUT = result_path("schedules")
 
 
@@ -39,6 +39,7 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
 
     import autopar
     from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
+    from autopar.verify.pipeline_memory_check import stage_memory
     cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=4, hidden=128, num_heads=4)
     net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 32, cfg)
     params = net.init(jax.random.key(0), batch["tokens"])
@@ -74,6 +75,9 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
             states[name] = par(params, tx.init(params), batch)      # compile + first step
             jax.block_until_ready(states[name])
             row["first_step_s"] = time.perf_counter() - t0
+            leaves = jax.tree_util.tree_leaves((params, tx.init(params), batch))
+            memory = stage_memory(par.get_compiled(params, tx.init(params), batch), leaves, 8)
+            row["stage_peaks"] = [m.peak for m in memory] if memory else None
             pars[name] = par
         except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -104,16 +108,21 @@ def section(res: dict, cmdline: str) -> str:
         "the plan's step over 1F1B's with the cpu preset, and for the same stages with the "
         "v100 preset; *measured*: the median step over 1F1B's, steps of all schedules "
         "interleaved round by round; *loss vs 1F1B*: the largest relative difference of the "
-        "losses, step by step.", "",
+        "losses, step by step; *compiled peak per stage*: each stage's peak per device "
+        "composed from XLA's memory analysis of its executables "
+        "(`verify.pipeline_memory_check.stage_memory`), over 1F1B's same stage. "
+        "Interleaved and ZB-V put 2 stage chunks on each of 2 groups of 4 devices (stages "
+        "k and k+2, or k and 3-k), the others one stage on each of 4 groups of 2: their "
+        "stages are other programs on other devices.", "",
         md_row(["schedule", "runs", "plan s (/ 1F1B)", "predicted / 1F1B (cpu)",
                 "predicted / 1F1B (v100)", "AUTO picks (v100)", "measured median step",
-                "measured / 1F1B", "loss vs 1F1B"]),
-        md_row(["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:"])]
+                "measured / 1F1B", "loss vs 1F1B", "compiled peak per stage (/ 1F1B)"]),
+        md_row(["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---"])]
     rows = {r["schedule"]: r for r in res.get("rows", [])}
     base = rows.get("1f1b", {})
     for name, row in rows.items():
         if "error" in row:
-            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 7))
+            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 8))
             continue
         med = statistics.median(row["times"]) if row["times"] else float("nan")
         bmed = statistics.median(base["times"]) if base.get("times") else float("nan")
@@ -124,8 +133,16 @@ def section(res: dict, cmdline: str) -> str:
             f"{row['plan_s']:.1f} ({row['plan_s'] / base['plan_s']:.2f})",
             f"{row['predicted_s'] / base['predicted_s']:.3f}",
             f"{row['predicted_v100_s'] / base['predicted_v100_s']:.3f}", row["chosen_v100"],
-            f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}"]))
+            f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}", _peaks(row, base)]))
     return section_tail(out, res)
+
+
+def _peaks(row: dict, base: dict) -> str:
+    peaks, ref = row.get("stage_peaks"), base.get("stage_peaks") or []
+    if not peaks:
+        return "not measured"
+    return ", ".join(f"{p / 2**20:.2f} MiB" + (f" ({p / ref[i]:.2f})" if i < len(ref) else "")
+                     for i, p in enumerate(peaks))
 
 
 def main(argv=None) -> int:
