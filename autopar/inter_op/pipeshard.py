@@ -227,7 +227,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             activation_bytes_without_remat=st.activation_bytes_without_remat,
             scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value,
             zero=st.zero))
-    schedule = make_schedule(choice.schedule, len(stages), m)
+    schedule = choice.table or make_schedule(choice.schedule, len(stages), m)
     peak = max(s.peak_memory_bytes for s in stages)
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)

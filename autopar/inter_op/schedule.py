@@ -222,33 +222,48 @@ class _Policy:
     b_key: Callable[[int, int], tuple]
 
 
+def placement_of(schedule: Schedule, num_stages: int,
+                 virtual_stages: int | None = None) -> tuple[int, ...]:
+    """Each stage's device group: stage k on group k mod G (interleaved), stages k and
+    2G-1-k on group k (ZB-V), else stage k on group k.
+
+        >>> placement_of(Schedule.ZERO_BUBBLE_V, 4), placement_of(Schedule.INTERLEAVED_1F1B, 4)
+        ((0, 1, 1, 0), (0, 1, 0, 1))
+    """
+    G = num_stages // virtual_stages_of(schedule, virtual_stages)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return tuple(k % G for k in range(num_stages))
+    if schedule is Schedule.ZERO_BUBBLE_V:
+        return tuple(k if k < G else 2 * G - 1 - k for k in range(num_stages))
+    return tuple(range(num_stages))
+
+
 def _policy(schedule: Schedule, K: int, M: int, v: int) -> _Policy:
     G = K // v
+    place = placement_of(schedule, K, v)
     chunk = lambda k: k // G                                           # noqa: E731
     plain = lambda k, m: (m, -k)                                       # noqa: E731
     huge = (K * M,) * G
     if schedule is Schedule.GPIPE:
-        return _Policy(tuple(range(K)), huge, huge, plain, plain)
+        return _Policy(place, huge, huge, plain, plain)
     if schedule is Schedule.INTERLEAVED_1F1B:
         # Megatron's order: microbatches in rounds of G, each round through chunk 0, 1, ...
         # forward and ..., 1, 0 backward; group g warms up with 2(G-g-1) + (v-1)G forwards
         live = tuple(min(2 * (G - g - 1) + (v - 1) * G + 1, v * M) for g in range(G))
-        return _Policy(tuple(k % G for k in range(K)), live, huge,
-                       lambda k, m: (m // G, chunk(k), m),
+        return _Policy(place, live, huge, lambda k, m: (m // G, chunk(k), m),
                        lambda k, m: (m // G, v - 1 - chunk(k), m))
     if schedule is Schedule.ZERO_BUBBLE_V:
-        place = tuple(k if k < G else 2 * G - 1 - k for k in range(K))
         # 1F1B's activation memory: G whole-stage microbatches, 2G chunk-microbatches
         return _Policy(place, (min(2 * G, 2 * M),) * G, (2 * G,) * G,
                        lambda k, m: (m, -k), lambda k, m: (m, k))
     live = [min(K - g, M) for g in range(K)]
     if schedule is Schedule.ONE_F_ONE_B:
-        return _Policy(tuple(range(K)), tuple(live), huge, plain, plain)
+        return _Policy(place, tuple(live), huge, plain, plain)
     if schedule is Schedule.ZERO_BUBBLE_H1:     # 1F1B's in-flight; stage g defers g Ws
-        return _Policy(tuple(range(K)), tuple(live), tuple(range(K)), plain, plain)
+        return _Policy(place, tuple(live), tuple(range(K)), plain, plain)
     if schedule is Schedule.ZERO_BUBBLE_H2:     # about twice the in-flight; W fills gaps
-        return _Policy(tuple(range(K)), tuple(min(2 * (K - g) - 1, M) for g in range(K)),
-                       huge, plain, plain)
+        return _Policy(place, tuple(min(2 * (K - g) - 1, M) for g in range(K)), huge, plain,
+                       plain)
     raise AssertionError(schedule)
 
 

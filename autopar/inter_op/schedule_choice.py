@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
-from autopar.inter_op.chunks import group_peaks, groups_of
+from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
-from autopar.inter_op.schedule import one_executable
+from autopar.inter_op.schedule import PipelineSchedule, make_schedule, one_executable
 from autopar.inter_op.stages import stage_peaks
 from autopar.inter_op.task_costs import schedule_seconds, task_seconds
 
@@ -39,6 +39,7 @@ def pick(priced: list[tuple]) -> tuple:
 @dataclass(frozen=True, slots=True)
 class ScheduleChoice:
     schedule: Schedule
+    table: PipelineSchedule | None            # its table (None: one executable, no table)
     latency_s: float                          # the chosen table's predicted step
     peaks: tuple[tuple[float, int], ...]      # per stage: (peak bytes, microbatches held)
     candidates: tuple[dict, ...]              # each priced schedule (AUTO: all of them)
@@ -47,24 +48,26 @@ class ScheduleChoice:
 def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatches: int,
                     budget: float) -> ScheduleChoice:
     """Price `schedule` (every candidate for `Schedule.AUTO`) for these chosen stages."""
-    m = num_microbatches
+    m, n = num_microbatches, len(stages)
     lat = [st.solution.latency_s for st in stages]
     formula = sum(lat) + (m - 1) * max(lat)
-    if one_executable(len(stages), m):          # one loop in one executable: no table
+    if one_executable(n, m):                    # one loop in one executable: no table
         fixed = Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
-        return ScheduleChoice(fixed, formula, tuple(stage_peaks(stages, loss, fixed, m)), ())
+        held = make_schedule(fixed, n, m).held()
+        return ScheduleChoice(fixed, None, formula, tuple(stage_peaks(stages, loss, held)), ())
     tasks = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
                           st.solution.overhead_s) for st in stages]
-    base = schedule_seconds(Schedule.ONE_F_ONE_B, tasks, m)
     names = CANDIDATES if schedule is Schedule.AUTO else (schedule,)
+    tables = {s: make_schedule(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
+    times = {s: schedule_seconds(table, tasks) for s, table in tables.items()}
     priced = []
     for s in names:
-        peaks = tuple(stage_peaks(stages, loss, s, m))
-        t = formula * schedule_seconds(s, tasks, m) / max(base, 1e-30)
-        shared = group_peaks(groups_of(s, len(stages)), [p for p, _ in peaks])
+        peaks = tuple(stage_peaks(stages, loss, tables[s].held()))
+        t = formula * times[s] / max(times[Schedule.ONE_F_ONE_B], 1e-30)
+        shared = group_peaks([tables[s].group_of(k) for k in range(n)], [p for p, _ in peaks])
         priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared)))
     best = pick(priced)
     records = tuple({"schedule": s.value, "predicted_latency_s": t,
                      "peak_memory_bytes": max(p for p, _ in peaks), "fits": fits}
                     for s, t, peaks, fits in priced) if schedule is Schedule.AUTO else ()
-    return ScheduleChoice(best[0], best[1], best[2], records)
+    return ScheduleChoice(best[0], tables[best[0]], best[1], best[2], records)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core import progress
-from autopar.core.enums import Remat, Schedule
+from autopar.core.enums import Remat
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.graph import OpGraph
 from autopar.core.options import (
@@ -35,11 +35,11 @@ from autopar.core.plan import StageSolution
 from autopar.core.plan import alternative_record as record
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
-from autopar.inter_op.chunks import chunk_devices, group_peaks, groups_of
+from autopar.inter_op.chunks import chunk_devices, group_peaks
 from autopar.inter_op.lazy_options import KindOptions, OptionContext, exact_dp
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
-from autopar.inter_op.schedule import CHUNKED, make_schedule, planned
+from autopar.inter_op.schedule import CHUNKED, make_schedule, placement_of, planned
 from autopar.inter_op.stage_costs import (
     reranked,
     run_dp,
@@ -268,7 +268,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         sub = (per // dph, dph) if per >= dph and per % dph == 0 else (1, per)
         cuts = np.array_split(np.arange(num_layers), s)
         spans = [(int(c[0]), int(c[-1])) for c in cuts]
-        chunks = s // (max(groups_of(method.schedule, s)) + 1) if chunked else 1
+        chunks = s // (max(placement_of(method.schedule, s)) + 1) if chunked else 1
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
                                   [logical_shapes(per)] * s, device_ids, solver, method,
                                   budget / chunks, _stage_remats(method, option, s),
@@ -291,17 +291,17 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          runner_ups=others, chosen_latency_s=chosen)
 
 
-def stage_peaks(stages, loss: LossGraph, schedule: Schedule,
-                num_microbatches: int) -> list[tuple[float, int]]:
-    """(peak bytes, microbatches held) per stage under `schedule` (the DP's formula)."""
-    held = make_schedule(planned(schedule), len(stages), num_microbatches).held()
+def stage_peaks(stages, loss: LossGraph, held) -> list[tuple[float, int]]:
+    """(peak bytes, microbatches held) per stage, stage p holding `held[p]` microbatches'
+    activations (`PipelineSchedule.held`; the DP's formula)."""
     opt_ratio = opt_ratio_of(loss.step)
     return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
              q) for st, q in zip(stages, held)]
 
 
 def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
-    return stage_peaks(stages, loss, method.schedule, method.num_microbatches)
+    held = make_schedule(planned(method.schedule), len(stages), method.num_microbatches).held()
+    return stage_peaks(stages, loss, held)
 
 
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:
@@ -309,7 +309,7 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
     choice that does not fit raises here, as the DP never picks one."""
     out = []
     peaks = _peaks(stages, loss, method)
-    groups = groups_of(planned(method.schedule), len(stages))
+    groups = placement_of(planned(method.schedule), len(stages))
     shared = group_peaks(groups, [p for p, _ in peaks])      # stage chunks on one group add
     for st, (peak, q), total in zip(stages, peaks, shared):
         if total > budget * (1 + 1e-9):

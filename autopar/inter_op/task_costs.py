@@ -8,20 +8,21 @@ call's overhead each) is shared out over F, B and W by their FLOPs (`task_second
 schedule is timed by simulating its table with those durations (`schedule_seconds`), so
 every schedule is priced by its own order, not by a formula that holds for 1F1B alone.
 
+    >>> from autopar.core.enums import Schedule
+    >>> from autopar.inter_op.schedule import make_schedule
     >>> tasks = [TaskSeconds(1.0, 1.0, 1.0, 0.0)] * 4           # 4 stages, unit F, B, W
-    >>> schedule_seconds(Schedule.ONE_F_ONE_B, tasks, 8), schedule_seconds(
-    ...     Schedule.ZERO_BUBBLE_H1, tasks, 8)
+    >>> schedule_seconds(make_schedule(Schedule.ONE_F_ONE_B, 4, 8), tasks), schedule_seconds(
+    ...     make_schedule(Schedule.ZERO_BUBBLE_H1, 4, 8), tasks)
     (33.0, 27.0)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.core.enums import Schedule
 from autopar.core.graph import OpGraph
 from autopar.frontend.loops import atomic_spans
 from autopar.inter_op.pipeline import LossGraph, StageSlice
-from autopar.inter_op.schedule import Phase, make_schedule
+from autopar.inter_op.schedule import Phase, PipelineSchedule
 from autopar.inter_op.schedule_check import simulate
 from autopar.inter_op.stage_solve import split_train_graph, stage_io
 
@@ -86,12 +87,16 @@ class TaskSeconds:
         return self.backward if split else self.backward + self.weight - self.call_s
 
 
-def stage_backward_split(loss: LossGraph, sl: StageSlice, graph: OpGraph) -> BackwardSplit:
+def stage_backward_split(loss: LossGraph, sl: StageSlice, graph: OpGraph,
+                         backward_nodes=None) -> BackwardSplit:
     """`split_backward` of a stage's training graph (its outputs, parameter gradients and
-    activation gradients as `inter_op.stage_solve.stage_io` orders them)."""
+    activation gradients as `inter_op.stage_solve.stage_io` orders them); `backward_nodes`:
+    its backward where the caller has split the graph already (`split_train_graph`)."""
     io = stage_io(loss, sl)
     n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
-    return split_backward(graph, split_train_graph(graph, sl).backward_nodes,
+    if backward_nodes is None:
+        backward_nodes = split_train_graph(graph, sl).backward_nodes
+    return split_backward(graph, backward_nodes,
                           len(io.float_outputs) + len(io.int_outputs), len(sl.param_inputs),
                           graph.inputs[n_in:])
 
@@ -114,8 +119,7 @@ def task_seconds(loss: LossGraph, sl: StageSlice, graph: OpGraph, latency_s: flo
                        work * w / total + call, call)
 
 
-def schedule_seconds(schedule: Schedule, tasks, num_microbatches: int) -> float:
-    """The makespan of `schedule`'s table for stages with these `TaskSeconds`."""
-    table = make_schedule(schedule, len(tasks), num_microbatches)
+def schedule_seconds(table: PipelineSchedule, tasks) -> float:
+    """The makespan of `table` for stages with these `TaskSeconds`."""
     split = table.split_backward
     return simulate(table, lambda t: tasks[t.stage].of(t.phase, split)).makespan

@@ -188,7 +188,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         run_bwd(g, env, nodes(g, split.backward_nodes))
         return finish(env, acc)
 
-    parts = stage_backward_split(loss, sl, graph)
+    parts = stage_backward_split(loss, sl, graph, split.backward_nodes)
 
     def backward_input(saved, cts, mb):
         env = saved_env(saved, graph.inputs[n_in:], cts)
