@@ -185,11 +185,11 @@ class ParallelizedFunction:
         method, stage_method = passes.pipeline_methods(method, mesh.devices.shape, cluster)
         kw = dict(static_argnums=self._static, batch_argnums=self._batch,
                   donate_argnums=self._front.donated(args))
-        step = trace(self._fun, args, keep_grad=True, **kw)
+        fun, step = passes.pipeline_step(self._fun, args, kw)
         fingerprint = graph_fingerprint(step)
 
         def run(m, sm=stage_method, solutions=()):
-            return plan_pipeline(self._fun, args, cluster=cluster,
+            return plan_pipeline(fun, args, cluster=cluster,
                                  device_ids=tuple(int(d.id) for d in mesh.devices.flat),
                                  mesh_shape=tuple(mesh.devices.shape), method=m,
                                  stage_method=sm, step_graph=step,

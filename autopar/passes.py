@@ -32,7 +32,9 @@ from autopar.frontend.checks import (
     warn_unmatched_rules,
 )
 from autopar.frontend.nnx import BoundCall, PureStep
+from autopar.frontend.grad import forward_marked
 from autopar.frontend.tracer import trace
+from autopar.inter_op.pipeline import takes_gradient
 from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline
 from autopar.inter_op.remat_plan import plan_step, traced_for
 from autopar.intra_op import solve_intra_op
@@ -91,6 +93,18 @@ def check_batch(graph: OpGraph, batch_argnums: Sequence[int] = ()) -> None:
 def pipelined(method: ShardParallel) -> bool:
     """Pipelines and gradient accumulation run on the pipeline machinery."""
     return isinstance(method, PipeshardParallel) or method.num_microbatches > 1
+
+
+def pipeline_step(fun: Callable, args: tuple, kw: dict) -> tuple[Callable, OpGraph]:
+    """(the function a pipeline plans, its step graph traced with the gradient mark kept):
+    `fun` itself where it takes a gradient; a step without one (an eval step, a batched
+    forward) is planned as a forward-only pipeline, `fun` with its body marked whole
+    (`frontend.grad.forward_marked`). `kw`: `trace`'s argnums."""
+    step = trace(fun, args, keep_grad=True, **kw)
+    if takes_gradient(step):
+        return fun, step
+    marked = forward_marked(fun, kw.get("batch_argnums", ()))
+    return marked, trace(marked, args, keep_grad=True, **kw)
 
 
 def pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,

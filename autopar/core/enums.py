@@ -20,6 +20,9 @@ class Schedule(enum.Enum):
     ZERO_BUBBLE_H2 = "zb-h2"
     ZERO_BUBBLE_V = "zb-v"     # 2 chunks per group in a V (stage k and 2G-1-k on group k)
     AUTO = "auto"              # the stage search prices every schedule a plan can run
+    # forwards only, each as soon as its input is ready: the schedule of a step without a
+    # gradient (an eval step), whatever schedule the method names
+    FORWARD = "forward"
 
 
 class SolverBackend(enum.Enum):

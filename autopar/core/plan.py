@@ -419,6 +419,8 @@ class StageSolution:
     activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
     param_bytes: float           # per device
     grad_bytes: float = 0.0      # per device: its parameters' gradients (the graph's outputs)
+    trains: bool = True          # False: a forward-only stage (no gradient accumulator, no
+                                 # optimizer state, nothing kept for a backward)
     deferred_bytes: float = 0.0  # per device: temporaries its weight-gradient tail reads,
                                  # live from its backward to the end (`deferred_bytes`)
     param_specs: tuple[Spec, ...]

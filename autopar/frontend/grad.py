@@ -60,15 +60,20 @@ value_and_grad_p.multiple_results = True
 VALUE_AND_GRAD = value_and_grad_p.name
 
 
-def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool):
+def expand(*flat_args, jaxpr: jcore.ClosedJaxpr, num_diff: int, has_aux: bool,
+           num_params: int = 0):
     """What the marker computes: (loss, *aux leaves, *gradient leaves) of `jaxpr` with
-    respect to its first `num_diff` inputs."""
+    respect to its first `num_diff` inputs. A forward-only mark (`forward_marked`) has
+    `num_diff` = 0: its outputs are the jaxpr's, and its first `num_params` inputs are the
+    model's state (held by the pipeline stage that reads them, not differentiated)."""
     return value_and_grad_of(jcore.jaxpr_as_fun(jaxpr), flat_args, num_diff)
 
 
 def value_and_grad_of(fun: Callable, flat_args, num_diff: int) -> tuple:
     """(loss, *aux, *gradient leaves) of `fun(*flat_args)` (loss first, then aux) with respect
-    to its first `num_diff` arguments."""
+    to its first `num_diff` arguments; with none (a forward-only mark) its outputs alone."""
+    if num_diff == 0:
+        return tuple(fun(*flat_args))
     rest = flat_args[num_diff:]
 
     def loss_of(*diff):
@@ -80,7 +85,7 @@ def value_and_grad_of(fun: Callable, flat_args, num_diff: int) -> tuple:
     return (loss, *aux, *grads)
 
 
-def _abstract_eval(*avals, jaxpr, num_diff, has_aux):
+def _abstract_eval(*avals, jaxpr, num_diff, has_aux, num_params=0):
     return (*jaxpr.out_avals, *(a.update(weak_type=False) if hasattr(a, "update") else a
                                 for a in avals[:num_diff]))
 
@@ -212,6 +217,48 @@ def _marked(fun: Callable, argnums, has_aux: bool):
         grads = grads[0] if isinstance(argnums, int) else grads
         value = (loss, tu.tree_unflatten(aux_tree, aux)) if has_aux else loss
         return value, grads
+
+    return wrapped
+
+
+def forward_marked(fun: Callable, batch_argnums: Sequence[int]) -> Callable:
+    """`fun` with its whole body in a forward-only mark (no gradient): what a pipeline of a
+    step without `autopar.value_and_grad` (an eval step, a batched forward) plans, as it
+    plans a loss. The mark's inputs are the floating leaves of the arguments outside
+    `batch_argnums` first (the model's state: `num_params` of them), then every other traced
+    leaf, then the values `fun` closes over; its outputs are `fun`'s leaves. Arguments that
+    are not traced (static ones) are closed over.
+
+    Example:
+        >>> marked = forward_marked(eval_step, batch_argnums=(1,))   # eval_step(params, batch)
+        >>> logits, loss = marked(params, batch)      # the same values, one mark around them
+    """
+    batch = set(batch_argnums)
+
+    @functools.wraps(fun)
+    def wrapped(*args):
+        tu = jax.tree_util
+        leaves, tree = tu.tree_flatten(args)
+        owner = [i for i, a in enumerate(args) for _ in tu.tree_leaves(a)]
+        traced = [k for k, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+        is_param = lambda k: owner[k] not in batch and jax.numpy.issubdtype(
+            leaves[k].dtype, jax.numpy.floating)
+        order = [k for k in traced if is_param(k)] + [k for k in traced if not is_param(k)]
+        out_tree = None
+
+        def flat_fun(*values):
+            nonlocal out_tree
+            full = list(leaves)
+            for k, v in zip(order, values):
+                full[k] = v
+            out_leaves, out_tree = tu.tree_flatten(fun(*tu.tree_unflatten(tree, full)))
+            return tuple(out_leaves)
+
+        ins = [leaves[k] for k in order]
+        jaxpr, consts = _closure_converted(flat_fun, ins)
+        outs = value_and_grad_p.bind(*ins, *consts, jaxpr=jaxpr, num_diff=0, has_aux=True,
+                                     num_params=sum(map(is_param, traced)))
+        return tu.tree_unflatten(out_tree, outs)
 
     return wrapped
 

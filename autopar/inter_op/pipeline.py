@@ -41,9 +41,12 @@ class LossGraph:
     step: OpGraph                  # traced with the gradient marker kept as node `grad_node`
     grad_node: int
     forward: OpGraph               # inputs = the marker's operands, in order
-    num_diff: int                  # the first num_diff forward inputs are differentiated
+    num_diff: int                  # the first num_diff forward inputs are the parameters
+                                   # (differentiated, unless forward_only)
     batch_inputs: frozenset[int]   # forward input positions split into microbatches
     reduction: LossReduction | None = None   # how outputs combine over microbatches (M > 1)
+    forward_only: bool = False     # a step without gradient (`frontend.grad.forward_marked`):
+                                   # forward stages only, no backward, no gradients
 
     @property
     def num_aux(self) -> int:
@@ -62,6 +65,13 @@ def _batch_derived(step: OpGraph) -> set[int]:
     return derived
 
 
+def takes_gradient(step: OpGraph) -> bool:
+    """Whether `step` differentiates anything: an `autopar.value_and_grad` mark, or operators
+    JAX's own differentiation made (their name stacks read `jvp(` / `transpose(`)."""
+    return any(n.primitive == VALUE_AND_GRAD or "jvp(" in n.name_stack
+               or "transpose(" in n.name_stack for n in step.nodes)
+
+
 def _grad_node(step: OpGraph):
     grads = [n for n in step.nodes if n.primitive == VALUE_AND_GRAD]
     if len(grads) != 1:
@@ -71,7 +81,8 @@ def _grad_node(step: OpGraph):
             "(jax.value_and_grad and nnx.value_and_grad do not count: they leave no mark). Fix: "
             "take the gradient with `autopar.value_and_grad(loss_fn)(params, ...)` once per "
             "step (a drop-in for jax's, and for nnx's on NNX modules: "
-            "`autopar.value_and_grad(loss_fn)(model, batch)`).")
+            "`autopar.value_and_grad(loss_fn)(model, batch)`). A step without any gradient "
+            "(an eval step) runs as a forward-only pipeline.")
     return grads[0]
 
 
@@ -84,6 +95,8 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
     stack between stages."""
     node, micro_node = _grad_node(step), _grad_node(micro)
     params = node.eqn.params
+    forward_only = "num_params" in params       # `forward_marked`: no gradient
+    num_diff = params["num_params"] if forward_only else params["num_diff"]
     closed: jcore.ClosedJaxpr = micro_node.eqn.params["jaxpr"]
     derived = _batch_derived(step)
     batch = set()
@@ -95,7 +108,7 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
             "size.")
     for pos, (tid, full, mb) in enumerate(zip(node.inputs, full_avals, closed.in_avals)):
         t = step.tensors[tid]
-        if tid in derived and pos >= params["num_diff"]:
+        if tid in derived and pos >= num_diff:
             if t.rank == 0 or (num_microbatches > 1 and tuple(full.shape) == tuple(mb.shape)):
                 continue   # no batch dimension (a token count): every microbatch reads it whole
             if t.shape[0] % num_microbatches or \
@@ -115,23 +128,26 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     forward = trace(split_scans(closed, scan_pieces) if scan_pieces > 1 and has_scan(closed)
                     else jcore.jaxpr_as_fun(closed), avals)
+    what = "the step (a forward-only pipeline)" if forward_only else "the loss function"
     for out in forward.outputs:
         if forward.tensors[out].kind != TensorKind.INTERMEDIATE:
             raise UnsupportedError(
-                "PipeshardParallel: an output of the loss function is an input or a constant "
-                "rather than computed from them; the pipeline cannot place it. Fix: return "
-                "values computed in the loss function.")
+                f"PipeshardParallel: an output of {what} is an input or a constant rather "
+                "than computed from them; the pipeline cannot place it. Fix: return values "
+                f"computed in {what.split(' (')[0]}.")
     reduction = None
     if num_microbatches > 1:
         full = trace(jcore.jaxpr_as_fun(params["jaxpr"]),
                      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in full_avals])
         reduction = reduce_outputs(forward, full, batch_inputs=frozenset(batch),
-                                   num_diff=params["num_diff"], num_microbatches=num_microbatches)
-        warn_inexact(reduction, forward, num_microbatches)
+                                   num_diff=num_diff, num_microbatches=num_microbatches)
+        warn_inexact(reduction, forward, num_microbatches, [
+            f"output {i} of the step" for i in range(len(forward.outputs))]
+            if forward_only else (), gradient=not forward_only)
         forward = guard_ratios(forward, reduction)
-    return LossGraph(step=step, grad_node=node.id, forward=forward,
-                     num_diff=params["num_diff"], batch_inputs=frozenset(batch),
-                     reduction=reduction)
+    return LossGraph(step=step, grad_node=node.id, forward=forward, num_diff=num_diff,
+                     batch_inputs=frozenset(batch), reduction=reduction,
+                     forward_only=forward_only)
 
 
 def layer_boundaries(forward: OpGraph,
@@ -179,6 +195,7 @@ class StageSlice:
     data_inputs: tuple[int, ...]    # other forward input positions used here
     act_inputs: tuple[int, ...]     # tensor ids made by earlier stages, used here
     outputs: tuple[int, ...]        # tensor ids made here and used later (or loss outputs)
+    forward_only: bool = False      # the loss's: the stage runs its forward alone
 
 
 def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> StageSlice:
@@ -202,7 +219,7 @@ def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> Stage
                 and start <= fwd.tensors[t].producer < stop)
     return StageSlice(index=index, start=start, stop=stop, param_inputs=tuple(sorted(params)),
                       data_inputs=tuple(sorted(data)), act_inputs=tuple(sorted(acts)),
-                      outputs=tuple(sorted(outs)))
+                      outputs=tuple(sorted(outs)), forward_only=loss.forward_only)
 
 
 _LAST_READER: dict[int, tuple[OpGraph, list[int]]] = {}    # graph id -> (graph, last reader)

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from autopar.core.enums import Schedule
+from autopar.core.enums import Remat, Schedule
 from autopar.core.errors import InvalidArgumentError
 from autopar.core.graph import InputRole
 from autopar.core.options import (
@@ -153,6 +153,7 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
     loss = split_step(step, micro, m, scan_pieces=layers.num_layers       # scans can be cut
                       if isinstance(layers, AutoLayerOption) else 1)
     t_trace = time.perf_counter() - t0
+    method = forward_only_method(method, loss)
     bounds = layer_boundaries(loss.forward, method.layer_option)
     log.info("autopar: loss cut into %d layers (%d forward operators)", len(bounds) - 1,
              len(loss.forward.nodes))
@@ -161,13 +162,31 @@ def plan_pipeline(fun: Callable, args: tuple, *, cluster: ClusterSpec,
                            stage_method, _readable(stage_solutions))
     placement = place(loss, result.stages, _state_pins(loss, result, stage_method or method))
     t_stages = time.perf_counter() - t1
-    local = tuple(stage_local_grads(loss, st) if m > 1 else None for st in result.stages)
+    local = tuple(stage_local_grads(loss, st) if m > 1 and not loss.forward_only else None
+                  for st in result.stages)
     plan = _build_plan(loss, result, placement, method, cluster, device_ids, mesh_shape,
                        {"trace": t_trace, "inter_op": t_stages},
                        (stage_method or method).kind, local)
     return plan, PipelineParts(loss=loss, inter_op=result, placement=placement,
                                local_grads=local,
                                schedule=Schedule(plan.pipeline["schedule"])), step
+
+
+def forward_only_method(method: PipeshardParallel, loss: LossGraph) -> PipeshardParallel:
+    """`method` as a forward-only pipeline runs it: `Schedule.FORWARD` (each forward as soon
+    as its input is ready; with no backward every schedule is that one), no recomputation;
+    `method` itself for a step with a gradient, which `Schedule.FORWARD` cannot run."""
+    if not loss.forward_only:
+        if method.schedule is Schedule.FORWARD:
+            raise InvalidArgumentError(
+                "PipeshardParallel(schedule=Schedule.FORWARD) runs forwards only, but the step "
+                "takes a gradient (autopar.value_and_grad). Fix: a training schedule, e.g. "
+                "Schedule.ONE_F_ONE_B or Schedule.AUTO.")
+        return method
+    if method.schedule not in (Schedule.FORWARD, Schedule.AUTO, Schedule.ONE_F_ONE_B):
+        log.info("autopar: the step takes no gradient, so it runs as a forward-only pipeline "
+                 "(Schedule.FORWARD), not %s", method.schedule.value)
+    return dataclasses.replace(method, schedule=Schedule.FORWARD, remat=Remat.NONE)
 
 
 def _state_pins(loss: LossGraph, result: InterOpResult, method: ShardParallel):
@@ -247,7 +266,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
         # one stage: the microbatches loop inside one executable (lowering.accumulate)
-        "one_executable": one_executable(len(stages), m),
+        "one_executable": one_executable(len(stages), m) and not loss.forward_only,
+        "forward_only": loss.forward_only,
         # per stage: gradients accumulated as partial sums and reduced once per step
         "local_gradients": [sum(lg.grad_outputs) if lg else 0 for lg in local],
         "num_gradients": [len(st.slice.param_inputs) for st in result.stages],

@@ -428,9 +428,11 @@ def guard_ratios(forward: OpGraph, reduction: LossReduction) -> OpGraph:
 
 
 def warn_inexact(reduction: LossReduction, forward: OpGraph, num_microbatches: int,
-                 names: Sequence[str] = ()) -> None:
+                 names: Sequence[str] = (), gradient: bool = True) -> None:
     """A `MicrobatchReductionWarning` for every output combined without proof that it equals
-    the full batch's (the loss: its gradient would differ too). `names`: each output's name."""
+    the full batch's (the loss: its gradient would differ too). `names`: each output's name;
+    `gradient`: whether output 0 is a loss that is differentiated (not in a forward-only
+    pipeline)."""
     for pos, (out, tid) in enumerate(zip(reduction.outputs, forward.outputs)):
         if out.combine != Combine.UNKNOWN:
             continue
@@ -442,14 +444,15 @@ def warn_inexact(reduction: LossReduction, forward: OpGraph, num_microbatches: i
         how = "averaged" if _floating(forward, tid) else "summed"
         fix = ("write the loss as a mean over examples (jnp.mean), a sum over examples "
                "(jnp.sum), or sum(l * w) / sum(w) with weights computed from the batch alone; "
-               "or use num_microbatches=1" if pos == 0 else
+               "or use num_microbatches=1" if pos == 0 and gradient else
                "return the per-example values (they are concatenated) or sums over examples, "
                "and reduce them after the gradient step")
         warnings.warn(MicrobatchReductionWarning(
             f"num_microbatches={num_microbatches}: {what} (shape {t.shape}, made at {where}) "
             f"cannot be shown to combine exactly over microbatches: {out.reason}. It is "
             f"{how} over the microbatches, which is not the full batch's value in general"
-            + (", and so is its gradient" if pos == 0 else "") + f". Fix: {fix}."),
+            + (", and so is its gradient" if pos == 0 and gradient else "")
+            + f". Fix: {fix}."),
             stacklevel=2)
     if reduction.fold_reason:
         how = ("each microbatch draws from fold_in(key, m), so its dropout masks are not the "

@@ -107,6 +107,13 @@ class PipelineSchedule:
         return self.schedule in SPLIT
 
     @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The kinds of task the table runs for every stage and microbatch."""
+        if self.schedule is Schedule.FORWARD:
+            return (Phase.FORWARD,)
+        return tuple(Phase) if self.split_backward else (Phase.FORWARD, Phase.BACKWARD)
+
+    @property
     def num_clocks(self) -> int:
         return len(self.clocks)
 
@@ -161,6 +168,8 @@ class PipelineSchedule:
 
 def _peaks(s: PipelineSchedule, opens: Phase, closes: Phase, n: int, where) -> tuple[int, ...]:
     live, peak = [0] * n, [0] * n
+    if s.schedule is Schedule.FORWARD:      # nothing is kept for a backward
+        return tuple(peak)
     for row in s.clocks:
         for t in row:
             if t is None:
@@ -220,6 +229,7 @@ class _Policy:
     deferred: tuple[int, ...]      # per group: Ws left waiting beyond which W runs first
     f_key: Callable[[int, int], tuple]   # (stage, microbatch) -> rank among ready Fs
     b_key: Callable[[int, int], tuple]
+    backward: bool = True                # False: a forward-only table (no B, no W)
 
 
 def placement_of(schedule: Schedule, num_stages: int,
@@ -246,6 +256,8 @@ def _policy(schedule: Schedule, K: int, M: int, v: int) -> _Policy:
     huge = (K * M,) * G
     if schedule is Schedule.GPIPE:
         return _Policy(place, huge, huge, plain, plain)
+    if schedule is Schedule.FORWARD:
+        return _Policy(place, huge, huge, plain, plain, backward=False)
     if schedule is Schedule.INTERLEAVED_1F1B:
         # Megatron's order: microbatches in rounds of G, each round through chunk 0, 1, ...
         # forward and ..., 1, 0 backward; group g warms up with 2(G-g-1) + (v-1)G forwards
@@ -332,7 +344,7 @@ def _simulate_clocks(schedule: Schedule, K: int, M: int, pol: _Policy,
     waiting_w: list[list[Task]] = [[] for _ in range(G)]
     live = [0] * G
     clocks: list[tuple[Task | None, ...]] = []
-    total = (3 if split else 2) * K * M
+    total = (3 if split else 2 if pol.backward else 1) * K * M
     ran = 0
     while ran < total:
         row: list[Task | None] = [None] * G
@@ -375,7 +387,7 @@ def _choose(g, stages, pol: _Policy, K, M, next_f, next_b, f_done, b_done, waiti
         if f_ready:
             k = min(f_ready, key=lambda k: pol.f_key(k, next_f[k]))
             return Task(Phase.FORWARD, k, next_f[k])
-    b_ready = [k for k in stages if next_b[k] < M and f_done[k] > next_b[k]
+    b_ready = [k for k in stages if pol.backward and next_b[k] < M and f_done[k] > next_b[k]
                and (k == K - 1 or b_done[k + 1] > next_b[k])]
     if b_ready:
         k = min(b_ready, key=lambda k: pol.b_key(k, next_b[k]))

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from autopar.core.errors import InvalidArgumentError
 from autopar.inter_op.schedule import (
-    SPLIT,
     Phase,
     PipelineSchedule,
     Task,
@@ -60,14 +59,16 @@ def check_schedule(s: PipelineSchedule) -> None:
             f"device group, using groups 0..n-1 with none left empty.")
     G = s.num_groups
     when = _when(s, K, M, G)
-    phases = (Phase.FORWARD, Phase.BACKWARD, Phase.WEIGHT) if s.schedule in SPLIT \
-        else (Phase.FORWARD, Phase.BACKWARD)
+    phases = s.phases
     for t in when:
         if t.phase not in phases:
             raise InvalidArgumentError(
-                f"rule 'exactly once': {t.describe()} is a weight-gradient task, but "
-                f"Schedule.{s.schedule.name} runs the weight gradient inside B. Fix: drop it, "
-                f"or build the table for a zero-bubble schedule.")
+                f"rule 'exactly once': {t.describe()} is a {t.phase.value} task, but "
+                f"Schedule.{s.schedule.name} runs "
+                + ("forwards only (a step without a gradient)" if len(phases) == 1 else
+                   "the weight gradient inside B") + ". Fix: drop it"
+                + ("." if len(phases) == 1 else ", or build the table for a zero-bubble "
+                   "schedule."))
     for k in range(K):
         for m in range(M):
             for phase in phases:

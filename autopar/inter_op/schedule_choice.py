@@ -51,6 +51,10 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     m, n = num_microbatches, len(stages)
     lat = [st.solution.latency_s for st in stages]
     formula = sum(lat) + (m - 1) * max(lat)
+    if schedule is Schedule.FORWARD:            # forward-only: nothing held, no choice
+        table = make_schedule(schedule, n, m)
+        return ScheduleChoice(schedule, table, formula,
+                              tuple(stage_peaks(stages, loss, table.held())), ())
     if one_executable(n, m):                    # one loop in one executable: no table
         fixed = Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
         held = make_schedule(fixed, n, m).held()

@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 def held_bytes(sol: StageSolution, opt_ratio: float, zero: bool = False) -> float:
     """Params, gradient accumulator and optimizer state (split over the data axis with ZeRO):
-    held for the whole step."""
+    held for the whole step; none in a forward-only stage (its parameters are resident)."""
+    if not sol.trains:
+        return 0.0
     return sol.param_bytes + sol.optimizer_bytes(opt_ratio, zero)
 
 

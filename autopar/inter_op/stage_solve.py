@@ -101,14 +101,18 @@ def _aval(t) -> jax.ShapeDtypeStruct:
 
 
 def trace_stage(loss: LossGraph, sl: StageSlice) -> OpGraph:
-    """The stage's training graph (inputs: params, data, float acts, int acts, cotangents)."""
+    """The stage's training graph (inputs: params, data, float acts, int acts, cotangents);
+    of a forward-only stage, its forward graph (no cotangents, no gradients)."""
     io = stage_io(loss, sl)
     fwd = loss.forward
     ins = lambda ids: [_aval(fwd.tensors[i]) for i in ids]
     args = (ins(fwd.inputs[p] for p in sl.param_inputs),
             ins(fwd.inputs[p] for p in sl.data_inputs),
-            ins(io.float_acts), ins(io.int_acts), ins(io.float_outputs))
-    return trace(stage_train_fn(loss, sl, io), args, batch_argnums=(1,))
+            ins(io.float_acts), ins(io.int_acts))
+    if sl.forward_only:
+        return trace(stage_body(loss, sl, io), args, batch_argnums=(1,))
+    return trace(stage_train_fn(loss, sl, io), (*args, ins(io.float_outputs)),
+                 batch_argnums=(1,))
 
 
 def forward_batch_dims(loss: LossGraph) -> dict:
@@ -149,6 +153,9 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
     recomputation of a `jax.checkpoint`, which the backward runs from the checkpoint's saved
     inputs); nodes computed from constants alone go to both parts (each recomputes what it
     needs, so they are never kept)."""
+    if sl.forward_only:                # no backward: nothing is kept for one
+        return TrainSplit(forward_nodes=tuple(range(len(graph.nodes))), backward_nodes=(),
+                          residuals=())
     n_out = len(sl.outputs)            # graph outputs: stage outputs, then the gradients
     num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
     late = set(graph.inputs[len(graph.inputs) - num_cts:])
@@ -278,7 +285,7 @@ class StageProblem:
 
     def _held(self, in_flight: int | None, opt_ratio: float) -> dict[int, float]:
         held = {}
-        if in_flight is not None:
+        if in_flight is not None and not self.slice.forward_only:   # no accumulator then
             graph, n_params = self.graph, len(self.slice.param_inputs)
             held = {t: 1.0 + opt_ratio for t in graph.inputs[:n_params]}
             for t in split_train_graph(graph, self.slice).residuals:
@@ -353,7 +360,7 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
-        param_bytes=param_bytes, grad_bytes=grad_bytes,
+        param_bytes=param_bytes, grad_bytes=grad_bytes, trains=not sl.forward_only,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),
         grad_specs=tuple(outs[n_out:n_out + p]), ilp=a.ilp,

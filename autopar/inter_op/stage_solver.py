@@ -92,6 +92,8 @@ def slice_key(loss: LossGraph, sl: StageSlice, act_dims=None) -> str:
         h.update(f"{node.primitive}[{params_text}]{region}({ins});".encode())
     h.update(("->" + ",".join(local[t] for t in sl.outputs)).encode())
     h.update(f"{len(sl.param_inputs)},{len(sl.data_inputs)},{len(sl.act_inputs)}".encode())
+    if sl.forward_only:          # traced without a backward
+        h.update(b"forward-only")
     return h.hexdigest()[:16]
 
 
@@ -115,7 +117,7 @@ class StageSolver:
         self.num_ilps = self.num_reused = self.num_replayed = 0
         self.pool: PlanPool | None = None     # worker processes for `_layer_options`' ILPs
         self.needed: dict[tuple[int, int], float] = {}  # slice -> least bytes it needed
-        self.opt_ratio = opt_ratio_of(loss.step)
+        self.opt_ratio = opt_ratio_of(loss)
         self.mirror_ok = _axis_blind(method, loss.forward)
         self.mirrors: dict = {}
         self._shards: dict = {}       # (tensor shape, view) -> the most pieces it splits into
@@ -131,7 +133,9 @@ class StageSolver:
             if g is None:
                 g = self.traces[key[:2]] = trace_stage(self.loss, sl)
             tied = self.cluster is not None and self.cluster.hoists_recomputation()
-            if remat != Remat.NONE:
+            if sl.forward_only:          # no backward: nothing to recompute in one
+                pass
+            elif remat != Remat.NONE:
                 layers = sum(sl.start <= b < sl.stop for b in self.boundaries)
                 bounds = forward_layers(g, max(1, layers))
                 if bounds is not None:
@@ -436,8 +440,12 @@ def _axis_blind(method: ShardParallel, forward: OpGraph) -> bool:
         for n in forward.nodes)
 
 
-def opt_ratio_of(step: OpGraph) -> float:
-    """Optimizer-state bytes per parameter byte (Adam: 2), to size a stage's static memory."""
+def opt_ratio_of(loss: LossGraph) -> float:
+    """Optimizer-state bytes per parameter byte (Adam: 2), to size a stage's static memory;
+    0 in a forward-only pipeline (no update runs, whatever state the step is handed)."""
+    if loss.forward_only:
+        return 0.0
+    step = loss.step
     by_role = {r: 0 for r in InputRole}
     for t in step.inputs:
         by_role[step.tensors[t].role] += step.tensors[t].nbytes

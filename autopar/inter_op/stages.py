@@ -232,6 +232,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
     solver = StageSolver(loss, cluster, stage_method or method, tuple(boundaries))
     pipeline = stage_method is None          # not gradient accumulation
+    zeros = pipeline and not loss.forward_only     # ZeRO searched where there is an update
     dp, others, chosen = (0, 0, 0.0), (), 0.0
     dph = cluster.devices_per_host
     chunked = pipeline and method.schedule in CHUNKED
@@ -252,7 +253,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   [[tuple(v)] for v in option.logical_shapes], device_ids,
                                   solver, method, budget,
                                   _stage_remats(method, option, len(option.layer_spans)),
-                                  _stage_zeros(option, len(option.layer_spans), pipeline),
+                                  _stage_zeros(option, len(option.layer_spans), zeros),
                                   given=solutions, placed=chunk_devices(
                                       method.schedule, len(option.layer_spans), device_ids)
                                   if chunked else None)
@@ -272,11 +273,11 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
                                   [logical_shapes(per)] * s, device_ids, solver, method,
                                   budget / chunks, _stage_remats(method, option, s),
-                                  _stage_zeros(option, s, pipeline), placed=placed)
+                                  _stage_zeros(option, s, zeros), placed=placed)
     else:
         with PlanPool(plan_workers(option.workers)) as solver.pool:
             stages, dp, seen = _auto(loss, boundaries, cluster, device_ids, method, option,
-                                     solver, budget, pipeline)
+                                     solver, budget, zeros)
         chosen = next(t for got, t, _ in seen if got is stages)     # reranked's pick
         others = _layout_records([c for c in seen if c[0] is not stages], loss, method, budget)
     stages = _with_peaks(stages, loss, method, budget)
@@ -294,7 +295,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
 def stage_peaks(stages, loss: LossGraph, held) -> list[tuple[float, int]]:
     """(peak bytes, microbatches held) per stage, stage p holding `held[p]` microbatches'
     activations (`PipelineSchedule.held`; the DP's formula)."""
-    opt_ratio = opt_ratio_of(loss.step)
+    opt_ratio = opt_ratio_of(loss)
     return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
              q) for st, q in zip(stages, held)]
 

@@ -38,8 +38,10 @@ from autopar.lowering.microbatch import Merger
 
 
 def runs_whole(program) -> bool:
-    """Whether `program` runs as one executable (`inter_op.schedule.one_executable`)."""
-    return one_executable(len(program.stages), program.num_microbatches)
+    """Whether `program` runs as one executable (`inter_op.schedule.one_executable`); a
+    forward-only program runs its microbatches task by task."""
+    return one_executable(len(program.stages), program.num_microbatches) \
+        and not program.loss.forward_only
 
 
 def _constrain(x, sharding):

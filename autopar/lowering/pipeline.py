@@ -51,10 +51,11 @@ class StageExecutable:
     # rows of the whole batch's (`lowering.microbatch_bits`).
     forward: Callable     # (params, data, float_acts, int_acts, mb) -> (outs, int_outs,
                           # residuals)
-    backward: Callable    # ((residuals, params, data, saved acts), cts, acc, mb) -> (acc,
-                          # act_grads); acc=None the first time
-    fused: Callable       # (params, data, float_acts, int_acts, cts, acc, mb) -> (outs,
-                          # int_outs, acc, act_grads)
+    backward: Callable | None   # ((residuals, params, data, saved acts), cts, acc, mb) ->
+                                # (acc, act_grads); acc=None the first time; None in a
+                                # forward-only pipeline (and so `fused`)
+    fused: Callable | None      # (params, data, float_acts, int_acts, cts, acc, mb) ->
+                                # (outs, int_outs, acc, act_grads)
     # The backward split for zero-bubble schedules: B gives the activation gradients and the
     # values W reads that B computes (its hand-off); W adds the parameter gradients.
     backward_input: Callable | None = None    # (saved, cts, mb) -> (act_grads, handoff)
@@ -110,7 +111,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         graph, pinned, sol.reshards, sol.logical_shape, mesh).items() if len(path) > 1}
     split = split_train_graph(graph, sl)
     nodes = lambda g, ids: [g.nodes[n] for n in ids]
-    n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
+    # all but the cotangents (a forward-only stage's graph has none)
+    n_in = len(graph.inputs) - (0 if sl.forward_only else len(io.float_outputs))
     n_out = len(io.float_outputs) + len(io.int_outputs)
     n_grads = len(sl.param_inputs)
     # With several microbatches, gradients accumulate as per-device partial sums, reduced
@@ -188,6 +190,13 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         run_bwd(g, env, nodes(g, split.backward_nodes))
         return finish(env, acc)
 
+    out_sh = ([outs[t] for t in io.float_outputs], [outs[t] for t in io.int_outputs])
+    common = dict(index=sl.index, slice=sl, mesh=mesh, io=io,
+                  param_shardings=sh(sol.param_specs), data_shardings=sh(sol.data_specs),
+                  act_shardings=acts, out_shardings=outs, graph=graph)
+    if sl.forward_only:              # a step without gradient: the forward alone
+        return StageExecutable(**common, forward=jax.jit(forward, out_shardings=(*out_sh, None)),
+                               backward=None, fused=None)
     parts = stage_backward_split(loss, sl, graph, split.backward_nodes)
 
     def backward_input(saved, cts, mb):
@@ -209,16 +218,12 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         out = [result(env, pos) for pos in range(n_out)]
         return (out[:len(io.float_outputs)], out[len(io.float_outputs):], *finish(env, acc))
 
-    out_sh = ([outs[t] for t in io.float_outputs], [outs[t] for t in io.int_outputs])
     return StageExecutable(
-        index=sl.index, slice=sl, mesh=mesh, io=io, param_shardings=sh(sol.param_specs),
-        data_shardings=sh(sol.data_specs), act_shardings=acts, out_shardings=outs,
-        forward=jax.jit(forward, out_shardings=(*out_sh, None)),
+        **common, forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
         backward_input=jax.jit(backward_input),
         backward_weight=jax.jit(backward_weight, donate_argnums=(2,)), backward_split=parts,
-        graph=graph,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
         saved_acts=saved_acts, acc_shardings=grads)
 

@@ -281,6 +281,8 @@ class Executor:
             st.forward(state.params[st.index], state.data[st.index][m], acts[:nf], acts[nf:],
                        self._index(st, m)))
         self._outputs(state, st, m, o, o_int)
+        if st.backward is None:              # forward-only: nothing kept for a backward
+            return
         live = state.residuals[st.index]     # with the inputs the backward reads (no copies)
         live[m] = (residuals, state.params[st.index], state.data[st.index][m],
                    [acts[i] for i in st.saved_acts])
@@ -368,6 +370,8 @@ class Executor:
                     weights = [self._put(w, whole) for w in weights]
                 vals = [self._dispatched(self._merge(pos, vals, weights))]
             env[gnode.outputs[pos]] = {s: vals[0]}
+        if p.loss.forward_only:         # no gradients
+            return
         n_val = len(fwd.outputs)
         by_param: dict[int, list] = collections.defaultdict(list)
         for st in p.stages:
