@@ -63,7 +63,8 @@ def check_schedule(s: PipelineSchedule) -> None:
     for t in when:
         if t.phase not in phases:
             raise InvalidArgumentError(
-                f"rule 'exactly once': {t.describe()} is a {t.phase.value} task, but "
+                f"rule 'exactly once': {t.describe()} is a "
+                f"{'weight-gradient' if t.phase is Phase.WEIGHT else t.phase.value} task, but "
                 f"Schedule.{s.schedule.name} runs "
                 + ("forwards only (a step without a gradient)" if len(phases) == 1 else
                    "the weight gradient inside B") + ". Fix: drop it"

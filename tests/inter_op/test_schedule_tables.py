@@ -42,12 +42,31 @@ def test_every_table_is_valid_complete_and_within_its_promise():
     for G, M, v, s in _tables():
         check_schedule(s)
         tasks = s.order()
-        per = 3 if s.split_backward else 2
+        per = len(s.phases)          # F, B (and W where split); F alone for FORWARD
         assert len(tasks) == len(set(tasks)) == per * G * v * M, (s.schedule, G, M, v)
         assert s.num_groups == G and s.num_stages == G * v
         assert all(p <= q for p, q in zip(s.group_in_flight(), s.promise))
         for g in range(G):
             assert all(s.group_of(t.stage) == g for t in s.tasks_of(g))
+
+
+def test_the_forward_table_streams_each_forward_as_soon_as_its_input_is_ready():
+    for S, M in GRID:
+        s = make_schedule(Schedule.FORWARD, S, M)
+        assert s.phases == (Phase.FORWARD,)
+        assert simulate(s, lambda t: 1.0).makespan == M + S - 1 == s.num_clocks
+        assert s.held() == s.in_flight() == (0,) * S        # nothing kept for a backward
+        assert s.tasks_of(S - 1) == tuple(F(S - 1, m) for m in range(M))
+
+
+def test_the_checker_rejects_a_backward_in_a_forward_table():
+    s = make_schedule(Schedule.FORWARD, 2, 2)
+    broken = dataclasses.replace(s, clocks=s.clocks + ((None, B(1, 0)),))
+    with pytest.raises(InvalidArgumentError, match=r"rule 'exactly once': B\(stage=1, "
+                       r"microbatch=0\) is a backward task, but Schedule.FORWARD runs "
+                       r"forwards only"):
+        check_schedule(broken)
+    check_schedule(s)
 
 
 def test_zb_h1_cuts_the_bubble_of_1f1b_to_a_third_at_its_in_flight_activations():
