@@ -173,7 +173,10 @@ class StageSolver:
         share one."""
         graph, fp, first = self.search_graph(sl, remat)
         paths = stage_input_paths(self.loss, sl) if self.method.sharding_rules else ()
-        key = (fp, submesh, shape, paths)
+        # which inputs are parameters, data and activations: a forward-only stage reading a
+        # [batch, d] activation and one reading [batch, d] data trace to equal graphs
+        layout = (len(sl.param_inputs), len(sl.data_inputs), len(sl.act_inputs))
+        key = (fp, submesh, shape, paths, layout)
         if key not in self.problems:
             t0 = time.perf_counter()
             sub = self.cluster.with_(num_hosts=submesh[0], devices_per_host=submesh[1])

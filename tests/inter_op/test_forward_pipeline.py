@@ -1,0 +1,195 @@
+"""Forward-only pipelines (issue 27, item 4): a step without a gradient (an eval step, a
+batched forward) under `PipeshardParallel` runs as forward stages only, microbatches streamed
+through them (`Schedule.FORWARD`) and each output combined back into the whole batch's (rows
+in batch order, means averaged); it equals `jax.jit` on 8 simulated CPU devices, keeps
+nothing for a backward, and a model too large for one submesh's budget fits the pipeline."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import autopar
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.inter_op.schedule import Phase
+from autopar.runtime.compile_only import Role, abstract_args, compile_program
+from autopar.verify.pipeline_memory_check import stage_memory
+from autopar.models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
+from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
+from support.hlo import hlo_collectives
+from support.steps import mesh_of
+
+CFG = GPTConfig(vocab_size=128, seq_len=16, num_layers=4, hidden=32, num_heads=4)
+
+
+def _method(stages=4, microbatches=4, layers=4, **kw):
+    return autopar.PipeshardParallel(
+        num_microbatches=microbatches, layer_option=autopar.AutoLayerOption(num_layers=layers),
+        stage_option=autopar.UniformStageOption(num_stages=stages), **kw)
+
+
+def _gpt_eval():
+    """(eval_step, state, batch): a linen GPT in a TrainState with Adam's state (which the
+    eval never reads), returning logits, mean loss, accuracy and integer predictions."""
+    net = GPT(CFG)
+    batch = make_gpt_batch(jax.random.key(1), 16, CFG)
+    params = net.init(jax.random.key(0), batch["tokens"])
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params,
+                                          tx=optax.adam(1e-3))
+
+    def eval_step(state, batch):
+        logits = state.apply_fn(state.params, batch["tokens"])
+        preds = jnp.argmax(logits, -1)
+        accuracy = jnp.mean(preds[:, :-1] == batch["tokens"][:, 1:])
+        return {"logits": logits, "loss": gpt_loss(logits, batch["tokens"]),
+                "accuracy": accuracy, "predictions": preds}
+    return eval_step, state, batch
+
+
+def _assert_close(want, got, rtol=1e-5):
+    for path, w in jax.tree_util.tree_leaves_with_path(want):
+        g = np.asarray(dict(jax.tree_util.tree_leaves_with_path(got))[path])
+        w = np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * max(np.abs(w).max(), 1.0),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_4_stage_gpt_eval_step_equals_jit_and_runs_forwards_only():
+    eval_step, state, batch = _gpt_eval()
+    want = jax.jit(eval_step)(state, batch)
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method())
+    got = par(state, batch)
+    _assert_close(want, got)
+    assert np.array_equal(got["predictions"], want["predictions"])   # ints: exactly
+    plan = par.get_plan(state, batch)
+    assert plan.pipeline["schedule"] == "forward" and plan.pipeline["forward_only"]
+    assert len(plan.stages) == 4 and plan.pipeline["in_flight"] == [0, 0, 0, 0]
+    # each output combined as the graph shows: rows back in batch order, means averaged
+    assert plan.pipeline["microbatch_combine"] == ["mean", "concat", "mean", "concat"]
+    ex = par.get_executor(state, batch)
+    assert {t.phase for t in ex.stats.order} == {Phase.FORWARD}
+    assert tuple(ex.stats.order) == ex.p.schedule.order()       # the table's order, run
+    assert ex.stats.max_live_microbatches == [0] * 4               # nothing kept
+    assert all(st.backward is None and st.fused is None for st in ex.p.stages)
+    # a stage's graph is its forward (outputs: the stage's, no gradients), and its memory
+    # counts no accumulator or optimizer state (Adam's is in the state, never read)
+    for st in ex.p.stages:
+        assert len(st.graph.outputs) == len(st.io.float_outputs) + len(st.io.int_outputs)
+    assert [r["trains"] for r in plan.stage_solutions] == [False] * 4
+    _assert_close(want, par(state, batch))        # a second call: no re-plan, same values
+
+
+def _train_step(state, batch):
+    loss, grads = autopar.value_and_grad(
+        lambda p: gpt_loss(state.apply_fn(p, batch["tokens"]), batch["tokens"]))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_eval_stages_compile_to_forwards_that_keep_nothing_and_need_less_than_training():
+    """The same GPT on the same 2 stages and microbatches, as an eval step and as a train
+    step: the eval's compiled stages are forwards returning their outputs alone (no
+    residuals, no accumulator, no gradient all-reduce), and each stage's compiled peak is
+    below the training stage's."""
+    eval_step, state, batch = _gpt_eval()
+    leaves = jax.tree_util.tree_leaves((state, batch))
+    mems, calls_of = [], []
+    for step in (eval_step, _train_step):
+        par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, 2))
+        par(state, batch)
+        program = par.get_executor(state, batch).p
+        calls, live = compile_program(program, abstract_args(leaves, program.in_shardings))
+        calls_of.append(calls)
+        mems.append(stage_memory(program, leaves, 2))
+    (ev_calls, tr_calls), (ev_mem, tr_mem) = calls_of, mems
+    ev_roles = {c.role for c in ev_calls if c.stage is not None}
+    assert ev_roles == {Role.FORWARD}, ev_roles
+    assert Role.FUSED in {c.role for c in tr_calls}
+    assert all(c.outs[2] == [] for c in ev_calls if c.role is Role.FORWARD)
+    assert any(c.outs[2] for c in tr_calls if c.role is Role.FORWARD)   # stage 0 keeps some
+    for c in ev_calls:
+        if c.role is Role.FORWARD:
+            kinds = {k for k, _ in hlo_collectives(c.compiled.as_text())}
+            assert "all-reduce" not in kinds or c.stage == 1, (c.stage, kinds)  # no grads
+    for e, t in zip(ev_mem, tr_mem):
+        assert e.accumulator == e.stash == e.in_flight == 0
+        assert t.accumulator > 0
+        assert e.peak < t.peak, (e, t)
+
+
+def test_an_nnx_eval_step_runs_by_swapping_the_decorator():
+    model = NnxGPT(CFG, rngs=nnx.Rngs(0))
+    batch = make_gpt_batch(jax.random.key(1), 16, CFG)
+
+    def eval_step(model, batch):
+        logits = model(batch["tokens"])
+        return logits, gpt_loss(logits, batch["tokens"])
+
+    want = nnx.jit(eval_step)(model, batch)
+    got = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method(2, 4))(
+        model, batch)
+    _assert_close(want, got)
+
+
+def test_microbatched_eval_on_one_mesh_equals_jit():
+    """`ShardParallel(num_microbatches=M)` on an eval step: the batch through one stage in
+    M pieces (one microbatch's activations at a time)."""
+    eval_step, state, batch = _gpt_eval()
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)),
+                              method=autopar.ShardParallel(num_microbatches=4))
+    _assert_close(jax.jit(eval_step)(state, batch), par(state, batch))
+    plan = par.get_plan(state, batch)
+    assert plan.pipeline["forward_only"] and plan.pipeline["schedule"] == "forward"
+
+
+def _mlp_eval(hidden=256, layers=4, batch_size=64):
+    net = MLP(num_layers=layers, hidden=hidden)
+    batch = make_mlp_batch(jax.random.key(1), batch_size, hidden, hidden)
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def eval_step(params, batch):
+        out = net.apply(params, batch["x"])
+        return out, mse_loss(out, batch["y"])
+    return eval_step, params, batch
+
+
+def test_a_model_too_large_for_one_submesh_plans_and_runs_as_a_pipeline():
+    eval_step, params, batch = _mlp_eval()
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))    # ~1 MiB
+    budget = int(0.4 * param_bytes)
+    # one 2-device submesh cannot hold the model within the budget: at least half of it
+    # per device, whatever the sharding
+    with pytest.raises(InfeasiblePlanError, match="bytes"):
+        autopar.parallelize(eval_step, mesh=mesh_of((1, 2)), plan_cache=False,
+                            method=autopar.ShardParallel(memory_budget_bytes=budget))(
+                                params, batch)
+    # four stages of one layer each on 2 devices apiece fit
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)),
+                              method=_method(4, 4, memory_budget_bytes=budget))
+    _assert_close(jax.jit(eval_step)(params, batch), par(params, batch))
+    plan = par.get_plan(params, batch)
+    assert len(plan.stages) == 4
+    assert all(s.peak_memory_bytes <= budget for s in plan.stages)
+    assert all(len(s.device_ids) == 2 for s in plan.stages)
+    # the compiled stages, as XLA counts them, fit the budget too
+    program = par.get_executor(params, batch).p
+    peaks = [m.peak for m in stage_memory(program, jax.tree_util.tree_leaves((params, batch)),
+                                          4)]
+    assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_the_forward_schedule_is_refused_for_a_step_that_takes_a_gradient():
+    eval_step, state, batch = _gpt_eval()
+    par = autopar.parallelize(_train_step, mesh=mesh_of((2, 4)), plan_cache=False,
+                              method=_method(2, 2, schedule=autopar.Schedule.FORWARD))
+    with pytest.raises(InvalidArgumentError, match=r"Schedule.FORWARD\) runs forwards only.*"
+                       r"Fix: a training schedule"):
+        par(state, batch)
+    # an eval step under any schedule runs forwards only
+    got = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=dataclasses.replace(
+        _method(2, 2), schedule=autopar.Schedule.ZERO_BUBBLE_H1))(state, batch)
+    _assert_close(jax.jit(eval_step)(state, batch), got)
