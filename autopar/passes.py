@@ -31,8 +31,8 @@ from autopar.frontend.checks import (
     warn_one_microbatch,
     warn_unmatched_rules,
 )
-from autopar.frontend.nnx import BoundCall, PureStep
 from autopar.frontend.grad import forward_marked
+from autopar.frontend.nnx import BoundCall, PureStep
 from autopar.frontend.tracer import trace
 from autopar.inter_op.pipeline import takes_gradient
 from autopar.inter_op.pipeshard import accumulation_method, plan_pipeline

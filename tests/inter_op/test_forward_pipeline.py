@@ -16,10 +16,10 @@ from flax.training import train_state
 import autopar
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.inter_op.schedule import Phase
-from autopar.runtime.compile_only import Role, abstract_args, compile_program
-from autopar.verify.pipeline_memory_check import stage_memory
 from autopar.models.gpt import GPT, GPTConfig, NnxGPT, gpt_loss, make_gpt_batch
 from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
+from autopar.runtime.compile_only import Role, abstract_args, compile_program
+from autopar.verify.pipeline_memory_check import stage_memory
 from support.hlo import hlo_collectives
 from support.steps import mesh_of
 
