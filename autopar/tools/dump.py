@@ -200,6 +200,13 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     if p.get("microbatch_combine"):      # per loss output: mean, sum, ratio, concat, unknown
         reduced += "; loss outputs over microbatches: " + ", ".join(p["microbatch_combine"])
     compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
+    forward = p.get("forward_only", False)
+    if not plan.is_pipeline and forward:      # a forward in microbatches on one mesh
+        s = plan.stages[0]
+        return [f"forward only (no gradient): {p['num_microbatches']} microbatch(es) through "
+                f"one stage ({_time(s.latency_s)} each, predicted), one executable per "
+                f"microbatch; predicted step {_time(p['predicted_latency_s'])}, peak memory "
+                f"{_bytes(s.peak_memory_bytes)} per device{reduced}"]
     if not plan.is_pipeline:           # gradient accumulation on one mesh
         s = plan.stages[0]
         return [f"gradient accumulation: {p['num_microbatches']} microbatch(es) of "
@@ -212,9 +219,11 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     lines = [f"pipeline: {len(plan.stages)} stage(s) over {p['num_layers']} layer(s); schedule "
              f"{p['schedule']}, {p['num_microbatches']} microbatch(es), predicted bubble "
              f"{p['bubble_fraction']:.1%}, predicted step {_time(p['predicted_latency_s'])} "
-             "(sum t_i + (B - 1) max t_i" + ("" if p["schedule"] == "1f1b" else
+             "(sum t_i + (B - 1) max t_i" + ("" if p["schedule"] in ("1f1b", "forward") else
                                              ", scaled by its table's simulated time over "
-                                             "1F1B's") + ")"]
+                                             "1F1B's") + ")"
+             + ("; forward only (the step takes no gradient): nothing kept between stages' "
+                "tasks, no gradient accumulator" if forward else "")]
     if p.get("schedule_search"):
         one = next((c["predicted_latency_s"] for c in p["schedule_search"]
                     if c["schedule"] == "1f1b"), None)
@@ -331,8 +340,9 @@ def _where(plan: ParallelPlan, stage) -> str:
     if stage is None:
         return ""
     s = plan.stages[stage]
+    work = "forward" if plan.pipeline.get("forward_only") else "forward + backward"
     return (f" of stage {stage} ({mesh_text(s.axis_names, s.logical_mesh_shape)}; one "
-            "microbatch's forward + backward)")
+            f"microbatch's {work})")
 
 
 def _operators(plan: ParallelPlan, stage, ops, full: bool, max_operators) -> list:

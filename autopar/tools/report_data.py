@@ -107,9 +107,11 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
     for k, (st, _, q, c, sv) in enumerate(stages):
         sol = plan.stage_solution(k)
         label = f"stage {st.index}"
-        parts = [("parameters", sol.param_bytes), ("gradient accumulator", sol.param_bytes),
+        trains = sol.trains          # a forward-only stage has neither of the next two
+        parts = [("parameters", sol.param_bytes),
+                 ("gradient accumulator", sol.param_bytes if trains else 0.0),
                  ("gradients (one microbatch)", sol.grad_bytes),
-                 ("optimizer state", sol.optimizer_bytes(ratio, st.zero)),
+                 ("optimizer state", sol.optimizer_bytes(ratio, st.zero) if trains else 0.0),
                  ("working memory", working_bytes(sol)),
                  ("activations in flight", q * st.activation_bytes)]
         parts = _closing([p for p in parts if p[1] > 0], st.peak_memory_bytes, label, notes)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -19,6 +20,7 @@ import autopar
 from autopar.core._format import format_bytes, format_time
 from autopar.core.enums import Schedule
 from autopar.inter_op.schedule import make_schedule
+from autopar.models.mlp import MLP, make_mlp_batch, mse_loss
 from autopar.tools.report_data import optimizer_ratio
 from support.steps import make_case, mesh_of
 
@@ -369,3 +371,24 @@ def test_recomputation_savings_are_drawn_past_the_peak(pipe_plan):
     memory = _html_section(text, "memory")
     assert "recomputation saves" in memory and "did not price" in memory
     assert 'class="saved"' not in autopar.report(pipe_plan)     # no recomputation: none
+
+
+def test_forward_only_timeline_draws_forwards_alone():
+    """An eval step's pipeline (no gradient): the timeline holds the S x M forwards and no
+    backward, and the page and the dump say the step runs forwards only."""
+    net = MLP(num_layers=4, hidden=32)
+    batch = make_mlp_batch(jax.random.key(1), 16, 32, 32)
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def eval_step(params, batch):
+        return mse_loss(net.apply(params, batch["x"]), batch["y"])
+    plan = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=autopar.PipeshardParallel(
+        num_microbatches=4, layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=2))).get_plan(params, batch)
+    text = autopar.report(plan)
+    tl = _svgs(text)["pipeline schedule"]
+    assert len(_rects(tl, "fwd")) == 2 * 4
+    assert not _rects(tl, "bwd") and not _rects(tl, "wgt")
+    assert "forward" in text
+    assert "forward only (the step takes no gradient)" in autopar.dump(plan)
+    assert "one microbatch's forward)" in autopar.dump(plan, stage=0)
