@@ -419,6 +419,8 @@ class StageSolution:
     activation_bytes: float      # per device, kept per in-flight microbatch (vjp residuals)
     param_bytes: float           # per device
     grad_bytes: float = 0.0      # per device: its parameters' gradients (the graph's outputs)
+    weight_bytes: float = 0.0    # per device: what a microbatch keeps from its B to its W
+                                 # where the backward is split (`stage_solve._weight_bytes`)
     trains: bool = True          # False: a forward-only stage (no gradient accumulator, no
                                  # optimizer state, nothing kept for a backward)
     deferred_bytes: float = 0.0  # per device: temporaries its weight-gradient tail reads,

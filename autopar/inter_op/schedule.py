@@ -150,6 +150,42 @@ class PipelineSchedule:
         return _peaks(self, Phase.BACKWARD, Phase.WEIGHT, self.num_stages, lambda t: t.stage) \
             if self.split_backward else (0,) * self.num_stages
 
+    def kept_states(self) -> tuple[frozenset[tuple[int, int]], ...]:
+        """Per stage, every (in flight, deferred) pair it passes through, clock by clock:
+        microbatches between their F and their B, and between their B and their W (where
+        the table splits the backward). A stage's memory peaks at one of them, which is
+        less than both counts' own peaks at once (`kept_peak`)."""
+        if self.schedule is Schedule.FORWARD:
+            return (frozenset({(0, 0)}),) * self.num_stages
+        split = self.split_backward
+        now = [(0, 0)] * self.num_stages
+        seen: list[set[tuple[int, int]]] = [{(0, 0)} for _ in range(self.num_stages)]
+        for row in self.clocks:
+            for t in row:
+                if t is None:
+                    continue
+                a, d = now[t.stage]
+                if t.phase is Phase.FORWARD:
+                    a += 1
+                elif t.phase is Phase.BACKWARD:
+                    a, d = a - 1, d + 1 if split else d
+                else:
+                    d -= 1
+                now[t.stage] = (a, d)
+                seen[t.stage].add((a, d))
+        return tuple(frozenset(x) for x in seen)
+
+    def kept_peak(self, whole, part) -> tuple[tuple[int, int], ...]:
+        """Per stage k, the (in flight, deferred) pair of `kept_states` that keeps the most
+        bytes when a microbatch in flight keeps `whole[k]` and a deferred one `part[k]`.
+
+            >>> s = make_schedule(Schedule.ZERO_BUBBLE_H1, 2, 4)
+            >>> s.kept_peak([10.0, 10.0], [4.0, 4.0]), s.in_flight(), s.deferred_weights()
+            (((2, 0), (1, 1)), (2, 1), (1, 2))
+        """
+        return tuple(max(sorted(states), key=lambda ad: ad[0] * w + ad[1] * p)
+                     for states, w, p in zip(self.kept_states(), whole, part))
+
     def tasks_of(self, group: int) -> tuple[Task, ...]:
         """The tasks device group ``group`` (stage ``group`` in a table of one stage per
         group) runs, in execution order."""

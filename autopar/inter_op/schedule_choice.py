@@ -53,12 +53,12 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     formula = sum(lat) + (m - 1) * max(lat)
     if schedule is Schedule.FORWARD:            # forward-only: nothing held, no choice
         table = make_schedule(schedule, n, m)
-        return ScheduleChoice(schedule, table, formula,
-                              tuple(stage_peaks(stages, loss, table.held())), ())
+        return ScheduleChoice(schedule, table, formula, tuple(stage_peaks(stages, loss, table)),
+                              ())
     if one_executable(n, m):                    # one loop in one executable: no table
         fixed = Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
-        held = make_schedule(fixed, n, m).held()
-        return ScheduleChoice(fixed, None, formula, tuple(stage_peaks(stages, loss, held)), ())
+        return ScheduleChoice(fixed, None, formula,
+                              tuple(stage_peaks(stages, loss, make_schedule(fixed, n, m))), ())
     tasks = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
                           st.solution.overhead_s) for st in stages]
     names = CANDIDATES if schedule is Schedule.AUTO else (schedule,)
@@ -66,7 +66,7 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     times = {s: schedule_seconds(table, tasks) for s, table in tables.items()}
     priced = []
     for s in names:
-        peaks = tuple(stage_peaks(stages, loss, tables[s].held()))
+        peaks = tuple(stage_peaks(stages, loss, tables[s]))
         t = formula * times[s] / max(times[Schedule.ONE_F_ONE_B], 1e-30)
         shared = group_peaks([tables[s].group_of(k) for k in range(n)], [p for p, _ in peaks])
         priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared)))

@@ -185,6 +185,67 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
                       residuals=tuple(residuals))
 
 
+@dataclass(frozen=True, slots=True)
+class BackwardSplit:
+    """A stage backward cut in two: B (`input_nodes`: what the activation gradients need)
+    and W (`weight_nodes`: the rest of what the parameter gradients need); `handoff` are the
+    tensors W reads that B computes or receives (the output cotangents), which B returns."""
+    input_nodes: tuple[int, ...]
+    weight_nodes: tuple[int, ...]
+    handoff: tuple[int, ...]
+
+
+def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> BackwardSplit:
+    """Cut the stage's backward (`backward_nodes`; graph outputs: `n_out` stage outputs, then
+    `n_grads` parameter gradients, then the activation gradients) into B and W. A loop region
+    (a scanned backward) stays whole on B's side, its parameter gradients handed to W."""
+    ids = set(backward_nodes)
+    producer = {t: n for n in backward_nodes for t in graph.nodes[n].outputs}
+    spans = {n: (a, b) for a, b in atomic_spans(graph) for n in range(a, b) if n in ids}
+
+    def needed(targets) -> set[int]:
+        seen: set[int] = set()
+        stack = [producer[t] for t in targets if t in producer]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            a, b = spans.get(n, (n, n + 1))
+            for k in range(a, b):
+                if k in ids and k not in seen:
+                    seen.add(k)
+                    stack += [producer[t] for t in graph.nodes[k].inputs if t in producer]
+        return seen
+
+    b = needed(graph.outputs[n_out + n_grads:])
+    w = needed(graph.outputs[n_out:n_out + n_grads]) - b
+    reads = {t for n in w for t in graph.nodes[n].inputs}
+    reads.update(graph.outputs[n_out:n_out + n_grads])
+    made_by_b = [t for n in backward_nodes if n in b for t in graph.nodes[n].outputs]
+    handoff = tuple(dict.fromkeys(t for t in (*made_by_b, *cts) if t in reads))
+    return BackwardSplit(input_nodes=tuple(n for n in backward_nodes if n in b),
+                         weight_nodes=tuple(n for n in backward_nodes if n in w),
+                         handoff=handoff)
+
+
+def _weight_bytes(graph: OpGraph, sl: StageSlice, split: TrainSplit, specs,
+                  mesh_shape) -> float:
+    """Per device, what a microbatch keeps from its B to its W where a schedule splits the
+    backward: the forward's residuals W reads, and B's hand-off (what W reads that B made
+    or received: the output cotangents)."""
+    if sl.forward_only or not split.backward_nodes:
+        return 0.0
+    n_out = len(sl.outputs)
+    num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
+    parts = split_backward(graph, split.backward_nodes, n_out, len(sl.param_inputs),
+                           graph.inputs[len(graph.inputs) - num_cts:])
+    reads = {t for n in parts.weight_nodes for t in graph.nodes[n].inputs}
+    kept = [t for t in split.residuals if t in reads
+            and graph.tensors[t].kind == TensorKind.INTERMEDIATE] + list(parts.handoff)
+    return float(sum(graph.tensors[t].nbytes / num_shards(specs[t], mesh_shape)
+                     for t in dict.fromkeys(kept)))
+
+
 def _residual_bytes(graph: OpGraph, split: TrainSplit, specs, mesh_shape) -> float:
     """Per-device bytes made by the forward and read by the backward (what a microbatch keeps
     alive between its forward and its backward; inputs are held anyway)."""
@@ -360,6 +421,7 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
+        weight_bytes=_weight_bytes(graph, sl, split, specs, logical_shape),
         param_bytes=param_bytes, grad_bytes=grad_bytes, trains=not sl.forward_only,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),

@@ -292,17 +292,22 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          runner_ups=others, chosen_latency_s=chosen)
 
 
-def stage_peaks(stages, loss: LossGraph, held) -> list[tuple[float, int]]:
-    """(peak bytes, microbatches held) per stage, stage p holding `held[p]` microbatches'
-    activations (`PipelineSchedule.held`; the DP's formula)."""
+def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
+    """(peak bytes, microbatches held) per stage under the schedule `table`: a microbatch
+    between its F and its B keeps its whole residuals, one between its B and its W (where
+    the table splits the backward) W's part (`StageSolution.weight_bytes`), at the table's
+    worst mix of the two (`PipelineSchedule.kept_peak`); held: `table.held()`."""
     opt_ratio = opt_ratio_of(loss)
-    return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes,
-             q) for st, q in zip(stages, held)]
+    sols = [st.solution for st in stages]
+    kept = table.kept_peak([s.activation_bytes for s in sols], [s.weight_bytes for s in sols])
+    return [(static_bytes(sol, opt_ratio, st.zero) + q * sol.activation_bytes
+             + d * sol.weight_bytes, h)
+            for st, sol, (q, d), h in zip(stages, sols, kept, table.held())]
 
 
 def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
-    held = make_schedule(planned(method.schedule), len(stages), method.num_microbatches).held()
-    return stage_peaks(stages, loss, held)
+    return stage_peaks(stages, loss, make_schedule(planned(method.schedule), len(stages),
+                                                   method.num_microbatches))
 
 
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:

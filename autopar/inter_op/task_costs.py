@@ -20,54 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.graph import OpGraph
-from autopar.frontend.loops import atomic_spans
 from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.schedule import Phase, PipelineSchedule
 from autopar.inter_op.schedule_check import simulate
-from autopar.inter_op.stage_solve import split_train_graph, stage_io
-
-
-@dataclass(frozen=True, slots=True)
-class BackwardSplit:
-    """A stage backward cut in two: B (`input_nodes`: what the activation gradients need)
-    and W (`weight_nodes`: the rest of what the parameter gradients need); `handoff` are the
-    tensors W reads that B computes or receives (the output cotangents), which B returns."""
-    input_nodes: tuple[int, ...]
-    weight_nodes: tuple[int, ...]
-    handoff: tuple[int, ...]
-
-
-def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> BackwardSplit:
-    """Cut the stage's backward (`backward_nodes`; graph outputs: `n_out` stage outputs, then
-    `n_grads` parameter gradients, then the activation gradients) into B and W. A loop region
-    (a scanned backward) stays whole on B's side, its parameter gradients handed to W."""
-    ids = set(backward_nodes)
-    producer = {t: n for n in backward_nodes for t in graph.nodes[n].outputs}
-    spans = {n: (a, b) for a, b in atomic_spans(graph) for n in range(a, b) if n in ids}
-
-    def needed(targets) -> set[int]:
-        seen: set[int] = set()
-        stack = [producer[t] for t in targets if t in producer]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            a, b = spans.get(n, (n, n + 1))
-            for k in range(a, b):
-                if k in ids and k not in seen:
-                    seen.add(k)
-                    stack += [producer[t] for t in graph.nodes[k].inputs if t in producer]
-        return seen
-
-    b = needed(graph.outputs[n_out + n_grads:])
-    w = needed(graph.outputs[n_out:n_out + n_grads]) - b
-    reads = {t for n in w for t in graph.nodes[n].inputs}
-    reads.update(graph.outputs[n_out:n_out + n_grads])
-    made_by_b = [t for n in backward_nodes if n in b for t in graph.nodes[n].outputs]
-    handoff = tuple(dict.fromkeys(t for t in (*made_by_b, *cts) if t in reads))
-    return BackwardSplit(input_nodes=tuple(n for n in backward_nodes if n in b),
-                         weight_nodes=tuple(n for n in backward_nodes if n in w),
-                         handoff=handoff)
+from autopar.inter_op.stage_solve import BackwardSplit, split_backward, split_train_graph, stage_io
 
 
 @dataclass(frozen=True, slots=True)

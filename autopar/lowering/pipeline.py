@@ -66,6 +66,8 @@ class StageExecutable:
                                      # keeps partial sums (see inter_op.local_grads)
     local_grads: int = 0             # how many parameter gradients are accumulated locally
     saved_acts: tuple[int, ...] = ()  # positions of the activation inputs the backward reads
+    weight_residuals: tuple[int, ...] = ()   # of the forward's residuals, those W reads
+    weight_acts: tuple[int, ...] = ()        # of the saved activation inputs, those W reads
     acc_shardings: tuple[NamedSharding, ...] = ()   # of the accumulator's entries
 
 
@@ -179,9 +181,10 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         return out[:len(io.float_outputs)], out[len(io.float_outputs):], \
             [env[t] for t in computed]
 
-    def saved_env(saved, extra_ids=(), extra=()):
+    def saved_env(saved, extra_ids=(), extra=(), res_ids=computed,
+                  acts_of=tuple(act_ids[i] for i in saved_acts)):
         residuals, params, data, acts = saved
-        return env_of((*computed, *param_data, *(act_ids[i] for i in saved_acts), *extra_ids),
+        return env_of((*res_ids, *param_data, *acts_of, *extra_ids),
                       [*residuals, *params, *data, *acts, *extra])
 
     def backward(saved, cts, acc, mb):
@@ -205,8 +208,16 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         run_bwd(g, env, nodes(g, parts.input_nodes))
         return act_grads_of(env), [env[t] for t in parts.handoff]
 
+    # After B, a microbatch keeps only what W reads (`weight_residuals` of the residuals,
+    # `weight_acts` of the saved activation inputs): the executor drops the rest.
+    w_reads = {t for n in parts.weight_nodes for t in graph.nodes[n].inputs}
+    w_res = tuple(i for i, t in enumerate(computed) if t in w_reads)
+    w_acts = tuple(j for j, i in enumerate(saved_acts) if act_ids[i] in w_reads)
+
     def backward_weight(saved, handoff, acc, mb):
-        env = saved_env(saved, parts.handoff, handoff)
+        env = saved_env(saved, parts.handoff, handoff,
+                        res_ids=tuple(computed[i] for i in w_res),
+                        acts_of=tuple(act_ids[saved_acts[j]] for j in w_acts))
         g = drawn(mb)
         run_bwd(g, env, nodes(g, parts.weight_nodes))
         return param_grads_of(env, acc)
@@ -225,7 +236,8 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         backward_input=jax.jit(backward_input),
         backward_weight=jax.jit(backward_weight, donate_argnums=(2,)), backward_split=parts,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
-        saved_acts=saved_acts, acc_shardings=grads)
+        saved_acts=saved_acts, acc_shardings=grads, weight_residuals=w_res,
+        weight_acts=w_acts)
 
 
 def _segment_fn(loss: LossGraph, seg: Segment, pinned: dict[int, NamedSharding],

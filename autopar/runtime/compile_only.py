@@ -11,7 +11,7 @@ kept at most (as the executor counts them). `pipeline_memory_check` composes sta
 from them.
 
 Example:
-    >>> calls, live = compile_program(program, abstract_args(leaves, program.in_shardings))
+    >>> calls, stats = compile_program(program, abstract_args(leaves, program.in_shardings))
     >>> [(c.role.value, c.stage) for c in calls]         # doctest: +SKIP
     [('forward', 0), ('backward', 0), ('backward', 0), ('fused', 1), ('fused', 1), ...]
 """
@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.lowering.microbatch import add_all
 from autopar.lowering.pipeline import PipelineProgram
-from autopar.runtime.executor import Executor
+from autopar.runtime.executor import Executor, ExecutorStats
 
 
 class Role(enum.Enum):
@@ -161,10 +161,11 @@ class _CompileOnly(Executor):
 
 
 def compile_program(program: PipelineProgram, args: list) -> tuple[tuple[Call, ...],
-                                                                   tuple[int, ...]]:
-    """(the `Call` of every distinct executable one step of `program` runs, per stage the most
-    microbatches' residuals it keeps at once) for the abstract step arguments `args`."""
+                                                                   ExecutorStats]:
+    """(the `Call` of every distinct executable one step of `program` runs, the executor's
+    `ExecutorStats` of that step: per stage the most microbatches it keeps residuals of, in
+    flight and deferred) for the abstract step arguments `args`."""
     calls: list[Call] = []
     executor = _CompileOnly(program, calls, {id(x) for x in args})
     executor.run(list(args))
-    return tuple(calls), tuple(executor.stats.max_live_microbatches)
+    return tuple(calls), executor.stats

@@ -34,6 +34,10 @@ from autopar.lowering.single_mesh import has_sharding, put
 class ExecutorStats:
     """What the last step did (for tests and benchmarks)."""
     max_live_microbatches: list[int] = field(default_factory=list)  # per stage: residuals kept
+    # per stage: every (in flight, deferred) pair it passed through: microbatches past their
+    # F and before their B (residuals whole), past their B and before their W (only what W
+    # reads kept), as `PipelineSchedule.kept_states` counts them
+    kept_states: list[set] = field(default_factory=list)
     num_dispatches: int = 0
     num_transfers: int = 0
     order: list = field(default_factory=list)    # the schedule's tasks, in the order they ran
@@ -111,6 +115,8 @@ class _StepState:
     acc: list = field(default_factory=list)        # per stage: accumulated param gradients
     handoffs: list = field(default_factory=list)   # per stage: microbatch -> B's hand-off to W
     final: dict = field(default_factory=dict)      # loss output tensor -> per-microbatch values
+    in_flight: list = field(default_factory=list)  # per stage: microbatches between F and B
+    deferred: list = field(default_factory=list)   # per stage: microbatches between B and W
     weights: dict = field(default_factory=dict)    # RATIO denominator -> per-microbatch weights
 
 
@@ -176,7 +182,9 @@ class Executor:
     def run(self, flat_args) -> list:
         p = self.p
         step, place = p.loss.step, p.placement
-        self.stats = ExecutorStats(max_live_microbatches=[0] * len(p.stages))
+        n = len(p.stages)
+        self.stats = ExecutorStats(max_live_microbatches=[0] * n,
+                                   kept_states=[{(0, 0)} for _ in range(n)])
         if p.whole_step is not None:    # gradient accumulation: the step is one executable
             return list(self._dispatched(p.whole_step(*flat_args)))
         env: dict[int, dict[int, Any]] = collections.defaultdict(dict)
@@ -233,6 +241,7 @@ class Executor:
                     per_mb[m].append(parts[m])
             data.append(per_mb)
         state = _StepState(params=params, data=data, residuals=[{} for _ in p.stages],
+                           in_flight=[0] * len(p.stages), deferred=[0] * len(p.stages),
                            handoffs=[{} for _ in p.stages], acc=[None] * len(p.stages),
                            final={t: [] for t in loss.forward.outputs})
         if self._merge.weights is not None and m_total > 1:
@@ -286,8 +295,7 @@ class Executor:
         live = state.residuals[st.index]     # with the inputs the backward reads (no copies)
         live[m] = (residuals, state.params[st.index], state.data[st.index][m],
                    [acts[i] for i in st.saved_acts])
-        peak = self.stats.max_live_microbatches
-        peak[st.index] = max(peak[st.index], len(live))
+        self._count(state, st, +1, 0)
 
     def _train(self, state: _StepState, st, m: int) -> None:
         """Forward and backward of microbatch m in one call (the last stage, whose output
@@ -301,7 +309,17 @@ class Executor:
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
 
+    def _count(self, state: _StepState, st, opened: int, deferred: int) -> None:
+        """Track the stage's microbatches in flight (F to B) and deferred (B to W)."""
+        k, stats = st.index, self.stats
+        state.in_flight[k] += opened
+        state.deferred[k] += deferred
+        stats.kept_states[k].add((state.in_flight[k], state.deferred[k]))
+        peak = stats.max_live_microbatches
+        peak[k] = max(peak[k], len(state.residuals[k]))
+
     def _backward(self, state: _StepState, st, m: int) -> None:
+        self._count(state, st, -1, 0)
         state.acc[st.index], act_grads = self._dispatched(
             st.backward(state.residuals[st.index].pop(m), self._cotangents(state, st, m),
                         state.acc[st.index], self._index(st, m)))
@@ -310,16 +328,22 @@ class Executor:
 
     def _backward_input(self, state: _StepState, st, m: int) -> None:
         """B of a split backward: the activation gradients; the residuals stay for W."""
+        live = state.residuals[st.index]
         act_grads, state.handoffs[st.index][m] = self._dispatched(st.backward_input(
-            state.residuals[st.index][m], self._cotangents(state, st, m), self._index(st, m)))
+            live[m], self._cotangents(state, st, m), self._index(st, m)))
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
+        residuals, params, data, acts = live[m]      # W keeps only what it reads
+        live[m] = ([residuals[i] for i in st.weight_residuals], params, data,
+                   [acts[j] for j in st.weight_acts])
+        self._count(state, st, -1, +1)
 
     def _weight(self, state: _StepState, st, m: int) -> None:
         """W of a split backward: the parameter gradients into the accumulator."""
         state.acc[st.index] = self._dispatched(st.backward_weight(
             state.residuals[st.index].pop(m), state.handoffs[st.index].pop(m),
             state.acc[st.index], self._index(st, m)))
+        self._count(state, st, 0, -1)
 
     def _index(self, st, m: int):
         """Microbatch m's index on the stage's devices (its random draws are its rows of the

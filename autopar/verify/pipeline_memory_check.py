@@ -15,9 +15,13 @@ very executables the first call runs (jax.jit keeps them). On stage s:
 - `data`: the microbatches' copies of its batch inputs (the executor splits them up front);
 - `accumulator`: the gradient accumulator (the backward's donated output);
 - `stash`: one microbatch's residuals, the forward executable's outputs kept until its
-  backward (with the activation inputs the backward reads), times `in_flight`, the most
-  microbatches whose residuals the executor keeps at once under the schedule (1F1B: up to
-  stages - s; 0 where forward and backward are fused);
+  backward (with the activation inputs the backward reads), times `in_flight`, the
+  microbatches between their forward and their backward (1F1B: up to stages - s; 0 where
+  forward and backward are fused);
+- `weight_stash` (a split backward): what a microbatch keeps from its B to its W, the
+  residuals and activations W reads and B's hand-off, times `deferred`, the microbatches
+  between their B and their W; (`in_flight`, `deferred`) is the pair the executor passed
+  through (`ExecutorStats.kept_states`) that keeps the most;
 - `work`: the largest of the forward, backward, fused and reduce executables' arguments +
   outputs + temp - aliased, less what the terms above count already (their parameters,
   data, accumulator and residuals): activations in and out, cotangents, temporaries;
@@ -26,7 +30,8 @@ very executables the first call runs (jax.jit keeps them). On stage s:
   new state aliases the old only where the user donated it, see
   `lowering.pipeline.donated_inputs`).
 
-peak = max(held + data + accumulator + in_flight * stash + work, held + apply).
+peak = max(held + data + accumulator + in_flight * stash + deferred * weight_stash + work,
+           held + apply).
 
 Gradient accumulation on one mesh runs as one executable (`lowering.accumulate`): its peak is
 that executable's arguments + outputs + temp - aliased, recorded as `held` (the step's
@@ -74,11 +79,13 @@ class StageMemory:
     in_flight: int
     work: int
     apply: int
+    weight_stash: int = 0     # what a microbatch keeps from its B to its W (split backward)
+    deferred: int = 0         # the most microbatches between their B and their W at once
 
     @property
     def peak(self) -> int:
         return max(self.held + self.data + self.accumulator + self.in_flight * self.stash
-                   + self.work, self.held + self.apply)
+                   + self.deferred * self.weight_stash + self.work, self.held + self.apply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +124,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
     `leaves`; None when the backend reports no memory analysis."""
     args = abstract_args(leaves, program.in_shardings)
     with no_context_mesh():          # as the calls run (api.ParallelizedFunction._call)
-        calls, live = compile_program(program, args)
+        calls, stats = compile_program(program, args)
     loss, placement = program.loss, program.placement
     if program.whole_step is not None:     # one executable: its own peak
         (call,) = calls
@@ -135,7 +142,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
         if any(f is None for f in feet.values()):
             return None
         held = sum(shard_bytes(a) for a, where in zip(args, placement.input_stage) if where == s)
-        derived = data = acc = stash = handoff = work = apply = 0
+        derived = data = acc = stash = kept = work = apply = 0
         split = loss.batch_inputs | _rng_inputs(program)
         for c in mine:
             if c.role in (Role.FORWARD, Role.FUSED):
@@ -150,8 +157,9 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
                             + shard_bytes([acts[i] for i in st.saved_acts]))
             if c.role in (Role.BACKWARD, Role.FUSED, Role.WEIGHT):
                 acc = max(acc, *_accumulator(c))
-            if c.role is Role.BACKWARD_INPUT:       # kept with the residuals until W
-                handoff = max(handoff, shard_bytes(c.outs[1]))
+            if c.role is Role.WEIGHT:     # W's part of the residuals, with B's hand-off
+                saved = c.args[0]
+                kept = max(kept, shard_bytes([saved[0], saved[3]]) + shard_bytes(c.args[1]))
         for c in mine:
             counted = 0
             if c.role is Role.FORWARD:
@@ -173,9 +181,11 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
                 work = max(work, feet[id(c)] - counted)
             elif c.role is Role.APPLY:
                 apply = max(apply, feet[id(c)] - _held_bytes(c))
+        # the mix of microbatches in flight and deferred that keeps the most
+        q, d = max(sorted(stats.kept_states[s]), key=lambda qd: qd[0] * stash + qd[1] * kept)
         out.append(StageMemory(stage=s, held=held + derived, data=data, accumulator=acc,
-                               stash=stash + handoff, in_flight=live[s], work=max(work, 0),
-                               apply=max(apply, 0)))
+                               stash=stash, in_flight=q, work=max(work, 0),
+                               apply=max(apply, 0), weight_stash=kept, deferred=d))
     return tuple(out)
 
 

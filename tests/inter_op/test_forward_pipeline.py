@@ -102,7 +102,7 @@ def test_eval_stages_compile_to_forwards_that_keep_nothing_and_need_less_than_tr
         par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, 2))
         par(state, batch)
         program = par.get_executor(state, batch).p
-        calls, live = compile_program(program, abstract_args(leaves, program.in_shardings))
+        calls, _ = compile_program(program, abstract_args(leaves, program.in_shardings))
         calls_of.append(calls)
         mems.append(stage_memory(program, leaves, 2))
     (ev_calls, tr_calls), (ev_mem, tr_mem) = calls_of, mems

@@ -12,6 +12,8 @@ import autopar
 from autopar.core.enums import Schedule
 from autopar.inter_op.schedule import Phase, make_schedule
 from autopar.inter_op.schedule_choice import pick
+from autopar.runtime.compile_only import Role, abstract_args, compile_program, shard_bytes
+from autopar.verify.pipeline_memory_check import stage_memory
 from support.equivalence import ROUTING_PARAM_RTOL, assert_norm_close
 from support.steps import assert_equivalent, bert_mlm_case, make_case, mesh_of, run_steps
 
@@ -88,6 +90,35 @@ def test_h1_holds_each_stage_at_most_1f1b_first_stage_count_and_splits_every_bac
     assert sum(t.phase is Phase.WEIGHT for t in ex.stats.order) == 4 * 8
     text = autopar.dump(par.get_plan(state, batches[0]))
     assert "schedule zb-h1, 8 microbatch(es)" in text
+
+
+def test_after_b_a_microbatch_keeps_only_what_w_reads():
+    """ZB-H1 on the GPT: once a microbatch's B has run, its stage keeps the residuals and
+    saved activations W reads (and B's hand-off), not the whole forward's residuals; the
+    executor passes through the (in flight, deferred) states the table has, and the compiled
+    stage peaks count each state's mix."""
+    step, state, batches = _case("gpt", 4)
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(2, H1, 4))
+    par(state, batches[0])
+    program = par.get_executor(state, batches[0]).p
+    leaves = jax.tree.leaves((state, batches[0]))
+    calls, stats = compile_program(program, abstract_args(leaves, program.in_shardings))
+    table = program.schedule
+    for st in program.stages:
+        fwd = next(c for c in calls if c.stage == st.index and c.role is Role.FORWARD)
+        w = next(c for c in calls if c.stage == st.index and c.role is Role.WEIGHT)
+        kept, whole = w.args[0][0], fwd.outs[2]
+        assert len(kept) == len(st.weight_residuals)
+        if st.io.float_acts:      # B computes the activation gradients: W keeps a part
+            assert len(kept) < len(whole) and shard_bytes(kept) < shard_bytes(whole)
+        else:                     # the first stage's B has nothing to do: W is the backward
+            assert len(kept) == len(whole)
+        assert stats.kept_states[st.index] <= set(table.kept_states()[st.index])
+    memory = stage_memory(program, leaves, 4)
+    for m in memory:
+        assert m.weight_stash > 0 and m.peak == max(
+            m.held + m.data + m.accumulator + m.in_flight * m.stash
+            + m.deferred * m.weight_stash + m.work, m.held + m.apply)
 
 
 def _auto_plan(budget=None, schedule=autopar.Schedule.AUTO, batch_size=16):

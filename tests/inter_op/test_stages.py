@@ -187,8 +187,12 @@ def test_stage_peaks_count_the_schedule_and_respect_the_budget(loss, bounds, clu
             assert st.peak_bytes > st.solution.peak_memory_bytes   # + accumulator, in flight
     gpipe, one_f = peaks[autopar.Schedule.GPIPE], peaks[autopar.Schedule.ONE_F_ONE_B]
     assert all(g > f for g, f in zip(gpipe, one_f))
-    assert peaks[S.AUTO] == one_f and peaks[S.ZERO_BUBBLE_H1][0] == one_f[0]
-    assert peaks[S.ZERO_BUBBLE_H1][1] > one_f[1]          # 2 microbatches held, not 1
+    assert peaks[S.AUTO] == one_f
+    # H1: stage 0 in flight as 1F1B's, but a microbatch between its B and its W keeps W's
+    # part and B's hand-off to W (the output cotangents of its matmuls); the last stage
+    # defers a W while one more microbatch is in flight
+    assert all(h >= f for h, f in zip(peaks[S.ZERO_BUBBLE_H1], one_f))
+    assert peaks[S.ZERO_BUBBLE_H1][1] > one_f[1]
     for fraction in (0.9, 0.5):
         budget = int(max(gpipe) * fraction)
         try:

@@ -63,7 +63,7 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
     assert plan.memory_budget_bytes == budget
     # Direct: compile the program again and compose each stage from memory_analysis().
     program = par._entry_of((state, batches[0]))[0].executor.p
-    calls, live = compile_program(program, abstract_args(jax.tree.leaves((state, batches[0])),
+    calls, stats = compile_program(program, abstract_args(jax.tree.leaves((state, batches[0])),
                                                          program.in_shardings))
     terms = plan.measured["compiled_stage_memory"]
     flat = abstract_args(jax.tree.leaves((state, batches[0])), program.in_shardings)
@@ -75,12 +75,14 @@ def test_binding_budget_records_compiled_stage_bytes_and_trains_like_jit(gpt, ca
         stash = shard_bytes(fwd.outs[2]) + shard_bytes(
             [[*fwd.args[2], *fwd.args[3]][i] for i in program.stages[s].saved_acts]) \
             if fwd else 0
-        assert t["stash"] == stash and t["in_flight"] == live[s]
+        assert t["stash"] == stash
+        assert t["in_flight"] == max(q for q, _ in stats.kept_states[s])
+        assert t["deferred"] == 0 and {d for _, d in stats.kept_states[s]} == {0}   # 1F1B
         assert got[s] == max(t["held"] + t["data"] + t["accumulator"] + t["in_flight"]
                              * t["stash"] + t["work"], t["held"] + t["apply"])
         # The largest pipeline executable fits inside the composed peak.
         assert max(_terms(c) for c in calls if c.stage == s and c.role != Role.APPLY) <= got[s]
-    assert live == (2, 0)            # 1F1B: stage 0 keeps 2 microbatches, the last fuses
+    assert stats.max_live_microbatches == [2, 0]   # 1F1B: stage 0 keeps 2, the last fuses
     # What the stage stashes per microbatch is what the stage search predicted: the forward
     # returns no copies of the stage's parameters (lower_pipeline keeps them by reference).
     assert terms[0]["stash"] == pytest.approx(plan.stages[0].activation_bytes, rel=0.05)
