@@ -58,7 +58,9 @@ class StageExecutable:
                                 # (outs, int_outs, acc, act_grads)
     # The backward split for zero-bubble schedules: B gives the activation gradients and the
     # values W reads that B computes (its hand-off); W adds the parameter gradients.
-    backward_input: Callable | None = None    # (saved, cts, mb) -> (act_grads, handoff)
+    backward_input: Callable | None = None    # (saved, cts, mb) -> (act_grads, handoff);
+                                              # None where B computes nothing
+    handoff_cts: tuple[int, ...] = ()         # then: the cotangents W reads (positions)
     backward_weight: Callable | None = None   # (saved, handoff, acc, mb) -> acc
     backward_split: Any = None                # the BackwardSplit they run, of `graph`
     graph: Any = None                         # the stage's training graph (an OpGraph)
@@ -233,7 +235,11 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         **common, forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
-        backward_input=jax.jit(backward_input),
+        # A B with nothing to compute (the first stage: no activation gradients) is not
+        # dispatched; W gets the cotangents it reads directly.
+        backward_input=jax.jit(backward_input) if parts.input_nodes else None,
+        handoff_cts=() if parts.input_nodes else tuple(
+            graph.inputs[n_in:].index(t) for t in parts.handoff),
         backward_weight=jax.jit(backward_weight, donate_argnums=(2,)), backward_split=parts,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,
         saved_acts=saved_acts, acc_shardings=grads, weight_residuals=w_res,

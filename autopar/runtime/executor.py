@@ -329,8 +329,12 @@ class Executor:
     def _backward_input(self, state: _StepState, st, m: int) -> None:
         """B of a split backward: the activation gradients; the residuals stay for W."""
         live = state.residuals[st.index]
-        act_grads, state.handoffs[st.index][m] = self._dispatched(st.backward_input(
-            live[m], self._cotangents(state, st, m), self._index(st, m)))
+        cts = self._cotangents(state, st, m)
+        if st.backward_input is None:       # nothing to compute: W reads the cotangents
+            act_grads, state.handoffs[st.index][m] = [], [cts[i] for i in st.handoff_cts]
+        else:
+            act_grads, state.handoffs[st.index][m] = self._dispatched(st.backward_input(
+                live[m], cts, self._index(st, m)))
         for t, g in zip(st.io.float_acts, act_grads):
             state.cts[(t, m)].append(g)
         residuals, params, data, acts = live[m]      # W keeps only what it reads

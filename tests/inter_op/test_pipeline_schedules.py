@@ -113,6 +113,9 @@ def test_after_b_a_microbatch_keeps_only_what_w_reads():
             assert len(kept) < len(whole) and shard_bytes(kept) < shard_bytes(whole)
         else:                     # the first stage's B has nothing to do: W is the backward
             assert len(kept) == len(whole)
+            # and B is not dispatched: W reads the cotangents directly
+            assert st.backward_input is None and not any(
+                c.stage == st.index and c.role is Role.BACKWARD_INPUT for c in calls)
         assert stats.kept_states[st.index] <= set(table.kept_states()[st.index])
     memory = stage_memory(program, leaves, 4)
     for m in memory:
