@@ -126,8 +126,10 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
                 f"batch but {tuple(mb.shape)} for a microbatch, yet it is not computed from the "
                 "batch_argnums arguments. Fix: list every batch argument in batch_argnums.")
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    forward = trace(split_scans(closed, scan_pieces) if scan_pieces > 1 and has_scan(closed)
-                    else jcore.jaxpr_as_fun(closed), avals)
+    # scans cut into sub-scans the same way at both sizes, so the graphs align node for node
+    cut = lambda j: split_scans(j, scan_pieces) if scan_pieces > 1 and has_scan(j) \
+        else jcore.jaxpr_as_fun(j)                                          # noqa: E731
+    forward = trace(cut(closed), avals)
     what = "the step (a forward-only pipeline)" if forward_only else "the loss function"
     for out in forward.outputs:
         if forward.tensors[out].kind != TensorKind.INTERMEDIATE:
@@ -137,7 +139,7 @@ def split_step(step: OpGraph, micro: OpGraph, num_microbatches: int, *,
                 f"computed in {what.split(' (')[0]}.")
     reduction = None
     if num_microbatches > 1:
-        full = trace(jcore.jaxpr_as_fun(params["jaxpr"]),
+        full = trace(cut(params["jaxpr"]),
                      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in full_avals])
         reduction = reduce_outputs(forward, full, batch_inputs=frozenset(batch),
                                    num_diff=num_diff, num_microbatches=num_microbatches)

@@ -4,6 +4,7 @@ through them (`Schedule.FORWARD`) and each output combined back into the whole b
 in batch order, means averaged); it equals `jax.jit` on 8 simulated CPU devices, keeps
 nothing for a backward, and a model too large for one submesh's budget fits the pipeline."""
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -193,3 +194,36 @@ def test_the_forward_schedule_is_refused_for_a_step_that_takes_a_gradient():
     got = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=dataclasses.replace(
         _method(2, 2), schedule=autopar.Schedule.ZERO_BUBBLE_H1))(state, batch)
     _assert_close(jax.jit(eval_step)(state, batch), got)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_scanned_stack_with_a_padded_loss_combines_exactly(train):
+    """A layer stack under `jax.lax.scan` (cut into sub-scans across 4 stages), a closed-over
+    numpy table and a padded loss `sum(l * m) / max(sum(m), 1)`: the loss is a ratio (each
+    microbatch weighted by its share of the mask), so the pipeline's value is the whole
+    batch's, with no MicrobatchReductionWarning; as an eval step and as a train step. (The
+    loss at the full batch size is cut into the same sub-scans as the microbatch's, so the
+    two graphs align node for node.)"""
+    L, d = 8, 32
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {"w": jax.random.normal(k[0], (L, d, d)) / 6, "b": jnp.zeros((L, d))}
+    batch = {"x": jax.random.normal(k[1], (32, d)),
+             "m": (jnp.arange(32) % 3 != 0).astype(jnp.float32)}      # uneven per microbatch
+    table = np.linspace(0.0, 1.0, d, dtype=np.float32)
+
+    def loss_and_h(params, batch):
+        h, _ = jax.lax.scan(lambda h, p: (jax.nn.gelu(h @ p["w"] + p["b"]), None),
+                            batch["x"], params)
+        per = jnp.sum((h * table) ** 2, -1)
+        return jnp.sum(per * batch["m"]) / jnp.maximum(jnp.sum(batch["m"]), 1.0), h
+
+    def train_step(params, batch):
+        (loss, _), grads = autopar.value_and_grad(loss_and_h, has_aux=True)(params, batch)
+        return loss, grads
+    step = train_step if train else loss_and_h
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.MicrobatchReductionWarning)
+        par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=_method(4, 4))
+        got = par(params, batch)
+    _assert_close(jax.jit(step)(params, batch), got)
+    assert par.get_plan(params, batch).pipeline["microbatch_combine"][0] == "ratio"
