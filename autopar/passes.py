@@ -155,11 +155,13 @@ def _plan(fun, *args, cluster, method, mesh_shape, axis_names, batch_argnums, st
     axis_names = tuple(axis_names or ("data", "model", "z", "w")[:len(mesh_shape)])
     if pipelined(method):
         pipe, stage_method = pipeline_methods(method, mesh_shape, cluster)
+        kw = dict(static_argnums=static_argnums, batch_argnums=batch_argnums,
+                  donate_argnums=donate_argnums)
+        fun, step = pipeline_step(fun, tuple(args), kw)      # an eval step: forward-only
         return stamped(plan_pipeline(
             fun, tuple(args), cluster=cluster, device_ids=tuple(range(cluster.num_devices)),
-            mesh_shape=tuple(mesh_shape), method=pipe, static_argnums=static_argnums,
-            batch_argnums=batch_argnums, donate_argnums=donate_argnums,
-            stage_method=stage_method)[0])
+            mesh_shape=tuple(mesh_shape), method=pipe, stage_method=stage_method,
+            step_graph=step, **kw)[0])
     graph = trace(fun, args, static_argnums=static_argnums, batch_argnums=batch_argnums,
                   donate_argnums=donate_argnums)
     check_batch(graph, batch_argnums)

@@ -227,3 +227,29 @@ def test_a_scanned_stack_with_a_padded_loss_combines_exactly(train):
         got = par(params, batch)
     _assert_close(jax.jit(step)(params, batch), got)
     assert par.get_plan(params, batch).pipeline["microbatch_combine"][0] == "ratio"
+
+
+def test_autopar_plan_plans_an_eval_step_for_a_cluster_this_machine_lacks():
+    """Alpa served OPT-175B through pipelined forwards: `autopar.plan` plans an eval step of
+    a GPT whose parameters (fp32, ~1.2 GiB) exceed a V100-preset device's budget for a
+    16-GPU cluster from abstract values; the stage search spreads it over stages that fit."""
+    cfg = GPTConfig(vocab_size=50304, seq_len=512, num_layers=8, hidden=2048, num_heads=16)
+    net = GPT(cfg)
+    tokens = jax.ShapeDtypeStruct((32, cfg.seq_len), jnp.int32)
+    params = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len),
+                                                                          jnp.int32)))
+
+    def eval_step(params, tokens):
+        logits = net.apply(params, tokens)
+        return gpt_loss(logits, tokens)
+    param_bytes = sum(np.prod(x.shape) * x.dtype.itemsize
+                      for x in jax.tree_util.tree_leaves(params))
+    budget = int(param_bytes / 6)      # no 4-GPU submesh holds the parameters
+    cluster = autopar.ClusterSpec.preset("v100-p3.16xlarge", num_hosts=2)
+    plan = autopar.plan(eval_step, params, tokens, cluster=cluster, method=(
+        autopar.PipeshardParallel(num_microbatches=8, memory_budget_bytes=budget,
+                                  layer_option=autopar.AutoLayerOption(num_layers=8))))
+    assert plan.pipeline["forward_only"] and plan.pipeline["schedule"] == "forward"
+    assert len(plan.stages) >= 2
+    assert all(s.peak_memory_bytes <= budget for s in plan.stages)
+    assert sum(len(s.device_ids) for s in plan.stages) == 16
