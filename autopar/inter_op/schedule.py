@@ -183,7 +183,7 @@ class PipelineSchedule:
             >>> s.kept_peak([10.0, 10.0], [4.0, 4.0]), s.in_flight(), s.deferred_weights()
             (((2, 0), (1, 1)), (2, 1), (1, 2))
         """
-        return tuple(max(sorted(states), key=lambda ad: ad[0] * w + ad[1] * p)
+        return tuple(worst_mix(states, w, p)
                      for states, w, p in zip(self.kept_states(), whole, part))
 
     def tasks_of(self, group: int) -> tuple[Task, ...]:
@@ -200,6 +200,12 @@ class PipelineSchedule:
         """Every task in clock order (within a clock, by group): the order the runtime
         dispatches them in."""
         return tuple(t for row in self.clocks for t in row if t is not None)
+
+
+def worst_mix(states, whole: float, part: float) -> tuple[int, int]:
+    """Of (in flight, deferred) pairs, the one keeping the most bytes when a microbatch in
+    flight keeps `whole` and a deferred one `part` (ties: the smallest pair)."""
+    return max(sorted(states), key=lambda qd: qd[0] * whole + qd[1] * part)
 
 
 def _peaks(s: PipelineSchedule, opens: Phase, closes: Phase, n: int, where) -> tuple[int, ...]:

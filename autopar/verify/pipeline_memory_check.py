@@ -59,6 +59,7 @@ import jax
 
 from autopar.core.plan import ParallelPlan
 from autopar.frontend.meshes import no_context_mesh
+from autopar.inter_op.schedule import worst_mix
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 
@@ -182,7 +183,7 @@ def stage_memory(program, leaves, num_microbatches: int) -> tuple[StageMemory, .
             elif c.role is Role.APPLY:
                 apply = max(apply, feet[id(c)] - _held_bytes(c))
         # the mix of microbatches in flight and deferred that keeps the most
-        q, d = max(sorted(stats.kept_states[s]), key=lambda qd: qd[0] * stash + qd[1] * kept)
+        q, d = worst_mix(stats.kept_states[s], stash, kept)
         out.append(StageMemory(stage=s, held=held + derived, data=data, accumulator=acc,
                                stash=stash, in_flight=q, work=max(work, 0),
                                apply=max(apply, 0), weight_stash=kept, deferred=d))
