@@ -81,7 +81,15 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
             pars[name] = par
         except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    evals = _eval_pipeline(autopar, jax, net, gpt_loss, mesh, params, batch, stage_memory)
+    rows["eval"] = evals.pop("row") if "row" in evals else {"schedule": "eval",
+                                                           "error": evals.pop("error")}
     for r in range(rounds):
+        for name, fn in evals.items():          # the eval pipeline and jax.jit, in turn
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                rows["eval"][f"{name}_times"].append(time.perf_counter() - t0)
         for name, par in pars.items():
             p, o, _ = states[name]
             for _ in range(steps):
@@ -94,6 +102,41 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
         print(f"schedules: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
         with open(out_path, "w") as f:      # after every round: a killed run keeps them
             json.dump(list(rows.values()), f)
+
+
+def _eval_pipeline(autopar, jax, net, gpt_loss, mesh, params, batch, stage_memory) -> dict:
+    """The GPT's eval step (logits and mean loss, no gradient) as a forward-only pipeline on
+    the same 4 uniform stages and 8 microbatches, and under `jax.jit` on one device: their
+    row (plan time, outputs' difference, compiled peaks per stage) and a call of each."""
+    import numpy as np
+
+    def eval_step(params, batch):
+        logits = net.apply(params, batch["tokens"])
+        return logits, gpt_loss(logits, batch["tokens"])
+    try:
+        par = autopar.parallelize(eval_step, mesh=mesh, batch_argnums=(1,),
+                                  method=autopar.PipeshardParallel(
+                                      num_microbatches=8,
+                                      layer_option=autopar.AutoLayerOption(num_layers=4),
+                                      stage_option=autopar.UniformStageOption(num_stages=4)))
+        t0 = time.perf_counter()
+        plan = par.get_plan(params, batch)
+        row = {"schedule": "eval", "chosen": plan.pipeline["schedule"],
+               "plan_s": time.perf_counter() - t0, "pipeline_times": [], "jit_times": []}
+        one = jax.devices()[0]
+        p1, b1 = jax.device_put((params, batch), one)
+        jitted = jax.jit(eval_step)
+        got, want = par(params, batch), jitted(p1, b1)
+        row["diff"] = max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
+                          / max(float(np.max(np.abs(np.asarray(w)))), 1e-30)
+                          for g, w in zip(got, want))
+        memory = stage_memory(par.get_compiled(params, batch),
+                              jax.tree_util.tree_leaves((params, batch)), 8)
+        row["stage_peaks"] = [m.peak for m in memory] if memory else None
+        return {"row": row, "pipeline": lambda: par(params, batch),
+                "jit": lambda: jitted(p1, b1)}
+    except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def run(rounds: int = 5, steps: int = 3, timeout_s: float = 1800) -> dict:
@@ -120,6 +163,7 @@ def section(res: dict, cmdline: str) -> str:
         md_row(["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---"])]
     rows = {r["schedule"]: r for r in res.get("rows", [])}
     base = rows.get("1f1b", {})
+    evals = rows.pop("eval", None)
     for name, row in rows.items():
         if "error" in row:
             out.append(md_row([name, f"failed: {row['error']}"] + [""] * 8))
@@ -134,7 +178,29 @@ def section(res: dict, cmdline: str) -> str:
             f"{row['predicted_s'] / base['predicted_s']:.3f}",
             f"{row['predicted_v100_s'] / base['predicted_v100_s']:.3f}", row["chosen_v100"],
             f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}", _peaks(row, base)]))
+    out += _eval_lines(evals, base)
     return section_tail(out, res)
+
+
+def _eval_lines(row: dict | None, base: dict) -> list[str]:
+    if row is None:
+        return []
+    out = ["", "Forward-only: the same GPT's eval step (logits and mean loss, no gradient) as a "
+           "pipeline of the same 4 stages and 8 microbatches (`Schedule.FORWARD`), against "
+           "`jax.jit` of the step on one device, calls interleaved round by round. *largest "
+           "difference*: of the outputs, relative to each output's largest magnitude; "
+           "*compiled peak per stage*: over the 1F1B training pipeline's same stage.", "",
+           md_row(["step", "plan s", "pipeline median", "jax.jit (1 device) median",
+                   "pipeline / jit", "largest difference", "compiled peak per stage "
+                   "(/ 1F1B training)"]),
+           md_row(["---", "---:", "---:", "---:", "---:", "---:", "---"])]
+    if "error" in row:
+        return out + [md_row(["eval", f"failed: {row['error']}"] + [""] * 5)]
+    pipe = statistics.median(row["pipeline_times"]) if row["pipeline_times"] else float("nan")
+    jit = statistics.median(row["jit_times"]) if row["jit_times"] else float("nan")
+    return out + [md_row(["eval", f"{row['plan_s']:.1f}", f"{pipe * 1e3:.1f} ms",
+                          f"{jit * 1e3:.1f} ms", f"{pipe / jit:.2f}", f"{row['diff']:.1e}",
+                          _peaks(row, base)])]
 
 
 def _peaks(row: dict, base: dict) -> str:

@@ -30,3 +30,17 @@ def test_section_reports_a_failed_case_and_worker():
     text = schedules.section({**BASE, "rows": rows, "error": "stopped"}, "make bench")
     assert "| zb-h2 | failed: X: boom |" in text
     assert "The worker did not finish: stopped." in text
+
+
+def test_the_eval_row_compares_the_forward_pipeline_with_jit_and_training_peaks():
+    rows = [_row("1f1b", "1f1b", 2.0, 4.0, [0.2], [1.0]),
+            {"schedule": "eval", "chosen": "forward", "plan_s": 1.5, "diff": 3e-7,
+             "pipeline_times": [0.04, 0.05, 0.06], "jit_times": [0.01, 0.02, 0.03],
+             "stage_peaks": [2**19, 2**20]}]
+    text = schedules.section({**BASE, "rows": rows}, "make bench")
+    assert "| eval | 1.5 | 50.0 ms | 20.0 ms | 2.50 | 3.0e-07 | 0.50 MiB (0.25), " \
+           "1.00 MiB (0.50) |" in text
+    assert "| eval | forward |" not in text        # not a row of the schedules' table
+    failed = schedules.section({**BASE, "rows": [rows[0], {"schedule": "eval",
+                                                          "error": "X: boom"}]}, "make bench")
+    assert "| eval | failed: X: boom |" in failed
