@@ -414,7 +414,10 @@ class PipeshardParallel(ShardParallel):
     layers are grouped into pipeline stages, each stage runs on its own submesh with shardings
     from the intra-op ILP, and microbatches flow through the stages under `schedule`.
 
-    The step must take its gradient with `autopar.value_and_grad` / `autopar.grad`.
+    A training step takes its gradient with `autopar.value_and_grad` / `autopar.grad`; a
+    step with no gradient at all (an eval step: logits, a mean loss) runs as a forward-only
+    pipeline (`Schedule.FORWARD`, whatever `schedule` says), its outputs put back together
+    over the microbatches (rows in batch order, means averaged).
 
     Args:
       num_microbatches: the batch is split into this many equal microbatches (it must
