@@ -90,9 +90,9 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # (stages, inter_op_pipeline, pipeshard), NNX objects in place (nnx), planned loops (loops),
 # explicit meshes and sharding annotations (annotations, meshes), the bad-input table (errors:
 # shard_map and the other JAX constructs it must recognize), progress, and Equinox steps on the newest
-# Equinox (equinox, static_leaves), and the schedule tables with the zero-bubble pipelines
-# (schedule_tables, pipeline_schedules). LATEST_K leaves out the slowest repeats: the 1x4 and
-# 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
+# Equinox (equinox, static_leaves), the schedule tables with the zero-bubble pipelines
+# (schedule_tables, pipeline_schedules) and forward-only pipelines (forward_pipeline).
+# LATEST_K leaves out the slowest repeats: the 1x4 and 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
 # pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
 LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
 	tests/intra_op/test_intra_op.py tests/intra_op/test_ilp.py tests/intra_op/test_constraints.py \
@@ -101,7 +101,8 @@ LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
 	tests/inter_op/test_pipeshard.py tests/frontend/test_nnx.py tests/frontend/test_loops.py \
 	tests/intra_op/test_annotations.py tests/frontend/test_meshes.py tests/api/test_errors.py \
 	tests/core/test_progress.py tests/api/test_equinox.py tests/frontend/test_static_leaves.py \
-	tests/inter_op/test_schedule_tables.py tests/inter_op/test_pipeline_schedules.py
+	tests/inter_op/test_schedule_tables.py tests/inter_op/test_pipeline_schedules.py \
+	tests/inter_op/test_forward_pipeline.py
 LATEST_K ?= not (1x4 or 8x1 or test_moe_and_wide_resnet_pipelines)
 
 $(STAMP_LATEST): pyproject.toml
