@@ -92,8 +92,8 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 # shard_map and the other JAX constructs it must recognize), progress, and Equinox steps on the newest
 # Equinox (equinox, static_leaves), the schedule tables with the zero-bubble pipelines
 # (schedule_tables, pipeline_schedules) and forward-only pipelines (forward_pipeline).
-# LATEST_K leaves out the slowest repeats: the 1x4 and 8x1 meshes of the SGD sweep (2x4 and 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP
-# pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
+# LATEST_K leaves out the slowest repeats: the 1x4 and 8x1 meshes of the SGD sweep (2x4 and
+# 1x8 stay) and the MoE/Wide-ResNet pipelines (GPT and MLP pipelines stay). Override with `make test-latest LATEST_TESTS="tests/..." LATEST_K=`.
 LATEST_TESTS ?= tests/frontend/test_trace.py tests/api/test_equivalence.py \
 	tests/intra_op/test_intra_op.py tests/intra_op/test_ilp.py tests/intra_op/test_constraints.py \
 	tests/cost/test_hlo.py tests/intra_op/test_layer_rules.py tests/models/test_models.py \
