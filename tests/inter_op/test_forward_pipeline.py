@@ -83,6 +83,11 @@ def test_a_4_stage_gpt_eval_step_equals_jit_and_runs_forwards_only():
         assert len(st.graph.outputs) == len(st.io.float_outputs) + len(st.io.int_outputs)
     assert [r["trains"] for r in plan.stage_solutions] == [False] * 4
     _assert_close(want, par(state, batch))        # a second call: no re-plan, same values
+    # the plan saved as JSON replays (its stages from their saved solutions)
+    replay = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method(),
+                                 plan=autopar.ParallelPlan.from_json(plan.to_json()))
+    _assert_close(want, replay(state, batch))
+    assert replay.get_plan(state, batch).origin == "saved plan"
 
 
 def _train_step(state, batch):
