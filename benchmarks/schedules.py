@@ -58,6 +58,8 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
             layer_option=autopar.AutoLayerOption(num_layers=4),
             stage_option=autopar.UniformStageOption(num_stages=4))
     rows, pars, states = {}, {}, {}
+    # this machine's cluster as `autopar.profile` measures it (its call overhead included)
+    profiled = autopar.ClusterSpec.from_profile(autopar.profile(mesh, use_cache=False))
     for name in SCHEDULES:
         row = rows[name] = {"schedule": name}
         try:
@@ -67,8 +69,12 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
             row["plan_s"] = time.perf_counter() - t0
             v100 = par.with_cluster(autopar.ClusterSpec.preset(
                 "v100-p3.16xlarge", num_hosts=1)).get_plan(params, tx.init(params), batch)
+            measured_model = par.with_cluster(profiled).get_plan(params, tx.init(params), batch)
             row.update(chosen=plan.pipeline["schedule"],
                        predicted_s=plan.pipeline["predicted_latency_s"],
+                       predicted_profiled_s=measured_model.pipeline["predicted_latency_s"],
+                       chosen_profiled=measured_model.pipeline["schedule"],
+                       call_overhead_s=profiled.call_overhead_s,
                        predicted_v100_s=v100.pipeline["predicted_latency_s"],
                        chosen_v100=v100.pipeline["schedule"], times=[], losses=[])
             t0 = time.perf_counter()
@@ -149,7 +155,9 @@ def section(res: dict, cmdline: str) -> str:
         "CPU devices, 8 microbatches. *plan s*: the wall time of `get_plan` on a fresh "
         "`parallelize` (the stages solved, the schedules priced), over 1F1B's; *predicted*: "
         "the plan's step over 1F1B's with the cpu preset, and for the same stages with the "
-        "v100 preset; *measured*: the median step over 1F1B's, steps of all schedules "
+        "v100 preset, and with this machine's cluster as `autopar.profile` measured it "
+        "(`ClusterSpec.from_profile`: its measured call overhead is in the section's "
+        "last line); *measured*: the median step over 1F1B's, steps of all schedules "
         "interleaved round by round; *loss vs 1F1B*: the largest relative difference of the "
         "losses, step by step; *compiled peak per stage*: each stage's peak per device "
         "composed from XLA's memory analysis of its executables "
@@ -158,15 +166,17 @@ def section(res: dict, cmdline: str) -> str:
         "k and k+2, or k and 3-k), the others one stage on each of 4 groups of 2: their "
         "stages are other programs on other devices.", "",
         md_row(["schedule", "runs", "plan s (/ 1F1B)", "predicted / 1F1B (cpu)",
-                "predicted / 1F1B (v100)", "AUTO picks (v100)", "measured median step",
-                "measured / 1F1B", "loss vs 1F1B", "compiled peak per stage (/ 1F1B)"]),
-        md_row(["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---"])]
+                "predicted / 1F1B (profiled)", "predicted / 1F1B (v100)", "AUTO picks (v100)",
+                "measured median step", "measured / 1F1B", "loss vs 1F1B",
+                "compiled peak per stage (/ 1F1B)"]),
+        md_row(["---", "---", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:",
+                "---"])]
     rows = {r["schedule"]: r for r in res.get("rows", [])}
     base = rows.get("1f1b", {})
     evals = rows.pop("eval", None)
     for name, row in rows.items():
         if "error" in row:
-            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 8))
+            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 9))
             continue
         med = statistics.median(row["times"]) if row["times"] else float("nan")
         bmed = statistics.median(base["times"]) if base.get("times") else float("nan")
@@ -175,11 +185,23 @@ def section(res: dict, cmdline: str) -> str:
         out.append(md_row([
             name, row["chosen"],
             f"{row['plan_s']:.1f} ({row['plan_s'] / base['plan_s']:.2f})",
-            f"{row['predicted_s'] / base['predicted_s']:.3f}",
+            f"{row['predicted_s'] / base['predicted_s']:.3f}", _profiled(row, base),
             f"{row['predicted_v100_s'] / base['predicted_v100_s']:.3f}", row["chosen_v100"],
             f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}", _peaks(row, base)]))
     out += _eval_lines(evals, base)
+    if "call_overhead_s" in base:
+        out += ["", f"The profiled cluster's call overhead: {base['call_overhead_s'] * 1e6:.0f} "
+                "us per executable call (the cpu preset's: 0)."]
     return section_tail(out, res)
+
+
+def _profiled(row: dict, base: dict) -> str:
+    """The prediction with the cluster `autopar.profile` measured, over 1F1B's, and what AUTO
+    picks with it."""
+    if "predicted_profiled_s" not in row or "predicted_profiled_s" not in base:
+        return "not measured"
+    text = f"{row['predicted_profiled_s'] / base['predicted_profiled_s']:.3f}"
+    return text + (f" (picks {row['chosen_profiled']})" if row["schedule"] == "auto" else "")
 
 
 def _eval_lines(row: dict | None, base: dict) -> list[str]:
