@@ -266,7 +266,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "layer_option": type(method.layer_option).__name__,
         "gradient_accumulation": kind != MethodKind.PIPESHARD,
         # one stage: the microbatches loop inside one executable (lowering.accumulate)
-        "one_executable": one_executable(len(stages), m) and not loss.forward_only,
+        "one_executable": one_executable(len(stages), m),
         "forward_only": loss.forward_only,
         # per stage: gradients accumulated as partial sums and reduced once per step
         "local_gradients": [sum(lg.grad_outputs) if lg else 0 for lg in local],

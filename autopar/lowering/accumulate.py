@@ -15,7 +15,8 @@ so the results are the executor's (to XLA's rounding of the same sums: within 1e
 tests).
 
 XLA sees the whole step: no host dispatch per microbatch, no transfers, one compile, and one
-microbatch's activations live at a time (the scan's body).
+microbatch's activations live at a time (the scan's body). A forward-only step (an eval step
+under `ShardParallel(num_microbatches=M)`) scans the stage's forward, with no accumulator.
 
 `lower_pipeline` puts it in `PipelineProgram.whole_step`, and `runtime.executor.Executor`
 runs it in place of the schedule.
@@ -38,10 +39,8 @@ from autopar.lowering.microbatch import Merger
 
 
 def runs_whole(program) -> bool:
-    """Whether `program` runs as one executable (`inter_op.schedule.one_executable`); a
-    forward-only program runs its microbatches task by task."""
-    return one_executable(len(program.stages), program.num_microbatches) \
-        and not program.loss.forward_only
+    """Whether `program` runs as one executable (`inter_op.schedule.one_executable`)."""
+    return one_executable(len(program.stages), program.num_microbatches)
 
 
 def _constrain(x, sharding):
@@ -137,22 +136,32 @@ class _Traced:
                                           st.out_shardings[t]))
             return cts
 
+        def data_of(data_m):
+            return [data_m[i] if i in data_m else fixed[i]
+                    for i in range(len(st.slice.data_inputs))]
+
         def train(acc, xs):
             data_m, seed_m, mb = xs
-            data = [data_m[i] if i in data_m else fixed[i]
-                    for i in range(len(st.slice.data_inputs))]
-            outs, int_outs, acc, _ = st.fused(params, data, [], [],
+            outs, int_outs, acc, _ = st.fused(params, data_of(data_m), [], [],
                                               cotangents(seed if seed_m is None else seed_m),
                                               acc, mb)
             return acc, (outs, int_outs)
 
+        def forward(acc, xs):           # a forward-only step: no gradient, no accumulator
+            data_m, _, mb = xs
+            outs, int_outs, _ = st.forward(params, data_of(data_m), [], [], mb)
+            return acc, (outs, int_outs)
+
         index = jnp.arange(m_total, dtype=jnp.int32)       # each microbatch's index
-        first = ({i: x[0] for i, x in scanned.items()}, None if seeds is None else seeds[0],
-                 index[0])
-        shapes = jax.eval_shape(lambda xs: train(None, xs)[0], first)
-        acc0 = [_constrain(jnp.zeros(s.shape, s.dtype), sh)
-                for s, sh in zip(shapes, st.acc_shardings)]
-        acc, (outs, int_outs) = jax.lax.scan(train, acc0, (scanned, seeds, index))
+        if loss.forward_only:
+            acc, (outs, int_outs) = jax.lax.scan(forward, [], (scanned, seeds, index))
+        else:
+            first = ({i: x[0] for i, x in scanned.items()},
+                     None if seeds is None else seeds[0], index[0])
+            shapes = jax.eval_shape(lambda xs: train(None, xs)[0], first)
+            acc0 = [_constrain(jnp.zeros(s.shape, s.dtype), sh)
+                    for s, sh in zip(shapes, st.acc_shardings)]
+            acc, (outs, int_outs) = jax.lax.scan(train, acc0, (scanned, seeds, index))
         per_output = dict(zip((*float_out, *st.io.int_outputs), (*outs, *int_outs)))
         whole = NamedSharding(st.mesh, PartitionSpec())
         for pos, t in enumerate(fwd.outputs):
@@ -162,6 +171,8 @@ class _Traced:
             if w is not None:
                 w = [_constrain(x, whole) for x in w]
             env[gnode.outputs[pos]] = merge(pos, vals, w)
+        if loss.forward_only:           # no gradients
+            return
         if st.reduce is not None:       # partial sums: the step's one gradient reduction
             acc = st.reduce(acc)
         grads = dict(zip(st.slice.param_inputs, acc))

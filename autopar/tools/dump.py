@@ -204,8 +204,8 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
     if not plan.is_pipeline and forward:      # a forward in microbatches on one mesh
         s = plan.stages[0]
         return [f"forward only (no gradient): {p['num_microbatches']} microbatch(es) through "
-                f"one stage ({_time(s.latency_s)} each, predicted), one executable per "
-                f"microbatch; predicted step {_time(p['predicted_latency_s'])}, peak memory "
+                f"one stage ({_time(s.latency_s)} each, predicted){_form(p)}; predicted step "
+                f"{_time(p['predicted_latency_s'])}, peak memory "
                 f"{_bytes(s.peak_memory_bytes)} per device{reduced}"]
     if not plan.is_pipeline:           # gradient accumulation on one mesh
         s = plan.stages[0]

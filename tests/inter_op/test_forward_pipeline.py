@@ -141,15 +141,21 @@ def test_an_nnx_eval_step_runs_by_swapping_the_decorator():
     _assert_close(want, got)
 
 
-def test_microbatched_eval_on_one_mesh_equals_jit():
-    """`ShardParallel(num_microbatches=M)` on an eval step: the batch through one stage in
-    M pieces (one microbatch's activations at a time)."""
+@pytest.mark.parametrize("method", [autopar.ShardParallel(num_microbatches=4),
+                                    autopar.Zero3Parallel(num_microbatches=2)])
+def test_microbatched_eval_on_one_mesh_is_one_executable_equal_to_jit(method):
+    """`ShardParallel(num_microbatches=M)` (and the data-parallel methods) on an eval step:
+    the batch through one stage in M pieces, one microbatch's activations at a time, as one
+    executable (a scan of the stage's forward, no accumulator)."""
     eval_step, state, batch = _gpt_eval()
-    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)),
-                              method=autopar.ShardParallel(num_microbatches=4))
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=method)
     _assert_close(jax.jit(eval_step)(state, batch), par(state, batch))
     plan = par.get_plan(state, batch)
     assert plan.pipeline["forward_only"] and plan.pipeline["schedule"] == "forward"
+    assert plan.pipeline["one_executable"]
+    ex = par.get_executor(state, batch)
+    assert ex.p.whole_step is not None and ex.stats.num_dispatches == 1
+    assert "all in one executable" in autopar.dump(plan)
 
 
 def _mlp_eval(hidden=256, layers=4, batch_size=64):
