@@ -104,7 +104,13 @@ def pipeline_step(fun: Callable, args: tuple, kw: dict) -> tuple[Callable, OpGra
     if takes_gradient(step):
         return fun, step
     marked = forward_marked(fun, kw.get("batch_argnums", ()))
-    return marked, trace(marked, args, keep_grad=True, **kw)
+    step = trace(marked, args, keep_grad=True, **kw)
+    if not takes_gradient(step):       # no mark: every result is an argument or a constant
+        raise InvalidArgumentError(
+            f"{getattr(fun, '__name__', 'the step')} takes no gradient and computes none of "
+            "its results (each is an argument or a constant), so a pipeline has nothing to "
+            "run. Fix: compute the results in the step, or use ShardParallel() (or jax.jit).")
+    return marked, step
 
 
 def pipeline_methods(method: ShardParallel, mesh_shape, cluster: ClusterSpec,

@@ -257,16 +257,19 @@ def forward_marked(fun: Callable, batch_argnums: Sequence[int]) -> Callable:
         ins = [leaves[k] for k in order]
         jaxpr, consts = _closure_converted(flat_fun, ins)
         # A result that is an argument as it came (an NNX model's state, returned in place)
-        # is not the mark's: it is passed around it.
+        # or a literal is not the mark's: it is passed around it.
         inner, values = jaxpr.jaxpr, [*ins, *consts]
         arg = {v: i for i, v in enumerate(inner.invars)}
-        made = [v for v in inner.outvars if v not in arg]
+        around = lambda v: isinstance(v, jcore.Literal) or v in arg     # noqa: E731
+        made = [v for v in inner.outvars if not around(v)]
         if len(made) < len(inner.outvars):
             jaxpr = jcore.ClosedJaxpr(inner.replace(
                 outvars=made, debug_info=inner.debug_info._replace(result_paths=None)), ())
         marked = iter(value_and_grad_p.bind(*values, jaxpr=jaxpr, num_diff=0, has_aux=True,
-                                            num_params=sum(map(is_param, traced))))
-        outs = [values[arg[v]] if v in arg else next(marked) for v in inner.outvars]
+                                            num_params=sum(map(is_param, traced)))
+                      if made else ())
+        outs = [next(marked) if not around(v) else v.val if isinstance(v, jcore.Literal)
+                else values[arg[v]] for v in inner.outvars]
         return tu.tree_unflatten(out_tree, outs)
 
     return wrapped

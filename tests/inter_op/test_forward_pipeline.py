@@ -264,3 +264,25 @@ def test_autopar_plan_plans_an_eval_step_for_a_cluster_this_machine_lacks():
     assert len(plan.stages) >= 2
     assert all(s.peak_memory_bytes <= budget for s in plan.stages)
     assert sum(len(s.device_ids) for s in plan.stages) == 16
+
+
+def test_results_that_are_constants_or_arguments_pass_around_the_pipeline():
+    """An eval step that also returns a constant and one of its arguments: those come back as
+    they are, the computed result from the pipeline; a step computing none of its results
+    is refused by name (nothing to pipeline)."""
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 8))}
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 8))}
+
+    def eval_step(params, batch):
+        return jnp.sum(jnp.tanh(batch["x"] @ params["w"]) ** 2), 1.0, params
+
+    got = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method(2, 2, 2))(
+        params, batch)
+    want = jax.jit(eval_step)(params, batch)
+    _assert_close(want[0], got[0])
+    assert float(got[1]) == 1.0
+    np.testing.assert_array_equal(got[2]["w"], params["w"])
+    with pytest.raises(InvalidArgumentError, match=r"takes no gradient and computes none of "
+                       r"its results.*Fix: compute the results in the step"):
+        autopar.parallelize(lambda p, b: p, mesh=mesh_of((2, 4)),
+                            method=_method(2, 2, 2))(params, batch)
