@@ -233,10 +233,9 @@ def forward_marked(fun: Callable, batch_argnums: Sequence[int]) -> Callable:
         >>> marked = forward_marked(eval_step, batch_argnums=(1,))   # eval_step(params, batch)
         >>> logits, loss = marked(params, batch)      # the same values, one mark around them
     """
-    batch = set(batch_argnums)
-
     @functools.wraps(fun)
     def wrapped(*args):
+        batch = {a % len(args) for a in batch_argnums}      # negative argnums count too
         tu = jax.tree_util
         leaves, tree = tu.tree_flatten(args)
         owner = [i for i, a in enumerate(args) for _ in tu.tree_leaves(a)]

@@ -71,8 +71,9 @@ def task_seconds(loss: LossGraph, sl: StageSlice, graph: OpGraph, latency_s: flo
     total = f + b + w
     if total <= 0:
         return TaskSeconds(work / 2 + call, work / 4 + call, work / 4 + call, call)
-    return TaskSeconds(work * f / total + call,          # an empty B is not dispatched
-                       work * b / total + (call if parts.input_nodes else 0.0),
+    sends = bool(stage_io(loss, sl).float_acts)    # a B sending nothing is not dispatched
+    return TaskSeconds(work * f / total + call,
+                       work * b / total + (call if sends else 0.0),
                        work * w / total + call, call)
 
 

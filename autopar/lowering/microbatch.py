@@ -108,6 +108,8 @@ class Merger:
         if kind == Combine.UNKNOWN:
             floating = jnp.issubdtype(values[0].dtype, jnp.floating)
             kind = Combine.MEAN if floating else Combine.SUM
+        if kind == Combine.MEAN and not jnp.issubdtype(values[0].dtype, jnp.floating):
+            return values[0]     # the same in every microbatch (a count, a key): not averaged
         if kind == Combine.MEAN:
             return self._mean(*values)
         if kind == Combine.SUM:

@@ -235,10 +235,10 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
         **common, forward=jax.jit(forward, out_shardings=(*out_sh, None)),
         backward=jax.jit(backward, donate_argnums=(2,)),
         fused=jax.jit(fused, donate_argnums=(5,), out_shardings=(*out_sh, None, None)),
-        # A B with nothing to compute (the first stage: no activation gradients) is not
-        # dispatched; W gets the cotangents it reads directly.
-        backward_input=jax.jit(backward_input) if parts.input_nodes else None,
-        handoff_cts=() if parts.input_nodes else tuple(
+        # The B of a stage with no float activation inputs (the first stage: no activation
+        # gradients to send back) is not dispatched; W gets the cotangents it reads directly.
+        backward_input=jax.jit(backward_input) if io.float_acts else None,
+        handoff_cts=() if io.float_acts else tuple(
             graph.inputs[n_in:].index(t) for t in parts.handoff),
         backward_weight=jax.jit(backward_weight, donate_argnums=(2,)), backward_split=parts,
         reduce=reduce, local_grads=sum(local.grad_outputs) if local else 0,

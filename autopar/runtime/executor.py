@@ -330,7 +330,7 @@ class Executor:
         """B of a split backward: the activation gradients; the residuals stay for W."""
         live = state.residuals[st.index]
         cts = self._cotangents(state, st, m)
-        if st.backward_input is None:       # nothing to compute: W reads the cotangents
+        if st.backward_input is None:       # no activation gradients: W reads the cotangents
             act_grads, state.handoffs[st.index][m] = [], [cts[i] for i in st.handoff_cts]
         else:
             act_grads, state.handoffs[st.index][m] = self._dispatched(st.backward_input(

@@ -286,3 +286,28 @@ def test_results_that_are_constants_or_arguments_pass_around_the_pipeline():
                        r"its results.*Fix: compute the results in the step"):
         autopar.parallelize(lambda p, b: p, mesh=mesh_of((2, 4)),
                             method=_method(2, 2, 2))(params, batch)
+
+
+@pytest.mark.parametrize("batch_argnums", [(1,), (-1,)])
+def test_results_free_of_the_batch_keep_their_value_and_dtype(batch_argnums):
+    """An eval step returning a step counter + 1, a count and a new PRNG key next to its
+    loss: each is the same in every microbatch, so it comes back as microbatch 0's (not
+    averaged: an int stays an int, a key a key), as jax.jit returns it; `batch_argnums`
+    may count from the end."""
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 8))}
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, 8))}
+    state = {"params": params, "step": jnp.int32(5), "key": jax.random.key(3)}
+
+    def eval_step(state, batch):
+        loss = jnp.mean(jnp.tanh(batch["x"] @ state["params"]["w"]) ** 2)
+        return (loss, state["step"] + 1, jnp.sum(state["params"]["w"] > 0),
+                jax.random.split(state["key"])[0])
+
+    want = jax.jit(eval_step)(state, batch)
+    got = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), batch_argnums=batch_argnums,
+                              method=_method(2, 4, 2))(state, batch)
+    _assert_close(want[0], got[0])
+    for w, g in zip(want[1:3], got[1:3]):
+        assert g.dtype == w.dtype and int(g) == int(w)
+    assert jax.dtypes.issubdtype(got[3].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(got[3]), jax.random.key_data(want[3]))

@@ -209,3 +209,35 @@ def test_a_chunked_plan_replays_from_its_saved_plan():
     assert replayed.stages[0].device_ids == replayed.stages[3].device_ids
     assert_equivalent(run_steps(par, state, batches), run_steps(again, state, batches),
                       compare_params=False, rtol=1e-6)
+
+
+def test_a_stage_whose_b_passes_the_cotangent_through_sends_it_back():
+    """ZB-H1 with a middle stage `h + b` (its activation gradient is the output cotangent,
+    with no operator to run): its B still sends the gradient back, so the first stage's
+    weight gradient is not zero; gradients equal jax.jit's. Only the first stage, which has
+    no activation input, skips B."""
+    H = 32
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {"w0": jax.random.normal(k[0], (H, H)) * 0.3,
+              "b1": jax.random.normal(k[1], (H,)) * 0.3,
+              "w2": jax.random.normal(k[2], (H, H)) * 0.3,
+              "w3": jax.random.normal(k[3], (H, H)) * 0.3}
+    batch = {"x": jax.random.normal(k[4], (16, H)), "y": jax.numpy.ones((16, H))}
+
+    def loss_fn(p, b):
+        h = autopar.mark_stage_boundary(jax.numpy.tanh(b["x"] @ p["w0"]))
+        h = autopar.mark_stage_boundary(h + p["b1"])
+        h = autopar.mark_stage_boundary(jax.numpy.tanh(h @ p["w2"]))
+        return jax.numpy.mean((h @ p["w3"] - b["y"]) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    par = autopar.parallelize(lambda p, b: autopar.value_and_grad(loss_fn)(p, b),
+                              mesh=mesh_of((2, 4)), method=autopar.PipeshardParallel(
+                                  num_microbatches=4, schedule=H1,
+                                  layer_option=autopar.ManualLayerOption(),
+                                  stage_option=autopar.UniformStageOption(num_stages=4)))
+    got = par(params, batch)
+    assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
+    assert_norm_close(want[1], got[1], rtol=1e-5, what="gradients")
+    stages = par.get_executor(params, batch).p.stages
+    assert [st.backward_input is None for st in stages] == [True, False, False, False]
