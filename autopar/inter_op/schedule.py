@@ -130,14 +130,13 @@ class PipelineSchedule:
     def in_flight(self) -> tuple[int, ...]:
         """Per stage, the most microbatches whose forward ran there and whose backward has not
         yet: the activations that stage must keep alive."""
-        return _peaks(self, Phase.FORWARD, Phase.BACKWARD, self.num_stages, lambda t: t.stage)
+        return self._most(lambda a, d: a)
 
     def held(self) -> tuple[int, ...]:
         """Per stage, the most microbatches whose forward ran and whose backward has not
         finished (its W, where the table splits it): whose residuals the stage holds, since
         the runtime keeps them until W. 1F1B's in-flight counts for the other tables."""
-        closes = Phase.WEIGHT if self.split_backward else Phase.BACKWARD
-        return _peaks(self, Phase.FORWARD, closes, self.num_stages, lambda t: t.stage)
+        return self._most(lambda a, d: a + d)
 
     def group_in_flight(self) -> tuple[int, ...]:
         """Per device group, the most stage-microbatches in flight over its stages."""
@@ -147,8 +146,11 @@ class PipelineSchedule:
     def deferred_weights(self) -> tuple[int, ...]:
         """Per stage, the most microbatches whose B ran and whose W has not (what W's saved
         tensors keep alive); zeros for a table that does not split the backward."""
-        return _peaks(self, Phase.BACKWARD, Phase.WEIGHT, self.num_stages, lambda t: t.stage) \
-            if self.split_backward else (0,) * self.num_stages
+        return self._most(lambda a, d: d)
+
+    def _most(self, count) -> tuple[int, ...]:
+        """Per stage, the most of `count(in flight, deferred)` over its `kept_states`."""
+        return tuple(max(count(a, d) for a, d in states) for states in self.kept_states())
 
     def kept_states(self) -> tuple[frozenset[tuple[int, int]], ...]:
         """Per stage, every (in flight, deferred) pair it passes through, clock by clock:

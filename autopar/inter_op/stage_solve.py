@@ -147,6 +147,15 @@ class TrainSplit:
     residuals: tuple[int, ...]
 
 
+def cotangent_inputs(graph: OpGraph, sl: StageSlice) -> tuple[int, ...]:
+    """The training graph's last inputs: one cotangent per float output of the stage (the
+    graph's outputs are the stage outputs, then the gradients); none in a forward-only one."""
+    if sl.forward_only:
+        return ()
+    num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:len(sl.outputs)])
+    return tuple(graph.inputs[len(graph.inputs) - num_cts:])
+
+
 def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
     """The backward is every node that depends on the cotangent inputs (one per float output
     of the stage, the graph's last inputs) or on a rematerialization's barrier (the
@@ -156,9 +165,7 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
     if sl.forward_only:                # no backward: nothing is kept for one
         return TrainSplit(forward_nodes=tuple(range(len(graph.nodes))), backward_nodes=(),
                           residuals=())
-    n_out = len(sl.outputs)            # graph outputs: stage outputs, then the gradients
-    num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
-    late = set(graph.inputs[len(graph.inputs) - num_cts:])
+    late = set(cotangent_inputs(graph, sl))
     const_only = {t.id for t in graph.tensors if t.kind == TensorKind.CONST}
     forward, backward = [], []
     for start, stop in atomic_spans(graph):      # a loop region goes to one side whole
@@ -176,7 +183,8 @@ def split_train_graph(graph: OpGraph, sl: StageSlice) -> TrainSplit:
         else:
             forward.extend(ids)
     made_late = set(backward)
-    read = [t for n in backward for t in graph.nodes[n].inputs] + list(graph.outputs[n_out:])
+    read = [t for n in backward for t in graph.nodes[n].inputs] \
+        + list(graph.outputs[len(sl.outputs):])          # the gradients
     residuals = dict.fromkeys(
         t for t in read if t not in late and t not in const_only
         and not (graph.tensors[t].kind == TensorKind.INTERMEDIATE
@@ -228,6 +236,16 @@ def split_backward(graph, backward_nodes, n_out: int, n_grads: int, cts) -> Back
                          handoff=handoff)
 
 
+def stage_backward_split(graph: OpGraph, sl: StageSlice, backward_nodes=None) -> BackwardSplit:
+    """`split_backward` of a stage's training graph (its outputs, parameter gradients and
+    activation gradients as `stage_io` orders them); `backward_nodes`: its backward where the
+    caller has split the graph already (`split_train_graph`)."""
+    if backward_nodes is None:
+        backward_nodes = split_train_graph(graph, sl).backward_nodes
+    return split_backward(graph, backward_nodes, len(sl.outputs), len(sl.param_inputs),
+                          cotangent_inputs(graph, sl))
+
+
 def _weight_bytes(graph: OpGraph, sl: StageSlice, split: TrainSplit, specs,
                   mesh_shape) -> float:
     """Per device, what a microbatch keeps from its B to its W where a schedule splits the
@@ -235,10 +253,7 @@ def _weight_bytes(graph: OpGraph, sl: StageSlice, split: TrainSplit, specs,
     or received: the output cotangents)."""
     if sl.forward_only or not split.backward_nodes:
         return 0.0
-    n_out = len(sl.outputs)
-    num_cts = sum(is_float(graph.tensors[t].dtype) for t in graph.outputs[:n_out])
-    parts = split_backward(graph, split.backward_nodes, n_out, len(sl.param_inputs),
-                           graph.inputs[len(graph.inputs) - num_cts:])
+    parts = stage_backward_split(graph, sl, split.backward_nodes)
     reads = {t for n in parts.weight_nodes for t in graph.nodes[n].inputs}
     kept = [t for t in split.residuals if t in reads
             and graph.tensors[t].kind == TensorKind.INTERMEDIATE] + list(parts.handoff)

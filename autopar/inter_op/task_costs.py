@@ -23,7 +23,7 @@ from autopar.core.graph import OpGraph
 from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.schedule import Phase, PipelineSchedule
 from autopar.inter_op.schedule_check import simulate
-from autopar.inter_op.stage_solve import BackwardSplit, split_backward, split_train_graph, stage_io
+from autopar.inter_op.stage_solve import stage_backward_split, stage_io
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,25 +43,11 @@ class TaskSeconds:
         return self.backward if split else self.backward + self.weight - self.call_s
 
 
-def stage_backward_split(loss: LossGraph, sl: StageSlice, graph: OpGraph,
-                         backward_nodes=None) -> BackwardSplit:
-    """`split_backward` of a stage's training graph (its outputs, parameter gradients and
-    activation gradients as `inter_op.stage_solve.stage_io` orders them); `backward_nodes`:
-    its backward where the caller has split the graph already (`split_train_graph`)."""
-    io = stage_io(loss, sl)
-    n_in = len(graph.inputs) - len(io.float_outputs)        # all but the cotangents
-    if backward_nodes is None:
-        backward_nodes = split_train_graph(graph, sl).backward_nodes
-    return split_backward(graph, backward_nodes,
-                          len(io.float_outputs) + len(io.int_outputs), len(sl.param_inputs),
-                          graph.inputs[n_in:])
-
-
 def task_seconds(loss: LossGraph, sl: StageSlice, graph: OpGraph, latency_s: float,
                  overhead_s: float) -> TaskSeconds:
     """The stage's `latency_s` (forward + backward of one microbatch, `overhead_s` of it two
     calls' overhead) shared out by the FLOPs of its forward, B and W nodes."""
-    parts = stage_backward_split(loss, sl, graph)
+    parts = stage_backward_split(graph, sl)
     backward = set(parts.input_nodes) | set(parts.weight_nodes)
     flops = lambda ids: sum(graph.nodes[n].flops for n in ids)             # noqa: E731
     f = flops(n for n in range(len(graph.nodes)) if n not in backward)

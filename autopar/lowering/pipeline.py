@@ -29,9 +29,13 @@ from autopar.inter_op.apply_grad import PIPELINE, Placement, Segment
 from autopar.inter_op.local_grads import LocalGrads, partial_spec, run_nodes_local
 from autopar.inter_op.pipeline import LossGraph, StageSlice
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule
-from autopar.inter_op.stage_solve import StageIO, split_train_graph, stage_io
+from autopar.inter_op.stage_solve import (
+    StageIO,
+    split_train_graph,
+    stage_backward_split,
+    stage_io,
+)
 from autopar.inter_op.stages import AXIS_NAMES, ChosenStage
-from autopar.inter_op.task_costs import stage_backward_split
 from autopar.lowering.accumulate import accumulated_step, runs_whole
 from autopar.lowering.microbatch_bits import with_batch_draws
 from autopar.lowering.single_mesh import named, reshard_paths
@@ -202,7 +206,7 @@ def _stage_executable(loss: LossGraph, stage: ChosenStage, mesh, local: LocalGra
     if sl.forward_only:              # a step without gradient: the forward alone
         return StageExecutable(**common, forward=jax.jit(forward, out_shardings=(*out_sh, None)),
                                backward=None, fused=None)
-    parts = stage_backward_split(loss, sl, graph, split.backward_nodes)
+    parts = stage_backward_split(graph, sl, split.backward_nodes)
 
     def backward_input(saved, cts, mb):
         env = saved_env(saved, graph.inputs[n_in:], cts)
