@@ -14,6 +14,14 @@ sum_i t_i subject to t_i <= t_max, and stops once (B - 1) * t_max plus a lower b
 slowest stage at >= t_max, so none can do better. This bound is at least as tight as Alpa's
 (B - 1) * t_max >= T*.
 
+Other schedules (`kept`, `bubble`): T = B * t_max + b * (sum_i t_i - t_max) prices a schedule
+whose warm-up and cool-down leave b of 1F1B's bubble (1F1B: b = 1, the formula above; the
+zero-bubble ones fill it with weight gradients: b < 1), and each stage's memory is its static
+bytes plus the worst of the (in flight, deferred) states the schedule's table passes through
+at its position (a deferred microbatch keeps `weight_bytes`: what W reads). Such counts may
+depend on the stage count S and on a stage's position from the start (ZB-H1 defers p + 1
+weight gradients at stage p), so the DP then runs once per S.
+
 The DP sees an option only through its device count, latency and memory, so its tables run
 over device counts with the least latency per count (the search's options per submesh, view,
 rematerialization and ZeRO mostly share device counts), and the t_max values that admit no
@@ -33,7 +41,7 @@ import numpy as np
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 
 __all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
-           "solve_stage_dp", "brute_force_stages"]
+           "solve_stage_dp", "brute_force_stages", "pipeline_time"]
 
 _BRUTE_FORCE_LIMIT = 200_000     # stage assignments brute_force_stages agrees to enumerate
 
@@ -106,18 +114,23 @@ class StageCosts:
     static_bytes: np.ndarray      # [L, L, K]: params, optimizer state, grads
     activation_bytes: np.ndarray  # [L, L, K]: bytes kept per in-flight microbatch
     memory_budget_bytes: float    # per device
+    # [L, L, K]: bytes kept per microbatch between its B and its W (a split backward), or None
+    weight_bytes: np.ndarray | None = None
 
     def __post_init__(self):
         arrays = {}
-        for name in ("latency_s", "static_bytes", "activation_bytes"):
+        if self.weight_bytes is None:
+            object.__setattr__(self, "weight_bytes", np.zeros_like(
+                np.asarray(self.activation_bytes, dtype=np.float64)))
+        for name in ("latency_s", "static_bytes", "activation_bytes", "weight_bytes"):
             arrays[name] = _as_cost_array(name, getattr(self, name))
             object.__setattr__(self, name, arrays[name])
         shapes = {name: arr.shape for name, arr in arrays.items()}
         if len(set(shapes.values())) != 1:
-            raise InvalidArgumentError(f"StageCosts arrays disagree in shape {shapes}: all three "
-                                       "must be [L, L, K] for the same L and K.")
+            raise InvalidArgumentError(f"StageCosts arrays disagree in shape {shapes}: all of "
+                                       "them must be [L, L, K] for the same L and K.")
         usable = np.isfinite(self.latency_s)
-        for name in ("static_bytes", "activation_bytes"):
+        for name in ("static_bytes", "activation_bytes", "weight_bytes"):
             if not np.isfinite(arrays[name][usable]).all():
                 raise InvalidArgumentError(f"StageCosts.{name} is infinite where latency_s is "
                                            "finite: give finite bytes, or latency np.inf.")
@@ -139,7 +152,7 @@ class StageAssignment:
     layer_spans: tuple[tuple[int, int], ...]  # (first, last) layer per stage, covering 0..L-1
     submeshes: tuple[int, ...]                # index into the submesh list, per stage
     stage_latency_s: tuple[float, ...]
-    total_latency_s: float                    # sum(t_i) + (B - 1) * max(t_i)
+    total_latency_s: float                    # sum(t_i) + (B - 1) * max(t_i) (`pipeline_time`)
     num_candidates: int                       # t_max values tried
     num_pruned: int                           # t_max values skipped by the bound
     search_time_s: float
@@ -172,12 +185,24 @@ def _validate(costs, submeshes, num_devices, num_microbatches, max_stages):
 
 def _stage_memory(costs: StageCosts, max_q: int) -> np.ndarray:
     """[max_q, L, L, K]: per-device bytes of a stage that is q + 1-th from the end (q + 1
-    microbatches in flight); np.inf where the stage is impossible."""
+    microbatches in flight, 1F1B); np.inf where the stage is impossible."""
+    return np.stack([_kept_memory(costs, ((q, 0),)) for q in range(1, max_q + 1)])
+
+
+def _kept_memory(costs: StageCosts, states) -> np.ndarray:
+    """[L, L, K]: per-device bytes of a stage passing through `states` ((in flight, deferred)
+    microbatch counts): its static bytes and the worst state's; np.inf where impossible."""
     num_layers = costs.num_layers
     ok = np.isfinite(costs.latency_s) & np.triu(np.ones((num_layers, num_layers), bool))[..., None]
-    q = np.arange(1, max_q + 1, dtype=np.float64)[:, None, None, None]
-    mem = costs.static_bytes[None] + q * costs.activation_bytes[None]
-    return np.where(ok[None], mem, np.inf)
+    act, weight = (np.where(ok, arr, 0.0) for arr in (costs.activation_bytes, costs.weight_bytes))
+    kept = np.max([a * act + d * weight for a, d in sorted(states)], axis=0)
+    return np.where(ok, costs.static_bytes + kept, np.inf)
+
+
+def _schedule_memory(costs: StageCosts, states_per_stage) -> np.ndarray:
+    """[S, L, L, K]: `_kept_memory` of the stage q + 1-th from the end of S, whose states are
+    `states_per_stage[S - 1 - q]` (indexed from the first stage)."""
+    return np.stack([_kept_memory(costs, states) for states in reversed(states_per_stage)])
 
 
 def _by_size(values: np.ndarray, sizes: np.ndarray):
@@ -209,7 +234,7 @@ def _capped(values: np.ndarray, cap: float) -> np.ndarray:
 
 def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
             combine: Callable[[np.ndarray, np.ndarray], np.ndarray], cap: float = np.inf,
-            grouped=None):
+            grouped=None, exact: bool = False):
     """DP over stages counted from the end: table_q[l, d] = best value of q stages covering layers
     l..L-1 on exactly d devices = min over (j, k) of combine(values_per_q[q - 1][l, j, k],
     table_{q-1}[j + 1, d - sizes[k]]), counting only values <= `cap`. Returns (best over q of
@@ -217,7 +242,8 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
 
     The tables are built over device counts (`_by_size`; `grouped` is its result for
     `values_per_q`, when the caller has it): the same minima, as `combine` is monotone. The
-    walk back re-derives each choice over all K options, so ties break as over the options."""
+    walk back re-derives each choice over all K options, so ties break as over the options.
+    `exact`: only assignments of exactly len(values_per_q) stages."""
     num_layers, k = values_per_q.shape[1], values_per_q.shape[3]
     gvalues, gsizes = grouped if grouped is not None else _by_size(values_per_q, sizes)
     table = np.full((num_layers + 1, num_devices + 1), np.inf)
@@ -231,7 +257,7 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
         cand = combine(vals[..., None], shifted[None, :n])  # [n, n, G, D + 1]
         table = np.full_like(table, np.inf)
         table[:n] = cand.reshape(n, n * len(gsizes), -1).min(axis=1)
-        if table[0, num_devices] < best:
+        if table[0, num_devices] < best and (not exact or q + 1 == len(values_per_q)):
             best, best_q = table[0, num_devices], q + 1
     if not np.isfinite(best):
         return np.inf, None
@@ -250,11 +276,28 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
     return best, stages
 
 
-def _min_memory(costs, sizes, num_devices, max_q) -> float:
+def _memories(costs, max_q, kept):
+    """[(stage count or None, [Q, L, L, K] memory per stage from the end)]: one table for
+    every count under 1F1B (`kept` None), else one per stage count S (`kept(S)`)."""
+    if kept is None:
+        return [(None, _stage_memory(costs, max_q))]
+    return [(s, _schedule_memory(costs, _states(kept, s))) for s in range(1, max_q + 1)]
+
+
+def _states(kept, num_stages: int) -> list:
+    states = list(kept(num_stages))
+    if len(states) != num_stages or not all(states):
+        raise InvalidArgumentError(
+            f"kept({num_stages}) gave {len(states)} state set(s): it must give one non-empty "
+            f"set of (in flight, deferred) counts per stage, {num_stages} in all.")
+    return states
+
+
+def _min_memory(memories, sizes, num_devices) -> float:
     """Smallest max-over-stages per-device memory of any covering assignment with finite
     latencies (np.inf if none exists)."""
-    best, _ = _run_dp(_stage_memory(costs, max_q), sizes, num_devices, np.maximum)
-    return float(best)
+    return float(min(_run_dp(mem, sizes, num_devices, np.maximum, exact=s is not None)[0]
+                     for s, mem in memories))
 
 
 def _raise_infeasible(needed: float, costs, sizes, num_devices, max_q):
@@ -267,25 +310,46 @@ def _raise_infeasible(needed: float, costs, sizes, num_devices, max_q):
     budget = costs.memory_budget_bytes
     raise InfeasiblePlanError(
         f"no stage assignment fits memory_budget_bytes={budget:.6g} per device: the best needs "
-        f"{needed:.6g} bytes (static + in-flight microbatches x activations under 1F1B); raise "
-        "the budget, reduce memory (ZeRO, rematerialization) or allow more stages.",
+        f"{needed:.6g} bytes (static + the microbatches the schedule keeps x their activations)"
+        "; raise the budget, reduce memory (ZeRO, rematerialization) or allow more stages.",
         needed_bytes=math.ceil(needed), budget_bytes=budget)
 
 
-def _assignment(stages, latency, num_microbatches, num_candidates, num_pruned, start):
+def pipeline_time(times, num_microbatches: int, bubble: float = 1.0) -> float:
+    """B * t_max + b * (sum t - t_max): Alpa's sum t + (B - 1) * t_max where b = 1.
+
+        >>> pipeline_time([1.0, 2.0, 1.0], 4), pipeline_time([1.0, 2.0, 1.0], 4, bubble=0.5)
+        (10.0, 9.0)
+    """
+    t_max = max(times)
+    return num_microbatches * t_max + bubble * (sum(times) - t_max)
+
+
+def _assignment(stages, latency, num_microbatches, bubble, num_candidates, num_pruned, start):
     times = tuple(float(latency[i, j, k]) for i, j, k in stages)
     return StageAssignment(
         layer_spans=tuple((i, j) for i, j, _ in stages),
         submeshes=tuple(k for _, _, k in stages),
         stage_latency_s=times,
-        total_latency_s=sum(times) + (num_microbatches - 1) * max(times),
+        total_latency_s=pipeline_time(times, num_microbatches, bubble),
         num_candidates=num_candidates, num_pruned=num_pruned,
         search_time_s=time.perf_counter() - start)
 
 
+def _check_bubble(bubble) -> float:
+    if isinstance(bubble, bool) or not isinstance(bubble, (int, float, np.number)) \
+            or not 0.0 <= bubble <= 1.0:
+        raise InvalidArgumentError(f"bubble={bubble!r} is invalid: pass the fraction of "
+                                   "1F1B's bubble the schedule leaves, a number in [0, 1].")
+    return float(bubble)
+
+
 def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
-                   num_microbatches: int, *, max_stages: int | None = None) -> StageAssignment:
-    """Alpa's inter-op DP: the stage assignment minimizing sum t_i + (B - 1) * max t_i.
+                   num_microbatches: int, *, max_stages: int | None = None,
+                   kept: Callable[[int], Sequence] | None = None,
+                   bubble: float = 1.0) -> StageAssignment:
+    """Alpa's inter-op DP: the stage assignment minimizing sum t_i + (B - 1) * max t_i, or
+    with `bubble` = b, B * max t_i + b * (sum t_i - max t_i).
 
     Args:
       costs: stage latencies and memory, [L, L, K] with K == len(submeshes).
@@ -293,6 +357,10 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
       num_devices: the device counts of the stages' submeshes must sum exactly to this.
       num_microbatches: B.
       max_stages: optional cap on the number of stages.
+      kept: `kept(S)` gives, per stage of S (from the first), the (in flight, deferred)
+        microbatch counts its schedule passes through (`PipelineSchedule.kept_states`); a
+        stage must fit at the worst. Default: 1F1B's (S - p in flight at stage p).
+      bubble: the fraction of 1F1B's bubble the schedule leaves, in [0, 1].
 
     Raises:
       InfeasiblePlanError: no assignment fits the memory budget (needed_bytes is the smallest
@@ -302,26 +370,40 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     start = time.perf_counter()
     sizes, num_devices, num_microbatches, max_q = _validate(
         costs, submeshes, num_devices, num_microbatches, max_stages)
-    latency = costs.latency_s
-    memory_ok = _stage_memory(costs, max_q) <= costs.memory_budget_bytes  # [Q, L, L, K]
-    usable = np.where(memory_ok, latency[None], np.inf)                     # [Q, L, L, K]
-    b = num_microbatches
+    bubble = _check_bubble(bubble)
+    memories = _memories(costs, max_q, kept)
+    best = (np.inf, None, 0, 0)
+    for count, memory in memories:
+        found = _search(costs, memory, sizes, num_devices, num_microbatches, bubble,
+                        exact=count is not None)
+        if found[1] is not None and found[0] < best[0]:
+            best = found
+    if best[1] is None:
+        _raise_infeasible(_min_memory(memories, sizes, num_devices),
+                          costs, sizes, num_devices, max_q)
+    return _assignment(best[1], costs.latency_s, num_microbatches, bubble, best[2], best[3],
+                       start)
 
+
+def _search(costs, memory, sizes, num_devices, b, bubble, exact):
+    """(least T, its stages, caps tried, caps pruned) over the assignments `memory` admits
+    (`exact`: of exactly len(memory) stages); (inf, None, 0, 0) where none."""
+    latency = costs.latency_s
+    usable = np.where(memory <= costs.memory_budget_bytes, latency[None], np.inf)
     grouped = _by_size(usable, sizes)
 
     def evaluate(cap=np.inf):
-        total_sum, stages = _run_dp(usable, sizes, num_devices, np.add, cap, grouped)
+        total_sum, stages = _run_dp(usable, sizes, num_devices, np.add, cap, grouped, exact)
         if stages is None:
             return np.inf, np.inf, None
         times = [latency[i, j, k] for i, j, k in stages]
-        return float(total_sum), float(total_sum) + (b - 1) * max(times), stages
+        return float(total_sum), pipeline_time(times, b, bubble), stages
 
     # Without a t_max cap: the least possible sum (a lower bound for every candidate) and a first
     # incumbent; no plan at all means memory (or the covering) rules everything out.
     min_sum, best_total, best_stages = evaluate()
     if best_stages is None:
-        _raise_infeasible(_min_memory(costs, sizes, num_devices, max_q),
-                          costs, sizes, num_devices, max_q)
+        return np.inf, None, 0, 0
     # Candidate t_max: the latencies the DP can pick (the least per device count; a dominated
     # option's latency gives the same plans as the next smaller candidate). A plan admitted
     # under a cap is admitted under every larger one, so the caps that admit none are a prefix:
@@ -338,26 +420,30 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     tried, pruned = low, 0     # tried: the caps settled (below `low`: no plan) or evaluated
     for index in range(low, len(t_values)):
         t_max = t_values[index]
-        # A plan first found at this t_max has max t_i == t_max, so T >= sum + (B - 1) * t_max
-        # with sum >= max(t_max, min_sum); both bounds grow with t_max, so stop at the first hit.
-        if max(t_max, min_sum) + (b - 1) * t_max >= best_total:
+        # A plan first found at this t_max has max t_i == t_max, so T >= B * t_max + b *
+        # (sum - t_max) with sum >= max(t_max, min_sum); the bound grows with t_max (b <= 1
+        # <= B), so stop at the first hit. Under a cap the least sum gives the least T of the
+        # plans it admits, as T = (B - b) t_max + b sum grows with both.
+        if b * t_max + bubble * (max(t_max, min_sum) - t_max) >= best_total:
             pruned = len(t_values) - index
             break
         tried += 1
         _, total, stages = evaluate(t_max)
         if total < best_total:
             best_total, best_stages = total, stages
-    return _assignment(best_stages, latency, num_microbatches, tried, pruned, start)
+    return best_total, best_stages, tried, pruned
 
 
 def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
-                       num_microbatches: int, *,
-                       max_stages: int | None = None) -> StageAssignment:
+                       num_microbatches: int, *, max_stages: int | None = None,
+                       kept: Callable[[int], Sequence] | None = None,
+                       bubble: float = 1.0) -> StageAssignment:
     """Exhaustive reference for solve_stage_dp (same arguments, errors and result); refuses
     inputs with more than 200,000 candidate assignments."""
     start = time.perf_counter()
     sizes, num_devices, num_microbatches, max_q = _validate(
         costs, submeshes, num_devices, num_microbatches, max_stages)
+    bubble = _check_bubble(bubble)
     num_layers, k = costs.num_layers, len(sizes)
     count = sum(math.comb(num_layers - 1, s - 1) * k ** s for s in range(1, max_q + 1))
     if count > _BRUTE_FORCE_LIMIT:
@@ -367,6 +453,8 @@ def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num
     latency, budget = costs.latency_s, costs.memory_budget_bytes
     best_total, best_stages, needed = np.inf, None, np.inf
     for num_stages in range(1, max_q + 1):
+        states = _states(kept, num_stages) if kept is not None else \
+            [((num_stages - p, 0),) for p in range(num_stages)]
         for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
             bounds = (0, *cuts, num_layers)
             spans = [(bounds[p], bounds[p + 1] - 1) for p in range(num_stages)]
@@ -376,16 +464,17 @@ def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num
                 times = [latency[i, j, s] for (i, j), s in zip(spans, subs)]
                 if not np.isfinite(times).all():
                     continue
-                peak = max(costs.static_bytes[i, j, s] + (num_stages - p) *
-                           costs.activation_bytes[i, j, s]
-                           for p, ((i, j), s) in enumerate(zip(spans, subs)))
+                peak = max(costs.static_bytes[i, j, s] + a * costs.activation_bytes[i, j, s]
+                           + d * costs.weight_bytes[i, j, s]
+                           for p, ((i, j), s) in enumerate(zip(spans, subs))
+                           for a, d in states[p])
                 needed = min(needed, peak)
                 if peak > budget:
                     continue
-                total = sum(times) + (num_microbatches - 1) * max(times)
+                total = pipeline_time(times, num_microbatches, bubble)
                 if total < best_total:
                     best_total = total
                     best_stages = [(i, j, s) for (i, j), s in zip(spans, subs)]
     if best_stages is None:
         _raise_infeasible(needed, costs, sizes, num_devices, max_q)
-    return _assignment(best_stages, latency, num_microbatches, 0, 0, start)
+    return _assignment(best_stages, latency, num_microbatches, bubble, 0, 0, start)

@@ -314,3 +314,90 @@ def test_dp_bisects_the_caps_that_admit_no_plan(monkeypatch):
     least = _costs(latency.reshape(6, 6, 6, 4).min(axis=2))   # the fastest copy per submesh
     assert result.total_latency_s == pytest.approx(
         brute_force_stages(least, submeshes[:4], 8, 1000).total_latency_s, rel=1e-12)
+
+
+def _table_states(schedule, num_microbatches):
+    from autopar.inter_op.schedule import make_schedule
+    return lambda s: make_schedule(schedule, s, num_microbatches).kept_states()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_with_a_schedule_matches_brute_force(seed):
+    """Per-schedule memory (the (in flight, deferred) states of each stage count's table,
+    with W's bytes) and objective (b of 1F1B's bubble): the DP equals the exhaustive search."""
+    from autopar.core.enums import Schedule
+    rng = np.random.default_rng(1000 + seed)
+    costs, submeshes, m = _random_instance(rng)
+    weight = costs.activation_bytes * rng.uniform(0.2, 0.8)
+    costs = StageCosts(latency_s=costs.latency_s, static_bytes=costs.static_bytes,
+                       activation_bytes=costs.activation_bytes, weight_bytes=weight,
+                       memory_budget_bytes=costs.memory_budget_bytes)
+    schedule = [Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2, Schedule.GPIPE,
+                Schedule.ONE_F_ONE_B][seed % 4]
+    kw = dict(max_stages=None if seed % 3 else int(rng.integers(1, 5)),
+              kept=_table_states(schedule, m), bubble=float(rng.choice([0.0, 0.3, 1.0])))
+    args = (costs, submeshes, 8, m)
+    try:
+        expected = brute_force_stages(*args, **kw)
+    except (InfeasiblePlanError, InvalidArgumentError) as err:
+        with pytest.raises(type(err)) as got:
+            solve_stage_dp(*args, **kw)
+        if isinstance(err, InfeasiblePlanError):
+            assert got.value.needed_bytes == err.needed_bytes
+        return
+    result = solve_stage_dp(*args, **kw)
+    assert result.total_latency_s == pytest.approx(expected.total_latency_s, rel=1e-9, abs=1e-9)
+    times = [costs.latency_s[i, j, k] for (i, j), k in zip(result.layer_spans, result.submeshes)]
+    assert result.total_latency_s == pytest.approx(
+        m * max(times) + kw["bubble"] * (sum(times) - max(times)))
+
+
+def test_the_default_states_are_1f1b_s():
+    """`kept` = 1F1B's table gives what the single DP over every stage count gives."""
+    from autopar.core.enums import Schedule
+    for seed in range(20):
+        costs, submeshes, m = _random_instance(np.random.default_rng(seed))
+        try:
+            plain = solve_stage_dp(costs, submeshes, 8, m)
+        except (InfeasiblePlanError, InvalidArgumentError):
+            continue
+        tabled = solve_stage_dp(costs, submeshes, 8, m,
+                                kept=_table_states(Schedule.ONE_F_ONE_B, m))
+        assert tabled.total_latency_s == pytest.approx(plain.total_latency_s)
+
+
+def test_deferred_weight_gradients_and_a_smaller_bubble_change_the_layout():
+    """Two layers on 2 devices. Under 1F1B one stage on both devices wins; a schedule that
+    defers W (ZB-H1: stage p keeps p + 1 deferred) and a budget that cannot hold them forces
+    it back; a schedule with no bubble (b = 0) prefers the two-stage pipeline whose slowest
+    stage is shorter, where 1F1B's bubble makes it slower."""
+    from autopar.core.enums import Schedule
+    submeshes = candidate_submeshes(1, 2)                          # (1, 1), (1, 2)
+    latency = _span_costs(2, submeshes, lambda n, s: n / s.num_devices * (1.3 if
+                                                                            s.num_devices == 2
+                                                                            else 1.0))
+    act = _span_costs(2, submeshes, lambda n, s: 1.0 * n / s.num_devices)
+    costs = _costs(latency, act=act)
+    one_f = solve_stage_dp(costs, submeshes, 2, 2)
+    assert one_f.num_stages == 1                  # 1.3 x 2 microbatches < 1 + 1 x 2
+    no_bubble = solve_stage_dp(costs, submeshes, 2, 2, bubble=0.0)
+    assert no_bubble.num_stages == 2 and no_bubble.total_latency_s == pytest.approx(2.0)
+    # ZB-H1 with 2 stages: the last passes through 2 deferred W's (2 x 2 bytes > 3.5); one
+    # stage on both devices keeps at most 1 microbatch (1 x 2 bytes).
+    weighted = StageCosts(latency_s=latency, static_bytes=np.zeros_like(latency),
+                          activation_bytes=act, weight_bytes=act * 2.0, memory_budget_bytes=3.5)
+    h1 = solve_stage_dp(weighted, submeshes, 2, 2, bubble=0.0,
+                        kept=_table_states(Schedule.ZERO_BUBBLE_H1, 2))
+    assert h1.num_stages == 1
+    plain = StageCosts(latency_s=latency, static_bytes=np.zeros_like(latency),
+                       activation_bytes=act, memory_budget_bytes=3.5)
+    assert solve_stage_dp(plain, submeshes, 2, 2, bubble=0.0,
+                          kept=_table_states(Schedule.ZERO_BUBBLE_H1, 2)).num_stages == 2
+
+
+def test_bad_schedule_arguments_are_named():
+    costs, submeshes, m = _random_instance(np.random.default_rng(3))
+    with pytest.raises(InvalidArgumentError, match="bubble=1.5"):
+        solve_stage_dp(costs, submeshes, 8, m, bubble=1.5)
+    with pytest.raises(InvalidArgumentError, match=r"kept\(1\) gave 0"):
+        solve_stage_dp(costs, submeshes, 8, m, kept=lambda s: [])
