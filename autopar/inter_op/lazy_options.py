@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.core.enums import Remat
 from autopar.core.errors import InfeasiblePlanError
 from autopar.inter_op.stage_costs import (
     boundary_costs,
@@ -60,16 +61,16 @@ class KindOptions:
     """One kind of layer plan (`solve`: the fastest or the memory-lean plan under one
     rematerialization) on every (layer, pair): its DP option arrays (`plain`, and `zero` with
     the optimizer state split, in a pipeline), each a list (latency, held, activation,
-    boundary, working, deferred, pending) of [L, P] arrays updated in place by `refine`. A
+    boundary, working, deferred, pending, weight) of [L, P] arrays updated in place by `refine`. A
     pending cell holds `bound`'s lower bounds (no activations, no working or deferred bytes;
     its peak's lower bound as working bytes, see `stage_costs.layer_options`)."""
 
     def __init__(self, ctx: OptionContext, solve, bound=None, lazy_pairs=frozenset()):
         self.ctx, self.solve, self.bound = ctx, solve, bound
-        lat, held, act, work, deferred, self.sols, pending = layer_options(
+        lat, held, act, work, deferred, weight, self.sols, pending = layer_options(
             ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs, solve,
             ctx.opt_ratio, ctx.pool, bound=bound, lazy_pairs=lazy_pairs)
-        self.plain = [lat, held, act, None, work, deferred, pending]
+        self.plain = [lat, held, act, None, work, deferred, pending, weight]
         self.loose = pending.copy()      # pending cells whose bound has no memory rows yet
         self.zero = None
         self._priced()
@@ -80,13 +81,13 @@ class KindOptions:
 
     def _priced(self) -> None:
         """Boundary costs and the ZeRO twin from the current plans (in place)."""
-        ctx, (lat, held, act, _, work, deferred, pending) = self.ctx, self.plain
+        ctx, (lat, held, act, _, work, deferred, pending, weight) = self.ctx, self.plain
         self.plain[3] = boundary_costs(ctx.loss, ctx.boundaries, self.sols, ctx.meshes)
         zero = zero_variant(self.sols, lat, held, ctx.opt_ratio, ctx.num_microbatches)
         if ctx.pipeline and (zero is not None or pending.any()):
             zlat, zheld = zero if zero is not None else (lat.copy(), held.copy())
             if self.zero is None:
-                self.zero = [zlat, zheld, act, self.plain[3], work, deferred, pending]
+                self.zero = [zlat, zheld, act, self.plain[3], work, deferred, pending, weight]
             else:
                 self.zero[0][...], self.zero[1][...] = zlat, zheld
                 self.zero[3] = self.plain[3]
@@ -111,15 +112,15 @@ class KindOptions:
         """Solve the pending `cells` ((layer, pair)) exactly and reprice."""
         ctx = self.ctx
         cells = sorted(set(cells))
-        lat, held, act, _, work, deferred, pending = self.plain
+        lat, held, act, _, work, deferred, pending, weight = self.plain
         for (l, p), sol in zip(cells, solve_cells(
                 ctx.loss, ctx.boundaries, ctx.submeshes, ctx.shapes_per_k, ctx.pairs,
                 self.solve, cells, ctx.pool)):
             self.sols[l][p] = sol
             pending[l, p] = self.loose[l, p] = False
             was = lat[l, p]
-            lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
-                sol, ctx.opt_ratio)
+            (lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p],
+             weight[l, p]) = layer_values(sol, ctx.opt_ratio)
             log.debug("layer %d on pair %d solved: %.4g s (bounded at %.4g s)", l, p,
                       lat[l, p], was)
         self._priced()
@@ -178,4 +179,15 @@ def exact_dp(dp, kinds: list[KindOptions], num_pairs: int):
     return run
 
 
-__all__ = ["OptionContext", "KindOptions", "exact_dp"]
+def kept_without_remat(kinds, options, span, pair) -> float | None:
+    """The activations layers `span` keep per microbatch on option `pair` without
+    recomputation: the sum of their fastest plans' (the DP's first kind), or None where the
+    search priced no such plan (remat forced, or a layer without one)."""
+    if (Remat.NONE, False, False) not in kinds:
+        return None
+    entry = options[kinds.index((Remat.NONE, False, False))]
+    act, pending = (entry[i][span[0]:span[1] + 1, pair] for i in (2, 6))
+    return float(act.sum()) if np.isfinite(act).all() and not pending.any() else None
+
+
+__all__ = ["OptionContext", "KindOptions", "exact_dp", "kept_without_remat"]

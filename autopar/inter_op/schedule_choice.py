@@ -15,7 +15,8 @@ from autopar.core.enums import Schedule
 from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule, one_executable
-from autopar.inter_op.stages import stage_peaks
+from autopar.inter_op.stage_costs import static_bytes
+from autopar.inter_op.stage_solver import opt_ratio_of
 from autopar.inter_op.task_costs import schedule_seconds, task_seconds
 
 # The order ties go: 1F1B first (the least memory in flight), GPipe last.
@@ -34,6 +35,19 @@ def pick(priced: list[tuple]) -> tuple:
     """
     fitting = [c for c in priced if c[3]] or priced[:1]
     return min(fitting, key=lambda c: c[1])
+
+
+def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
+    """(peak bytes, microbatches held) per stage under the schedule `table`: a microbatch
+    between its F and its B keeps its whole residuals, one between its B and its W (where
+    the table splits the backward) W's part (`StageSolution.weight_bytes`), at the table's
+    worst mix of the two (`PipelineSchedule.kept_peak`); held: `table.held()`."""
+    opt_ratio = opt_ratio_of(loss)
+    sols = [st.solution for st in stages]
+    kept = table.kept_peak([s.activation_bytes for s in sols], [s.weight_bytes for s in sols])
+    return [(static_bytes(sol, opt_ratio, st.zero) + q * sol.activation_bytes
+             + d * sol.weight_bytes, h)
+            for st, sol, (q, d), h in zip(stages, sols, kept, table.held())]
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,18 +168,19 @@ def try_dp(dp, options, budget, **kw):
 
 
 def layer_values(sol: StageSolution | None, opt_ratio: float) -> tuple[float, ...]:
-    """(latency, held, activation, working, deferred bytes) of a layer plan as the DP prices
-    it (`span_held_bytes`, `working_bytes`); inf latency where there is none."""
+    """(latency, held, activation, working, deferred, weight bytes) of a layer plan as the DP
+    prices it (`span_held_bytes`, `working_bytes`; weight: what a microbatch keeps from its B
+    to its W, `StageSolution.weight_bytes`); inf latency where there is none."""
     if sol is None:
-        return np.inf, 0.0, 0.0, 0.0, 0.0
+        return np.inf, 0.0, 0.0, 0.0, 0.0, 0.0
     return (sol.latency_s, span_held_bytes(sol, opt_ratio), sol.activation_bytes,
-            working_bytes(sol), sol.deferred_bytes)
+            working_bytes(sol), sol.deferred_bytes, sol.weight_bytes)
 
 
 def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_ratio,
                   pool=None, bound=None, lazy_pairs=frozenset()):
-    """Per layer and (submesh, view) pair: the latency, held, activation, working and
-    deferred bytes (`layer_values`) of the plan `solve(slice, submesh, shape)` gives
+    """Per layer and (submesh, view) pair: the latency, held, activation, working, deferred
+    and weight bytes (`layer_values`) of the plan `solve(slice, submesh, shape)` gives
     (`StageSolver.solve`: fastest; `.lean`: memory-lean; under one rematerialization), the
     plans, and which cells are pending; inf latency where it gives none. The pairs in
     `lazy_pairs` are priced by `bound(slice, submesh, shape)` ((latency, parameter bytes,
@@ -188,8 +189,8 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     bound every span's memory as the DP counts it from below. The other jobs' ILPs are solved
     in `pool`'s worker processes (`batch.run_jobs`; the same plans with any number)."""
     shape = (len(boundaries) - 1, len(pairs))
-    lat, held, act, work, deferred = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
-                                      np.zeros(shape), np.zeros(shape))
+    lat = np.full(shape, np.inf)
+    held, act, work, deferred, weight = (np.zeros(shape) for _ in range(5))
     pending = np.zeros(shape, dtype=bool)
     sols = [[None] * shape[1] for _ in range(shape[0])]
     slices = [slice_range(loss, boundaries[l], boundaries[l + 1], l) for l in range(shape[0])]
@@ -202,9 +203,9 @@ def layer_options(loss, boundaries, submeshes, shapes_per_k, pairs, solve, opt_r
     for (l, p), sol in zip(jobs, solve_cells(loss, boundaries, submeshes, shapes_per_k, pairs,
                                              solve, jobs, pool, slices)):
         sols[l][p] = sol
-        lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p] = layer_values(
-            sol, opt_ratio)
-    return lat, held, act, work, deferred, sols, pending
+        (lat[l, p], held[l, p], act[l, p], work[l, p], deferred[l, p],
+         weight[l, p]) = layer_values(sol, opt_ratio)
+    return lat, held, act, work, deferred, weight, sols, pending
 
 
 def cell_place(submeshes, shapes_per_k, pairs, p: int):
@@ -226,36 +227,40 @@ def solve_cells(loss, boundaries, submeshes, shapes_per_k, pairs, solve, cells, 
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
-           banned=(), deferred=False):
+           banned=(), deferred=False, kept=None, bubble=1.0):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
-    boundary, working, deferred) arrays; a span's costs are its layers' summed, except the
-    working memory: its largest layer's, with `deferred` the deferred bytes of the layers
-    after it added (`span_static_bytes`: what the span needs with each layer's own plan; a
-    plan of the span solved whole may shard them further, so this prices some spans above
-    what they need whole). `banned` (first layer, last layer, pair): no span holding those
-    layers is offered on that pair (of any kind)."""
+    boundary, working, deferred, pending, weight) arrays; a span's costs are its layers'
+    summed, except the working memory: its largest layer's, with `deferred` the deferred bytes
+    of the layers after it added (`span_static_bytes`: what the span needs with each layer's
+    own plan; a plan of the span solved whole may shard them further, so this prices some
+    spans above what they need whole). `banned` (first layer, last layer, pair): no span
+    holding those layers is offered on that pair (of any kind). `kept` and `bubble`: the
+    schedule's memory and objective (`solve_stage_dp`; default 1F1B's)."""
     lat, held, act, bound, work, later = (np.concatenate([o[i] for o in options], axis=1)
                                           for i in range(6))
+    weight = np.concatenate([o[7] for o in options], axis=1)
     if not deferred:
         later = np.zeros_like(later)
     num_layers = lat.shape[0]
     span_lat = np.full((num_layers, num_layers, lat.shape[1]), np.inf)
-    span_static, span_act = np.zeros_like(span_lat), np.zeros_like(span_lat)
+    span_static, span_act, span_weight = (np.zeros_like(span_lat) for _ in range(3))
     for i in range(num_layers):
         # layers i..j: their latencies, and the reshards between consecutive ones
         inner = np.concatenate([np.zeros((1, lat.shape[1])), np.cumsum(bound[i:-1], axis=0)])
         span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
         span_static[i, i:] = span_static_bytes(held[i:], work[i:], later[i:])
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
+        span_weight[i, i:] = np.cumsum(weight[i:], axis=0)
     width = len(ks)
     for i, j, pair in banned:
         span_lat[:i + 1, j:, pair::width] = np.inf
     finite = np.isfinite(span_lat)
     costs = StageCosts(latency_s=span_lat, static_bytes=np.where(finite, span_static, 0.0),
                        activation_bytes=np.where(finite, span_act, 0.0),
+                       weight_bytes=np.where(finite, span_weight, 0.0),
                        memory_budget_bytes=budget)
     subs = [submeshes[k] for k in ks] * len(options)
     caps = [c for c in (option.max_stages, max_stages) if c is not None]
     return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
-                          max_stages=min(caps) if caps else None)
+                          max_stages=min(caps) if caps else None, kept=kept, bubble=bubble)

@@ -347,7 +347,7 @@ def _check_bubble(bubble) -> float:
 def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
                    num_microbatches: int, *, max_stages: int | None = None,
                    kept: Callable[[int], Sequence] | None = None,
-                   bubble: float = 1.0) -> StageAssignment:
+                   bubble: float | Callable[[int], float] = 1.0) -> StageAssignment:
     """Alpa's inter-op DP: the stage assignment minimizing sum t_i + (B - 1) * max t_i, or
     with `bubble` = b, B * max t_i + b * (sum t_i - max t_i).
 
@@ -360,7 +360,8 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
       kept: `kept(S)` gives, per stage of S (from the first), the (in flight, deferred)
         microbatch counts its schedule passes through (`PipelineSchedule.kept_states`); a
         stage must fit at the worst. Default: 1F1B's (S - p in flight at stage p).
-      bubble: the fraction of 1F1B's bubble the schedule leaves, in [0, 1].
+      bubble: the fraction of 1F1B's bubble the schedule leaves, in [0, 1], or a function of
+        the stage count giving it (the DP then runs once per stage count).
 
     Raises:
       InfeasiblePlanError: no assignment fits the memory budget (needed_bytes is the smallest
@@ -370,19 +371,27 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     start = time.perf_counter()
     sizes, num_devices, num_microbatches, max_q = _validate(
         costs, submeshes, num_devices, num_microbatches, max_stages)
-    bubble = _check_bubble(bubble)
+    if callable(bubble) and kept is None:      # a bubble per stage count: one DP per count
+        kept = _one_f_one_b
+    bubble_of = bubble if callable(bubble) else (lambda _: bubble)
     memories = _memories(costs, max_q, kept)
-    best = (np.inf, None, 0, 0)
+    best = (np.inf, None, 0, 0, 1.0)
     for count, memory in memories:
-        found = _search(costs, memory, sizes, num_devices, num_microbatches, bubble,
+        b = _check_bubble(bubble_of(count or 1))
+        found = _search(costs, memory, sizes, num_devices, num_microbatches, b,
                         exact=count is not None)
         if found[1] is not None and found[0] < best[0]:
-            best = found
+            best = (*found, b)
     if best[1] is None:
         _raise_infeasible(_min_memory(memories, sizes, num_devices),
                           costs, sizes, num_devices, max_q)
-    return _assignment(best[1], costs.latency_s, num_microbatches, bubble, best[2], best[3],
+    return _assignment(best[1], costs.latency_s, num_microbatches, best[4], best[2], best[3],
                        start)
+
+
+def _one_f_one_b(num_stages: int) -> list:
+    """1F1B's states: stage p of S keeps S - p microbatches in flight, defers none."""
+    return [((num_stages - p, 0),) for p in range(num_stages)]
 
 
 def _search(costs, memory, sizes, num_devices, b, bubble, exact):
@@ -437,13 +446,12 @@ def _search(costs, memory, sizes, num_devices, b, bubble, exact):
 def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
                        num_microbatches: int, *, max_stages: int | None = None,
                        kept: Callable[[int], Sequence] | None = None,
-                       bubble: float = 1.0) -> StageAssignment:
+                       bubble: float | Callable[[int], float] = 1.0) -> StageAssignment:
     """Exhaustive reference for solve_stage_dp (same arguments, errors and result); refuses
     inputs with more than 200,000 candidate assignments."""
     start = time.perf_counter()
     sizes, num_devices, num_microbatches, max_q = _validate(
         costs, submeshes, num_devices, num_microbatches, max_stages)
-    bubble = _check_bubble(bubble)
     num_layers, k = costs.num_layers, len(sizes)
     count = sum(math.comb(num_layers - 1, s - 1) * k ** s for s in range(1, max_q + 1))
     if count > _BRUTE_FORCE_LIMIT:
@@ -451,10 +459,10 @@ def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num
             f"brute_force_stages would enumerate {count} assignments (limit "
             f"{_BRUTE_FORCE_LIMIT}): use solve_stage_dp, or fewer layers / submeshes / stages.")
     latency, budget = costs.latency_s, costs.memory_budget_bytes
-    best_total, best_stages, needed = np.inf, None, np.inf
+    best_total, best_stages, best_b, needed = np.inf, None, 1.0, np.inf
     for num_stages in range(1, max_q + 1):
-        states = _states(kept, num_stages) if kept is not None else \
-            [((num_stages - p, 0),) for p in range(num_stages)]
+        states = _states(kept or _one_f_one_b, num_stages)
+        b = _check_bubble(bubble(num_stages) if callable(bubble) else bubble)
         for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
             bounds = (0, *cuts, num_layers)
             spans = [(bounds[p], bounds[p + 1] - 1) for p in range(num_stages)]
@@ -471,10 +479,10 @@ def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num
                 needed = min(needed, peak)
                 if peak > budget:
                     continue
-                total = pipeline_time(times, num_microbatches, bubble)
+                total = pipeline_time(times, num_microbatches, b)
                 if total < best_total:
-                    best_total = total
+                    best_total, best_b = total, b
                     best_stages = [(i, j, s) for (i, j), s in zip(spans, subs)]
     if best_stages is None:
         _raise_infeasible(needed, costs, sizes, num_devices, max_q)
-    return _assignment(best_stages, latency, num_microbatches, bubble, 0, 0, start)
+    return _assignment(best_stages, latency, num_microbatches, best_b, 0, 0, start)

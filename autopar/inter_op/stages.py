@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core import progress
-from autopar.core.enums import Remat
+from autopar.core.enums import Remat, Schedule
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.core.graph import OpGraph
 from autopar.core.options import (
@@ -36,14 +36,20 @@ from autopar.core.plan import alternative_record as record
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
 from autopar.inter_op.chunks import chunk_devices, group_peaks
-from autopar.inter_op.lazy_options import KindOptions, OptionContext, exact_dp
+from autopar.inter_op.lazy_options import (
+    KindOptions,
+    OptionContext,
+    exact_dp,
+    kept_without_remat,
+)
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
 from autopar.inter_op.schedule import CHUNKED, make_schedule, placement_of, planned
+from autopar.inter_op.schedule_choice import stage_peaks
+from autopar.inter_op.schedule_search import Tables, joint, kept_of
 from autopar.inter_op.stage_costs import (
     reranked,
     run_dp,
-    static_bytes,
     try_dp,
 )
 from autopar.inter_op.stage_dp import candidate_submeshes
@@ -52,7 +58,6 @@ from autopar.inter_op.stage_solver import (
     LEAN_SLACK,
     LEANEST_SLACK,
     StageSolver,
-    opt_ratio_of,
 )
 from autopar.inter_op.step_remat import choices_of
 
@@ -94,6 +99,8 @@ class InterOpResult:
     # predicted_step_s the pipeline latency sum t_i + (B - 1) max t_i), and the chosen one's.
     runner_ups: tuple[dict, ...] = ()
     chosen_latency_s: float = 0.0
+    # The schedule the stages were chosen for (`Schedule.AUTO`'s pick); None: the method's
+    schedule: Schedule | None = None
 
 
 def logical_shapes(n: int, option: str = "all") -> list[tuple[int, int]]:
@@ -127,17 +134,20 @@ def _place(submeshes: list[tuple[int, int]], device_ids: tuple[int, ...]) -> lis
 
 
 def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, solver, method,
-                     budget, remats, zeros, lean=None, given=(), placed=None):
+                     budget, remats, zeros, lean=None, given=(), placed=None, schedule=None):
     """Solve each span on its submesh; `shapes` holds, per stage, the logical shapes to try,
     `remats[p]` the rematerializations and `zeros[p]` whether ZeRO may split its optimizer
     state (`StageSolver.stage`: the fastest plan that fits with its optimizer state and the
     activations its schedule keeps in flight; `lean[p]`: the DP chose it from memory-lean
     layer plans, so only plans solved to fit are taken).
     `given[p]`, (stage graph fingerprint, solution) from a saved plan, is taken as stage p's
-    solution when the stage's graph and logical shape are the ones it was solved for."""
+    solution when the stage's graph and logical shape are the ones it was solved for.
+    `schedule`: the one whose in-flight microbatches each stage must fit (default: the
+    method's; 1F1B's for `Schedule.AUTO`)."""
     stages = []
     lean = lean or [False] * len(spans)
-    in_flight = make_schedule(planned(method.schedule), len(spans), method.num_microbatches).held()
+    in_flight = make_schedule(schedule or planned(method.schedule), len(spans),
+                              method.num_microbatches).held()
     for p, ((i, j), sub, shape, devs) in progress.each(enumerate(
             zip(spans, submeshes, shapes, placed or _place(submeshes, device_ids))), len(spans),
             "stages solved whole"):
@@ -233,7 +243,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     solver = StageSolver(loss, cluster, stage_method or method, tuple(boundaries))
     pipeline = stage_method is None          # not gradient accumulation
     zeros = pipeline and not loss.forward_only     # ZeRO searched where there is an update
-    dp, others, chosen = (0, 0, 0.0), (), 0.0
+    dp, others, chosen, schedule = (0, 0, 0.0), (), 0.0, None
     dph = cluster.devices_per_host
     chunked = pipeline and method.schedule in CHUNKED
     if chunked and isinstance(option, AutoStageOption):
@@ -276,11 +286,12 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                                   _stage_zeros(option, s, zeros), placed=placed)
     else:
         with PlanPool(plan_workers(option.workers)) as solver.pool:
-            stages, dp, seen = _auto(loss, boundaries, cluster, device_ids, method, option,
-                                     solver, budget, zeros)
+            stages, dp, seen, schedule = _auto(loss, boundaries, cluster, device_ids, method,
+                                               option, solver, budget, zeros)
         chosen = next(t for got, t, _ in seen if got is stages)     # reranked's pick
-        others = _layout_records([c for c in seen if c[0] is not stages], loss, method, budget)
-    stages = _with_peaks(stages, loss, method, budget)
+        others = _layout_records([c for c in seen if c[0] is not stages], loss, method, budget,
+                                 schedule)
+    stages = _with_peaks(stages, loss, method, budget, schedule)
     log.info("autopar: %d stage(s) chosen; %d ILPs solved, %d reused, %d replayed from the "
              "saved plan, in %.2f s", len(stages), solver.num_ilps, solver.num_reused,
              solver.num_replayed, time.perf_counter() - start)
@@ -289,33 +300,23 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          num_replayed=solver.num_replayed,
                          dp_candidates=dp[0], dp_pruned=dp[1], dp_time_s=dp[2],
                          profile_time_s=time.perf_counter() - start,
-                         runner_ups=others, chosen_latency_s=chosen)
+                         runner_ups=others, chosen_latency_s=chosen, schedule=schedule)
 
 
-def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
-    """(peak bytes, microbatches held) per stage under the schedule `table`: a microbatch
-    between its F and its B keeps its whole residuals, one between its B and its W (where
-    the table splits the backward) W's part (`StageSolution.weight_bytes`), at the table's
-    worst mix of the two (`PipelineSchedule.kept_peak`); held: `table.held()`."""
-    opt_ratio = opt_ratio_of(loss)
-    sols = [st.solution for st in stages]
-    kept = table.kept_peak([s.activation_bytes for s in sols], [s.weight_bytes for s in sols])
-    return [(static_bytes(sol, opt_ratio, st.zero) + q * sol.activation_bytes
-             + d * sol.weight_bytes, h)
-            for st, sol, (q, d), h in zip(stages, sols, kept, table.held())]
-
-
-def _peaks(stages, loss: LossGraph, method: PipeshardParallel) -> list[tuple[float, int]]:
-    return stage_peaks(stages, loss, make_schedule(planned(method.schedule), len(stages),
+def _peaks(stages, loss: LossGraph, method: PipeshardParallel,
+           schedule: Schedule | None = None) -> list[tuple[float, int]]:
+    return stage_peaks(stages, loss, make_schedule(schedule or planned(method.schedule),
+                                                   len(stages),
                                                    method.num_microbatches))
 
 
-def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float) -> list:
+def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float,
+                schedule: Schedule | None = None) -> list:
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
     out = []
-    peaks = _peaks(stages, loss, method)
-    groups = placement_of(planned(method.schedule), len(stages))
+    peaks = _peaks(stages, loss, method, schedule)
+    groups = placement_of(schedule or planned(method.schedule), len(stages))
     shared = group_peaks(groups, [p for p, _ in peaks])      # stage chunks on one group add
     for st, (peak, q), total in zip(stages, peaks, shared):
         if total > budget * (1 + 1e-9):
@@ -386,7 +387,12 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     add(remats[0], False)
     if len(remats) == 1:
         check_layers()
-    dp = exact_dp(functools.partial(run_dp, submeshes=submeshes, ks=ks,
+    # A schedule other than 1F1B (or AUTO's first search, 1F1B's) has stages fit its own
+    # table's (in flight, deferred) states in the DP.
+    fixed = planned(method.schedule)
+    kept = None if fixed is Schedule.ONE_F_ONE_B else kept_of(fixed, method.num_microbatches,
+                                                               Tables())
+    dp = exact_dp(functools.partial(run_dp, submeshes=submeshes, ks=ks, kept=kept,
                                     device_ids=device_ids, method=method, option=option),
                   groups, len(pairs))
     # Where only layer plans across hosts (not solved yet) could make the least recomputation
@@ -413,8 +419,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         choice = dp(options, budget=budget)      # raises the DP's InfeasiblePlanError
     n = len(pairs)
 
-    def solved(choice):
-        """The stages of a DP choice, each solved whole on its submesh and view. A stage the
+    def solved(choice, schedule=None):
+        """The stages of a DP choice, each solved whole on its submesh and view (to fit the
+        in-flight microbatches of `schedule`, default the method's). A stage the
         DP gave recomputation may take less of it where a plan solved to fit its schedule's
         memory (`StageSolver.stage`) is faster: the DP prices a layer's fastest or leanest
         plans only, not the fastest that fits (GPT-39B, 8 one-layer stages on 1x8: the DP's
@@ -427,8 +434,8 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                                   device_ids, solver, method, budget,
                                   [remats[:remats.index(r) + 1] for r, _, _ in stage_kinds],
                                   [(z,) for _, _, z in stage_kinds],
-                                  [lean for _, lean, _ in stage_kinds])
-        return [dataclasses.replace(st, activation_bytes_without_remat=_kept_without_remat(
+                                  [lean for _, lean, _ in stage_kinds], schedule=schedule)
+        return [dataclasses.replace(st, activation_bytes_without_remat=kept_without_remat(
             kinds, options, span, p % n)) for st, span, p in zip(
                 stages, choice.layer_spans, choice.submeshes)]
     banned: list[tuple[int, int, int]] = []
@@ -462,18 +469,12 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
             if again is None or redo == REDO_DP:
                 raise
             choice = again
-    return stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen
-
-
-def _kept_without_remat(kinds, options, span, pair) -> float | None:
-    """The activations layers `span` keep per microbatch on option `pair` without
-    recomputation: the sum of their fastest plans' (the DP's first kind), or None where the
-    search priced no such plan (remat forced, or a layer without one)."""
-    if (Remat.NONE, False, False) not in kinds:
-        return None
-    entry = options[kinds.index((Remat.NONE, False, False))]
-    act, pending = (entry[i][span[0]:span[1] + 1, pair] for i in (2, 6))
-    return float(act.sum()) if np.isfinite(act).all() and not pending.any() else None
+    schedule = None
+    if method.schedule is Schedule.AUTO and pipeline:      # each schedule's own DP, priced
+        stages, schedule, seen = joint(loss, stages, seen, dp, options, budget, solved,
+                                       method.num_microbatches)
+    return (stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen,
+            schedule)
 
 
 def _layout_text(stages) -> str:
@@ -482,7 +483,7 @@ def _layout_text(stages) -> str:
         f"{'x'.join(map(str, st.solution.logical_shape))}" for st in stages)
 
 
-def _layout_records(seen, loss, method, budget) -> tuple[dict, ...]:
+def _layout_records(seen, loss, method, budget, schedule=None) -> tuple[dict, ...]:
     """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`)."""
     out = []
     for stages, t, error in seen:
@@ -492,7 +493,7 @@ def _layout_records(seen, loss, method, budget) -> tuple[dict, ...]:
                               "a layout the DP ranked high; when solved whole a stage did not "
                               "fit"))
             continue
-        peaks = _peaks(stages, loss, method)
+        peaks = _peaks(stages, loss, method, schedule)
         out.append(record(_layout_text(stages), "stage layout", t, max(p for p, _ in peaks),
                           budget, "solved whole; slower than the chosen layout"))
     return tuple(sorted(out, key=lambda a: (a["predicted_step_s"] is None,

@@ -122,13 +122,39 @@ def test_dp_retry_prices_the_deferred_bytes():
             SubmeshShape(num_hosts=1, devices_per_host=2))
     lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
     zeros = np.zeros_like(lat)
-    kind = (lat, zeros, zeros, zeros, np.full_like(lat, 0.6), np.full_like(lat, 0.5))
+    kind = (lat, zeros, zeros, zeros, np.full_like(lat, 0.6), np.full_like(lat, 0.5),
+            zeros.astype(bool), zeros)
     m = autopar.PipeshardParallel(num_microbatches=4)
     dp = lambda **kw: run_dp([kind], submeshes=subs, ks=np.array([0, 1]), device_ids=(0, 1),
                              method=m, option=autopar.AutoStageOption(), budget=1.0, **kw)
     assert dp().layer_spans == ((0, 1),) and dp().submeshes == (1,)   # 0.6 fits
     again = dp(deferred=True)                            # 0.6 + 0.5 does not
     assert again.layer_spans == ((0, 0), (1, 1)) and again.submeshes == (0, 0)
+
+
+def test_dp_prices_a_schedules_deferred_weight_gradients():
+    """`run_dp(kept=...)`: a deferred W keeps 0.6 bytes per layer on 1 device, 0.3 on 2
+    (the summed weight array). Under 1F1B two 1-layer stages on 1 device each win (4 + 1 s
+    against 4 x 1.6 s). Under ZB-H1 the last of them defers 2 W's (1.2 bytes > 1), while the
+    one 2-layer stage on both devices defers 1 (0.6 bytes): the DP takes that one."""
+    import numpy as np
+
+    from autopar.core.enums import Schedule
+    from autopar.inter_op.schedule_search import Tables, kept_of
+    from autopar.inter_op.stage_costs import run_dp
+    from autopar.inter_op.stage_dp import SubmeshShape
+    subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
+            SubmeshShape(num_hosts=1, devices_per_host=2))
+    lat = np.array([[1.0, 0.8], [1.0, 0.8]])
+    zeros = np.zeros_like(lat)
+    kind = (lat, zeros, np.full_like(lat, 0.1), zeros, zeros, zeros, zeros.astype(bool),
+            np.array([[0.6, 0.3], [0.6, 0.3]]))
+    m = autopar.PipeshardParallel(num_microbatches=4)
+    dp = lambda **kw: run_dp([kind], submeshes=subs, ks=np.array([0, 1]), device_ids=(0, 1),
+                             method=m, option=autopar.AutoStageOption(), budget=1.0, **kw)
+    assert dp().layer_spans == ((0, 0), (1, 1))
+    h1 = dp(kept=kept_of(Schedule.ZERO_BUBBLE_H1, 4, Tables()))
+    assert h1.layer_spans == ((0, 1),) and h1.submeshes == (1,)
 
 
 def test_dp_asked_again_without_a_banned_span():
@@ -142,7 +168,7 @@ def test_dp_asked_again_without_a_banned_span():
     subs = (SubmeshShape(num_hosts=1, devices_per_host=1),
             SubmeshShape(num_hosts=1, devices_per_host=2))
     lat = np.array([[1.0, 0.4], [1.0, 0.4]])            # 2 layers x 2 pairs
-    kind = (lat, *(np.zeros_like(lat) for _ in range(5)))
+    kind = (lat, *(np.zeros_like(lat) for _ in range(7)))
     m = autopar.PipeshardParallel(num_microbatches=4)
     dp = lambda **kw: run_dp([kind, kind], submeshes=subs, ks=np.array([0, 1]),
                              device_ids=(0, 1), method=m, option=autopar.AutoStageOption(),

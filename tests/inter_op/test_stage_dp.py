@@ -335,7 +335,8 @@ def test_dp_with_a_schedule_matches_brute_force(seed):
     schedule = [Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2, Schedule.GPIPE,
                 Schedule.ONE_F_ONE_B][seed % 4]
     kw = dict(max_stages=None if seed % 3 else int(rng.integers(1, 5)),
-              kept=_table_states(schedule, m), bubble=float(rng.choice([0.0, 0.3, 1.0])))
+              kept=_table_states(schedule, m),
+              bubble=[0.0, 0.3, 1.0, lambda s: 1.0 / s][seed % 5 % 4])
     args = (costs, submeshes, 8, m)
     try:
         expected = brute_force_stages(*args, **kw)
@@ -348,8 +349,8 @@ def test_dp_with_a_schedule_matches_brute_force(seed):
     result = solve_stage_dp(*args, **kw)
     assert result.total_latency_s == pytest.approx(expected.total_latency_s, rel=1e-9, abs=1e-9)
     times = [costs.latency_s[i, j, k] for (i, j), k in zip(result.layer_spans, result.submeshes)]
-    assert result.total_latency_s == pytest.approx(
-        m * max(times) + kw["bubble"] * (sum(times) - max(times)))
+    b = kw["bubble"](len(times)) if callable(kw["bubble"]) else kw["bubble"]
+    assert result.total_latency_s == pytest.approx(m * max(times) + b * (sum(times) - max(times)))
 
 
 def test_the_default_states_are_1f1b_s():

@@ -1,0 +1,132 @@
+"""`Schedule.AUTO` searched with the stages: each schedule's own stage DP, every layout solved
+whole priced under every schedule by its simulated table.
+
+The 1F1B search (the stage DP, its alternatives with fewer stages, each solved whole) runs
+first. Then each zero-bubble schedule (`SEARCHED`) gets its own DP (`stage_dp.solve_stage_dp`):
+each stage must fit the worst (in flight, deferred) state its S-stage table passes through
+(`kept_of`), and the objective leaves the fraction of 1F1B's bubble that schedule leaves
+(`bubble_of`: the tables simulated for S equal stages with the F, B and W shares of the 1F1B
+layout's stages, `task_share`). A layout the DP finds that was not solved yet is solved whole
+for that schedule's in-flight microbatches. Every layout solved is then priced under every
+candidate schedule (`schedule_choice.choose_schedule`: its table simulated with its stages'
+own F, B and W durations, its memory checked per stage), and the fastest (layout, schedule)
+that fits wins: ZB-H2 can take a layout with more activations in flight, ZB-H1 one with
+fewer W's deferred, and a schedule with a smaller bubble one with more stages.
+
+Chunked schedules (interleaved, ZB-V) are not searched: the DP gives each stage its own
+submesh, while they place several stage chunks on one device group.
+"""
+from __future__ import annotations
+
+import logging
+
+from autopar.core.enums import Schedule
+from autopar.core.errors import InfeasiblePlanError
+from autopar.inter_op.pipeline import LossGraph
+from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule_choice import choose_schedule
+from autopar.inter_op.stage_costs import try_dp
+from autopar.inter_op.task_costs import TaskSeconds, schedule_seconds, task_seconds
+
+log = logging.getLogger(__name__)
+
+# The schedules with a stage DP of their own beyond 1F1B's (GPipe is priced, not searched:
+# it keeps every microbatch in flight and is never faster than 1F1B).
+SEARCHED = (Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2)
+
+
+class Tables:
+    """`make_schedule` of each (schedule, stage count, microbatches) asked, built once."""
+
+    def __init__(self):
+        self._built: dict[tuple, object] = {}
+
+    def __call__(self, schedule: Schedule, num_stages: int, num_microbatches: int):
+        key = (schedule, num_stages, num_microbatches)
+        if key not in self._built:
+            self._built[key] = make_schedule(schedule, num_stages, num_microbatches)
+        return self._built[key]
+
+
+def kept_of(schedule: Schedule, num_microbatches: int, tables: Tables):
+    """`kept(S)` for the stage DP: each stage's (in flight, deferred) states in the S-stage
+    table.
+
+        >>> kept_of(Schedule.ONE_F_ONE_B, 4, Tables())(2)
+        (frozenset({(0, 0), (1, 0), (2, 0)}), frozenset({(0, 0), (1, 0)}))
+    """
+    return lambda s: tables(schedule, s, num_microbatches).kept_states()
+
+
+def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tables: Tables):
+    """`bubble(S)` for the stage DP: of S equal stages whose microbatch takes 1 (F, B and W
+    in `share`'s proportions), the time the schedule's table takes beyond M over 1F1B's
+    (S - 1), clipped to [0, 1].
+
+        >>> even = TaskSeconds(1 / 3, 1 / 3, 1 / 3, 0.0)
+        >>> round(bubble_of(Schedule.ZERO_BUBBLE_H1, 8, even, Tables())(4), 3)
+        0.333
+    """
+    m = num_microbatches
+
+    def bubble(s: int) -> float:
+        if s == 1:
+            return 1.0
+        t = schedule_seconds(tables(schedule, s, m), [share] * s)
+        return min(max((t - m) / (s - 1), 0.0), 1.0)
+    return bubble
+
+
+def task_share(loss: LossGraph, stages) -> TaskSeconds:
+    """The F, B and W shares of a microbatch's time over `stages` (summed, then scaled to a
+    microbatch time of 1 for a split backward)."""
+    parts = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
+                          st.solution.overhead_s) for st in stages]
+    f, b, w, c = (sum(getattr(p, name) for p in parts)
+                  for name in ("forward", "backward", "weight", "call_s"))
+    total = max(f + b + w, 1e-30)
+    return TaskSeconds(f / total, b / total, w / total, c / total)
+
+
+def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solved,
+          num_microbatches: int):
+    """(stages, schedule, seen): the fastest fitting pair over the layouts solved for 1F1B
+    (`chosen`, and `seen`'s: (stages or None, latency, error) per layout) and those each
+    `SEARCHED` schedule's DP finds (`solved(choice, schedule)` solves one whole), with `seen`
+    repriced: each layout's latency is `choose_schedule`'s (its best schedule's simulated step
+    on the scale of the DP's 1F1B formula)."""
+    m, tables = num_microbatches, Tables()
+    share = task_share(loss, chosen)
+    layouts = [chosen] + [st for st, _, _ in seen if st is not None and st is not chosen]
+    errors = [(None, None, e) for st, _, e in seen if st is None]
+    for schedule in SEARCHED:
+        choice = try_dp(dp, options, budget, kept=kept_of(schedule, m, tables),
+                        bubble=bubble_of(schedule, m, share, tables))
+        if choice is None or choice.num_stages == 1:
+            continue
+        try:
+            stages = solved(choice, schedule)
+        except InfeasiblePlanError as e:
+            errors.append((None, None, e))
+            continue
+        if all(_key(stages) != _key(other) for other in layouts):
+            layouts.append(stages)
+    priced = []
+    for stages in layouts:
+        price = choose_schedule(loss, stages, Schedule.AUTO, m, budget)
+        fits = not price.candidates or any(
+            c["fits"] and c["schedule"] == price.schedule.value for c in price.candidates)
+        priced.append((stages, price.latency_s, price.schedule, fits))
+    best = min((p for p in priced if p[3]), key=lambda p: p[1], default=priced[0])
+    if len(layouts) > 1:
+        log.info("autopar: %d stage layouts priced under every schedule; %d stage(s) with %s "
+                 "chosen (%.4g s per step predicted)", len(layouts), len(best[0]),
+                 best[2].value, best[1])
+    return best[0], best[2], [(st, t, None) for st, t, _, _ in priced] + errors
+
+
+def _key(stages) -> tuple:
+    """What makes two solved layouts one: each stage's layers, submesh, view, remat, ZeRO and
+    plan (its latency and activations)."""
+    return tuple((st.layers, st.submesh, tuple(st.solution.logical_shape), st.remat, st.zero,
+                  st.solution.latency_s, st.solution.activation_bytes) for st in stages)
