@@ -36,9 +36,10 @@ plans next to the shared ILP's),
 `real_world.py` (real_world.md: memory per device of Flax/JAX-doc-style steps),
 `budget_plan.py` (budget_plan.md: planning under a binding memory budget),
 `memory.py` (memory.md: memory fidelity), `runner_ups.py` (runner_ups.md: what pricing the
-runner-ups costs) and `schedules.py` (schedules.md: 1F1B, ZB-H1, ZB-H2 and AUTO on the same
-stages, predicted and measured), run last. The other reports (`make bench-paper`'s
-fidelity.md and paper.md, gpu.md from a GPU machine, ...) are left as they are.
+runner-ups costs), `schedules.py` (schedules.md: 1F1B, ZB-H1, ZB-H2 and AUTO on the same
+stages, predicted and measured) and `schedule_search.py` (schedule_search.md: AUTO's joint
+search against 1F1B alone, planned for a V100 host), run last. The other reports (`make
+bench-paper`'s fidelity.md and paper.md, gpu.md from a GPU machine, ...) are left as they are.
 
 Nothing here is invented: a number that was not measured is written as "not measured" with
 the reason.
@@ -62,6 +63,7 @@ import pipeline as pipeline_bench  # benchmarks/pipeline.py (this script's folde
 import pipeline_report
 import real_world as real_world_bench  # benchmarks/real_world.py (this script's folder)
 import runner_ups as runner_ups_bench  # benchmarks/runner_ups.py (this script's folder)
+import schedule_search as schedule_search_bench  # benchmarks/schedule_search.py (this folder)
 import schedules as schedules_bench  # benchmarks/schedules.py (this script's folder)
 import shared_copies as shared_copies_bench  # benchmarks/shared_copies.py (this folder)
 from common import (
@@ -524,7 +526,9 @@ def main(argv=None) -> int:
                                  ("budget_plan", budget_plan_bench, "planning under a budget"),
                                  ("memory", memory_bench, "memory fidelity"),
                                  ("runner_ups", runner_ups_bench, "runner-ups"),
-                                 ("schedules", schedules_bench, "pipeline schedules")):
+                                 ("schedules", schedules_bench, "pipeline schedules"),
+                                 ("schedule_search", schedule_search_bench,
+                                  "the schedule searched with the stages")):
             _progress(f"{what} ...")
             save(key, bench.section(bench.run(), args.cmdline))
         # Once more, with the whole run's time.

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # The schedules with a stage DP of their own beyond 1F1B's (GPipe is priced, not searched:
 # it keeps every microbatch in flight and is never faster than 1F1B).
 SEARCHED = (Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2)
+SLOWER = 1.25     # a stage solved whole this much slower than the DP's price: ask it again
+REDO = 1          # times a schedule's DP is asked again (each answer is solved whole)
 
 
 class Tables:
@@ -89,10 +91,11 @@ def task_share(loss: LossGraph, stages) -> TaskSeconds:
 
 
 def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solved,
-          num_microbatches: int):
+          num_microbatches: int, ks):
     """(stages, schedule, seen): the fastest fitting pair over the layouts solved for 1F1B
     (`chosen`, and `seen`'s: (stages or None, latency, error) per layout) and those each
-    `SEARCHED` schedule's DP finds (`solved(choice, schedule)` solves one whole), with `seen`
+    `SEARCHED` schedule's DP finds (`_schedule_layouts`; `solved(choice, schedule)` solves one
+    whole; `ks`: the submesh of each of the DP's options per kind of layer plan), with `seen`
     repriced: each layout's latency is `choose_schedule`'s (its best schedule's simulated step
     on the scale of the DP's 1F1B formula)."""
     m, tables = num_microbatches, Tables()
@@ -100,17 +103,11 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
     layouts = [chosen] + [st for st, _, _ in seen if st is not None and st is not chosen]
     errors = [(None, None, e) for st, _, e in seen if st is None]
     for schedule in SEARCHED:
-        choice = try_dp(dp, options, budget, kept=kept_of(schedule, m, tables),
-                        bubble=bubble_of(schedule, m, share, tables))
-        if choice is None or choice.num_stages == 1:
-            continue
-        try:
-            stages = solved(choice, schedule)
-        except InfeasiblePlanError as e:
-            errors.append((None, None, e))
-            continue
-        if all(_key(stages) != _key(other) for other in layouts):
-            layouts.append(stages)
+        for stages in _schedule_layouts(schedule, dp, options, budget, solved, ks,
+                                        kept_of(schedule, m, tables),
+                                        bubble_of(schedule, m, share, tables), errors):
+            if all(_key(stages) != _key(other) for other in layouts):
+                layouts.append(stages)
     priced = []
     for stages in layouts:
         price = choose_schedule(loss, stages, Schedule.AUTO, m, budget)
@@ -123,6 +120,38 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
                  "chosen (%.4g s per step predicted)", len(layouts), len(best[0]),
                  best[2].value, best[1])
     return best[0], best[2], [(st, t, None) for st, t, _, _ in priced] + errors
+
+
+def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
+                      errors: list) -> list:
+    """The layouts `schedule`'s own stage DP finds, each solved whole for its in-flight
+    microbatches. Where a stage solved whole is over `SLOWER` x what the DP priced it at (its
+    layers' plans summed fit the schedule's memory, the stage whole needs a leaner, slower
+    plan), the DP is asked again without that span on that submesh, in any view (`run_dp`'s
+    `banned`), at most `REDO` times. Errors of layouts that did not fit go to `errors`."""
+    banned = list(getattr(dp, "keywords", {}).get("banned", ()))
+    found = []
+    for _ in range(REDO + 1):
+        choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned))
+        if choice is None or choice.num_stages == 1:
+            break
+        try:
+            stages = solved(choice, schedule)
+        except InfeasiblePlanError as e:
+            errors.append((None, None, e))
+            slow = [getattr(e, "stage", None)]
+            if slow[0] is None:
+                break
+        else:
+            found.append(stages)
+            slow = [p for p, st in enumerate(stages)
+                    if st.solution.latency_s > SLOWER * choice.stage_latency_s[p]]
+        if not slow:
+            break
+        for p in slow:
+            k = ks[int(choice.submeshes[p]) % len(ks)]
+            banned += [(*choice.layer_spans[p], q) for q in range(len(ks)) if ks[q] == k]
+    return found
 
 
 def _key(stages) -> tuple:

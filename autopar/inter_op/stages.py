@@ -472,7 +472,7 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
     schedule = None
     if method.schedule is Schedule.AUTO and pipeline:      # each schedule's own DP, priced
         stages, schedule, seen = joint(loss, stages, seen, dp, options, budget, solved,
-                                       method.num_microbatches)
+                                       method.num_microbatches, ks)
     return (stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen,
             schedule)
 

@@ -1,0 +1,97 @@
+"""`Schedule.AUTO` searched with the stages (autopar.inter_op.schedule_search): each
+zero-bubble schedule's own stage DP, every layout priced under every schedule."""
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+
+import autopar
+from autopar.core.enums import Schedule
+from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule_search import Tables, bubble_of, kept_of
+from autopar.inter_op.task_costs import TaskSeconds
+from support.steps import assert_equivalent, make_case, mesh_of, run_steps
+
+V100 = autopar.ClusterSpec.preset("v100-p3.16xlarge")        # one host of 8: deterministic
+BUDGET = 530_000.0
+
+
+def _method(schedule, budget=BUDGET):
+    return autopar.PipeshardParallel(num_microbatches=8, schedule=schedule,
+                                     memory_budget_bytes=budget,
+                                     layer_option=autopar.AutoLayerOption(num_layers=4))
+
+
+def _layout(plan):
+    return [(s.layers, s.submesh) for s in plan.stages]
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 560_000.0])
+def test_auto_takes_a_layout_only_a_zero_bubble_dp_finds_and_equals_jit(budget):
+    """A 4-layer GPT, 8 microbatches, priced for one V100 host under a 530 kB budget. The
+    1F1B search's layout fits ZB-H1 too; ZB-H1's own DP (its deferred W's in each stage's
+    memory, its smaller bubble in the objective) finds another layout, which by its table is
+    faster still. AUTO takes it, it is faster than every 1F1B plan the search solved, every
+    stage fits the budget under the chosen table, and the plan runs equal to jax.jit.
+    At 560 kB the DP's first layout, solved whole for H1's microbatches, needs a plan 3x
+    slower than its layers' sum (a leaner one, to fit): the DP is asked again without that
+    span on that submesh and finds the faster layout."""
+    step, state, batches = make_case("gpt", "linen", optax.adam(1e-2), num_layers=4,
+                                     batch_size=32, value_and_grad=autopar.value_and_grad)
+    one = autopar.plan(step, state, batches[0], cluster=V100,
+                       method=_method(Schedule.ONE_F_ONE_B, budget))
+    par = autopar.parallelize(step, mesh=mesh_of((1, 8)), cluster=V100,
+                              method=_method(Schedule.AUTO, budget))
+    plan = par.get_plan(state, batches[0])
+    chosen = Schedule(plan.pipeline["schedule"])
+    assert chosen in (Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2)
+    assert _layout(plan) != _layout(one)
+    assert plan.pipeline["predicted_latency_s"] < one.pipeline["predicted_latency_s"]
+    # the 1F1B layout priced under every schedule is among the runner-ups, and slower
+    layouts = [a for a in plan.alternatives if a["kind"] == "stage layout"]
+    assert layouts and all(a["predicted_step_s"] is None or a["predicted_step_s"]
+                           >= plan.pipeline["predicted_latency_s"] for a in layouts)
+    assert all(s.peak_memory_bytes <= budget for s in plan.stages)
+    ref = run_steps(jax.jit(step), state, batches)
+    got = run_steps(par, state, batches)
+    assert_equivalent(ref, got, compare_params=True, rtol=2e-5)
+    order = par.get_executor(state, batches[0]).stats.order
+    assert sorted(map(str, order)) == sorted(map(str, make_schedule(
+        chosen, len(plan.stages), 8).order()))
+
+
+def test_a_looser_budget_keeps_the_1f1b_layout_under_the_faster_table():
+    """With memory not binding the zero-bubble DPs return the 1F1B search's layout: AUTO
+    runs it under the fastest table, as the post-hoc choice did."""
+    step, state, batches = make_case("gpt", "linen", optax.adam(1e-2), num_layers=4,
+                                     batch_size=32, value_and_grad=autopar.value_and_grad)
+    one = autopar.plan(step, state, batches[0], cluster=V100,
+                       method=_method(Schedule.ONE_F_ONE_B, None))
+    auto = autopar.plan(step, state, batches[0], cluster=V100, method=_method(Schedule.AUTO,
+                                                                              None))
+    search = {c["schedule"]: c for c in auto.pipeline["schedule_search"]}
+    assert auto.pipeline["predicted_latency_s"] == min(
+        c["predicted_latency_s"] for c in search.values() if c["fits"])
+    assert auto.pipeline["predicted_latency_s"] <= search["1f1b"]["predicted_latency_s"]
+    assert search["1f1b"]["predicted_latency_s"] <= one.pipeline["predicted_latency_s"] * (
+        1 + 1e-9)
+
+
+def test_the_dp_s_bubble_and_states_come_from_the_tables():
+    """`bubble_of`: 1F1B leaves all of its bubble; ZB-H1 with F = B = W a third (the paper's
+    (S - 1)(F + B - W) over 1F1B's (S - 1)(F + B + W)), and so does ZB-H2: a third is the
+    least a synchronous table can leave with these times (the last stage starts after S - 1
+    forwards and then has M (F + B + W) of work). With W twice F and B, H1 leaves F's share,
+    a quarter: that bound again.
+    `kept_of`: the table's own states (H1's last stage passes through S deferred W's)."""
+    even, tables = TaskSeconds(1 / 3, 1 / 3, 1 / 3, 0.0), Tables()
+    assert bubble_of(Schedule.ONE_F_ONE_B, 16, even, tables)(4) == pytest.approx(1.0)
+    assert bubble_of(Schedule.ZERO_BUBBLE_H1, 16, even, tables)(4) == pytest.approx(1 / 3)
+    assert bubble_of(Schedule.ZERO_BUBBLE_H2, 16, even, tables)(4) == pytest.approx(1 / 3)
+    heavy_w = TaskSeconds(0.25, 0.25, 0.5, 0.0)
+    assert bubble_of(Schedule.ZERO_BUBBLE_H1, 16, heavy_w, tables)(4) == pytest.approx(0.25)
+    assert bubble_of(Schedule.ZERO_BUBBLE_H1, 16, even, tables)(1) == 1.0
+    states = kept_of(Schedule.ZERO_BUBBLE_H1, 8, tables)(4)
+    assert max(d for _, d in states[-1]) == 4 and max(a for a, _ in states[0]) == 4
+    assert tables(Schedule.ZERO_BUBBLE_H1, 4, 8) is tables(Schedule.ZERO_BUBBLE_H1, 4, 8)
