@@ -199,6 +199,12 @@ class StageSlice:
     outputs: tuple[int, ...]        # tensor ids made here and used later (or loss outputs)
     forward_only: bool = False      # the loss's: the stage runs its forward alone
 
+    @property
+    def calls(self) -> int:
+        """Executable calls per microbatch its latency counts: forward and backward (the
+        forward alone in a forward-only pipeline)."""
+        return 1 if self.forward_only else 2
+
 
 def slice_range(loss: LossGraph, start: int, stop: int, index: int = 0) -> StageSlice:
     """The stage made of forward nodes [start, stop): what it reads from the loss inputs and

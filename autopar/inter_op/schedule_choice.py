@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
+from autopar.core.spec import num_shards
 from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule, one_executable
 from autopar.inter_op.stage_costs import static_bytes
+from autopar.inter_op.stage_solve import stage_io
 from autopar.inter_op.stage_solver import opt_ratio_of
 from autopar.inter_op.task_costs import schedule_seconds, task_seconds
 
@@ -41,13 +43,24 @@ def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
     """(peak bytes, microbatches held) per stage under the schedule `table`: a microbatch
     between its F and its B keeps its whole residuals, one between its B and its W (where
     the table splits the backward) W's part (`StageSolution.weight_bytes`), at the table's
-    worst mix of the two (`PipelineSchedule.kept_peak`); held: `table.held()`."""
+    worst mix of the two (`PipelineSchedule.kept_peak`); and the step's results the stage
+    makes stay from each microbatch to the end, where they combine (`result_bytes`: an eval
+    step's logits); held: `table.held()`."""
     opt_ratio = opt_ratio_of(loss)
     sols = [st.solution for st in stages]
     kept = table.kept_peak([s.activation_bytes for s in sols], [s.weight_bytes for s in sols])
     return [(static_bytes(sol, opt_ratio, st.zero) + q * sol.activation_bytes
-             + d * sol.weight_bytes, h)
+             + d * sol.weight_bytes + (table.num_microbatches - 1) * result_bytes(loss, st), h)
             for st, sol, (q, d), h in zip(stages, sols, kept, table.held())]
+
+
+def result_bytes(loss: LossGraph, stage) -> float:
+    """Per device, one microbatch's share of the step's results (the loss's outputs) that
+    `stage` (a `stages.ChosenStage`) makes, in its plan's output shardings."""
+    io, finals = stage_io(loss, stage.slice), set(loss.forward.outputs)
+    shape, fwd = stage.solution.logical_shape, loss.forward
+    return sum(fwd.tensors[t].nbytes / num_shards(spec, shape) for t, spec in zip(
+        (*io.float_outputs, *io.int_outputs), stage.solution.out_specs) if t in finals)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from autopar.core.enums import Schedule
 from autopar.core.errors import InfeasiblePlanError
 from autopar.inter_op.pipeline import LossGraph
@@ -100,58 +102,65 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
     on the scale of the DP's 1F1B formula)."""
     m, tables = num_microbatches, Tables()
     share = task_share(loss, chosen)
-    layouts = [chosen] + [st for st, _, _ in seen if st is not None and st is not chosen]
     errors = [(None, None, e) for st, _, e in seen if st is None]
+    priced: list[tuple] = []
+
+    def price(stages) -> None:
+        """Price `stages` under every schedule (once per layout)."""
+        if all(_key(stages) != _key(other) for other, *_ in priced):
+            got = choose_schedule(loss, stages, Schedule.AUTO, m, budget)
+            fits = not got.candidates or any(
+                c["fits"] and c["schedule"] == got.schedule.value for c in got.candidates)
+            priced.append((stages, got.latency_s, got.schedule, fits))
+
+    def best_t() -> float:
+        return min((t for _, t, _, ok in priced if ok), default=np.inf)
+
+    for stages in [chosen] + [st for st, _, _ in seen if st is not None and st is not chosen]:
+        price(stages)
     for schedule in SEARCHED:
         for stages in _schedule_layouts(schedule, dp, options, budget, solved, ks,
                                         kept_of(schedule, m, tables),
-                                        bubble_of(schedule, m, share, tables), errors):
-            if all(_key(stages) != _key(other) for other in layouts):
-                layouts.append(stages)
-    priced = []
-    for stages in layouts:
-        price = choose_schedule(loss, stages, Schedule.AUTO, m, budget)
-        fits = not price.candidates or any(
-            c["fits"] and c["schedule"] == price.schedule.value for c in price.candidates)
-        priced.append((stages, price.latency_s, price.schedule, fits))
+                                        bubble_of(schedule, m, share, tables), errors, best_t):
+            price(stages)
     best = min((p for p in priced if p[3]), key=lambda p: p[1], default=priced[0])
-    if len(layouts) > 1:
+    if len(priced) > 1:
         log.info("autopar: %d stage layouts priced under every schedule; %d stage(s) with %s "
-                 "chosen (%.4g s per step predicted)", len(layouts), len(best[0]),
+                 "chosen (%.4g s per step predicted)", len(priced), len(best[0]),
                  best[2].value, best[1])
     return best[0], best[2], [(st, t, None) for st, t, _, _ in priced] + errors
 
 
 def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
-                      errors: list) -> list:
+                      errors: list, best_t):
     """The layouts `schedule`'s own stage DP finds, each solved whole for its in-flight
-    microbatches. Where a stage solved whole is over `SLOWER` x what the DP priced it at (its
-    layers' plans summed fit the schedule's memory, the stage whole needs a leaner, slower
-    plan), the DP is asked again without that span on that submesh, in any view (`run_dp`'s
-    `banned`), at most `REDO` times. Errors of layouts that did not fit go to `errors`."""
+    microbatches, yielded one by one; one the DP prices at `best_t()` (the best layout priced
+    so far) or above is not solved. Where a stage solved whole is over `SLOWER` x what the DP
+    priced it at (its layers' plans summed fit the schedule's memory, the stage whole needs a
+    leaner, slower plan), the DP is asked again without that span on that submesh, in any
+    view (`run_dp`'s `banned`), at most `REDO` times. Errors of layouts that did not fit go
+    to `errors`."""
     banned = list(getattr(dp, "keywords", {}).get("banned", ()))
-    found = []
     for _ in range(REDO + 1):
         choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned))
-        if choice is None or choice.num_stages == 1:
-            break
+        if choice is None or choice.num_stages == 1 or choice.total_latency_s >= best_t():
+            return
         try:
             stages = solved(choice, schedule)
         except InfeasiblePlanError as e:
             errors.append((None, None, e))
             slow = [getattr(e, "stage", None)]
             if slow[0] is None:
-                break
+                return
         else:
-            found.append(stages)
+            yield stages
             slow = [p for p, st in enumerate(stages)
                     if st.solution.latency_s > SLOWER * choice.stage_latency_s[p]]
         if not slow:
-            break
+            return
         for p in slow:
             k = ks[int(choice.submeshes[p]) % len(ks)]
             banned += [(*choice.layer_spans[p], q) for q in range(len(ks)) if ks[q] == k]
-    return found
 
 
 def _key(stages) -> tuple:

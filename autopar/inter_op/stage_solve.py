@@ -357,7 +357,7 @@ class StageProblem:
     def latency_bound(self, budget: float | None = None) -> float:
         """A lower bound of the `latency_s` of any plan `solve` returns at `budget` or less
         (None: at any budget; `intra_op.solve.latency_bound` plus the calls' overhead)."""
-        return latency_bound(self.ilp, budget) + 2 * self.logical.call_overhead_s
+        return latency_bound(self.ilp, budget) + self.slice.calls * self.logical.call_overhead_s
 
     def _held(self, in_flight: int | None, opt_ratio: float) -> dict[int, float]:
         held = {}
@@ -427,16 +427,17 @@ def _stage_solution(graph: OpGraph, sl: StageSlice, logical: LogicalMesh,
     grad_bytes = sum(graph.tensors[t].nbytes / num_shards(s, logical_shape)
                      for t, s in zip(graph.outputs[n_out:n_out + p], outs[n_out:n_out + p]))
     split = split_train_graph(graph, sl)
+    overhead = sl.calls * logical.call_overhead_s
     return StageSolution(
         deferred_bytes=deferred_bytes(graph, specs, logical_shape,
                                       graph.outputs[n_out:n_out + p], graph.inputs[p + d:]),
         logical_shape=tuple(logical_shape),
-        latency_s=a.compute_s + a.comm_s + a.reshard_s + 2 * logical.call_overhead_s,
-        overhead_s=2 * logical.call_overhead_s,
+        latency_s=a.compute_s + a.comm_s + a.reshard_s + overhead, overhead_s=overhead,
         compute_s=a.compute_s, comm_s=a.comm_s, reshard_s=a.reshard_s,
         peak_memory_bytes=a.peak_memory_bytes,
         activation_bytes=_residual_bytes(graph, split, specs, logical_shape),
-        weight_bytes=_weight_bytes(graph, sl, split, specs, logical_shape),
+        weight_bytes=0.0 if sl.forward_only else _weight_bytes(graph, sl, split, specs,
+                                                               logical_shape),
         param_bytes=param_bytes, grad_bytes=grad_bytes, trains=not sl.forward_only,
         param_specs=tuple(ins[:p]), data_specs=tuple(ins[p:p + d]),
         act_specs=tuple(ins[p + d:p + d + n_act]), out_specs=tuple(outs[:n_out]),

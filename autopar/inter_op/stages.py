@@ -59,7 +59,7 @@ from autopar.inter_op.stage_solver import (
     LEANEST_SLACK,
     StageSolver,
 )
-from autopar.inter_op.step_remat import choices_of
+from autopar.inter_op.step_remat import choices_of, stage_remats
 
 log = logging.getLogger(__name__)
 # Layer plans across hosts priced by lower bounds until a DP choice uses them
@@ -169,8 +169,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
                                         zeros[p])
         if sol is None:
             raise _StageDoesNotFit(p, (i, j), _infeasible(
-                f"stage {p} (layers {i}..{j}) on submesh {sub} with its optimizer state and "
-                f"{in_flight[p]} microbatch(es) of activations in flight "
+                f"stage {p} (layers {i}..{j}) on submesh {sub} {_holding(sl, in_flight[p])} "
                 f"(rematerialization tried: {', '.join(r.value for r in remats[p])}; ZeRO "
                 f"tried: {'yes' if True in zeros[p] else 'no'})", budget,
                 _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
@@ -178,6 +177,13 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
                 what_needs="every stage of this layout needs at least"))
         stages.append(chosen(sol, remat, zero))
     return stages
+
+
+def _holding(sl: StageSlice, in_flight: int) -> str:
+    """What a stage's memory holds, for an error: a forward-only stage its parameters alone."""
+    return ("with its parameters and one microbatch's forward" if sl.forward_only else
+            f"with its optimizer state, gradient accumulator and {in_flight} microbatch(es) "
+            "of activations in flight")
 
 
 class _StageDoesNotFit(InfeasiblePlanError):
@@ -201,13 +207,6 @@ def _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_fligh
     return max(solver.least(slice_range(loss, boundaries[i], boundaries[j + 1], p), sub,
                             shape, in_flight[p], remats[p], zeros[p])
                for p, ((i, j), sub, shape) in enumerate(zip(spans, submeshes, shapes)))
-
-
-def _stage_remats(method: ShardParallel, option, num_stages: int) -> list[tuple[Remat, ...]]:
-    """Per stage, the rematerializations to try: a `ManualStageOption`'s own, else the
-    method's (all of them for "auto")."""
-    given = getattr(option, "remat", ()) or (method.remat,) * num_stages
-    return [choices_of(r) for r in given]
 
 
 def _stage_zeros(option, num_stages: int, pipeline: bool) -> list[tuple[bool, ...]]:
@@ -262,7 +261,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         stages = _spans_to_stages(loss, boundaries, option.layer_spans, option.submesh_shapes,
                                   [[tuple(v)] for v in option.logical_shapes], device_ids,
                                   solver, method, budget,
-                                  _stage_remats(method, option, len(option.layer_spans)),
+                                  stage_remats(method, option, len(option.layer_spans)),
                                   _stage_zeros(option, len(option.layer_spans), zeros),
                                   given=solutions, placed=chunk_devices(
                                       method.schedule, len(option.layer_spans), device_ids)
@@ -282,7 +281,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         chunks = s // (max(placement_of(method.schedule, s)) + 1) if chunked else 1
         stages = _spans_to_stages(loss, boundaries, spans, [sub] * s,
                                   [logical_shapes(per)] * s, device_ids, solver, method,
-                                  budget / chunks, _stage_remats(method, option, s),
+                                  budget / chunks, stage_remats(method, option, s),
                                   _stage_zeros(option, s, zeros), placed=placed)
     else:
         with PlanPool(plan_workers(option.workers)) as solver.pool:
@@ -323,10 +322,9 @@ def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: floa
             chunks = groups.count(groups[st.slice.index])
             raise _infeasible(
                 f"stage {st.slice.index} (layers {st.layers[0]}..{st.layers[1]}) on submesh "
-                f"{st.submesh} with its optimizer state, gradient accumulator and {q} "
-                "microbatch(es) of activations in flight"
-                + (f", with the {chunks - 1} other stage chunk(s) on its devices"
-                   if chunks > 1 else ""), budget, total, any_mesh=False)
+                f"{st.submesh} {_holding(st.slice, q)}" + (
+                    f", with the {chunks - 1} other stage chunk(s) on its devices"
+                    if chunks > 1 else ""), budget, total, any_mesh=False)
         out.append(dataclasses.replace(st, peak_bytes=peak))
     return out
 

@@ -489,3 +489,10 @@ def _renumbered(region, new_id: dict[int, int], swaps, stop: int):
         entry_nodes=tuple(new_id[e] if e >= 0 else e for e in region.entry_nodes),
         exit_nodes=tuple(new_id[e] for e in region.exit_nodes),
         body_nodes=tuple((new_id[a], new_id[b - 1] + 1) for a, b in region.body_nodes))
+
+
+def stage_remats(method, option, num_stages: int) -> list[tuple[Remat, ...]]:
+    """Per stage, the rematerializations to try: a `ManualStageOption`'s own, else the
+    method's (all of them for "auto")."""
+    given = getattr(option, "remat", ()) or (method.remat,) * num_stages
+    return [choices_of(r) for r in given]

@@ -185,8 +185,9 @@ def timeline_tasks(plan: ParallelPlan):
 
 
 def _tasks_per_microbatch(table) -> int:
-    """F and B per microbatch and stage, and W where the table splits the backward."""
-    return 3 if table.split_backward else 2
+    """The tasks of a microbatch on a stage: F alone in a forward-only table, F and B, and W
+    where the table splits the backward."""
+    return len(table.phases)
 
 
 _KIND = {Phase.FORWARD: ("forward", "fwd", ' fill-opacity="0.55"'),

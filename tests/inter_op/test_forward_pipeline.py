@@ -311,3 +311,49 @@ def test_results_free_of_the_batch_keep_their_value_and_dtype(batch_argnums):
         assert g.dtype == w.dtype and int(g) == int(w)
     assert jax.dtypes.issubdtype(got[3].dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(jax.random.key_data(got[3]), jax.random.key_data(want[3]))
+
+
+def test_a_forward_stage_is_charged_one_call_per_microbatch():
+    """A forward-only stage runs one executable per microbatch (its forward), not two: its
+    latency counts one call's overhead on a cluster whose calls cost something."""
+    eval_step, params, batch = _mlp_eval(hidden=32, batch_size=16)
+    call = 1e-3
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method(2, 4))
+    par = par.with_cluster(dataclasses.replace(par.cluster, call_overhead_s=call))
+    plan = par.get_plan(params, batch)
+    for s in plan.stages:
+        assert s.latency_s - s.compute_s - s.comm_s - s.reshard_s == pytest.approx(call)
+
+
+@pytest.mark.parametrize("stage_option", ["uniform", "auto"])
+def test_a_forward_stage_that_does_not_fit_names_what_it_holds(stage_option):
+    """The memory error of a forward-only stage names its parameters and its forward, not an
+    optimizer state or a gradient accumulator it does not have."""
+    eval_step, params, batch = _mlp_eval(hidden=64, batch_size=16)
+    method = _method(2, 4, memory_budget_bytes=2000)
+    if stage_option == "auto":
+        method = dataclasses.replace(method, stage_option=autopar.AutoStageOption())
+    par = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=method)
+    with pytest.raises(InfeasiblePlanError) as err:
+        par.get_plan(params, batch)
+    text = str(err.value)
+    assert "optimizer" not in text and "accumulator" not in text, text
+    if stage_option == "uniform":
+        assert "with its parameters and one microbatch's forward" in text, text
+
+
+def test_the_stage_that_makes_the_logits_keeps_every_microbatch_s_share():
+    """An eval step's results stay from each microbatch to the end, where they combine: with
+    the microbatch unchanged (batch 16 in 4, batch 32 in 8: the same stage plans), the last
+    stage's predicted peak grows by the 4 more microbatches' logits, predictions, loss and
+    accuracy, and no other stage's does."""
+    eval_step, state, batch = _gpt_eval()
+    big = make_gpt_batch(jax.random.key(2), 32, CFG)
+    plans = [autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=_method(
+        4, m)).get_plan(state, b) for m, b in ((4, batch), (8, big))]
+    small, large = ([s.peak_memory_bytes for s in p.stages] for p in plans)
+    assert small[:-1] == large[:-1]
+    per_microbatch = 4 * CFG.seq_len * (CFG.vocab_size * 4 + 4)     # logits f32, preds int32
+    devices = len(plans[0].stages[-1].device_ids)
+    grown = large[-1] - small[-1]
+    assert 4 * per_microbatch / devices <= grown <= 4 * (per_microbatch + 8), (grown, devices)

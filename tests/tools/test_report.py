@@ -389,6 +389,9 @@ def test_forward_only_timeline_draws_forwards_alone():
     tl = _svgs(text)["pipeline schedule"]
     assert len(_rects(tl, "fwd")) == 2 * 4
     assert not _rects(tl, "bwd") and not _rects(tl, "wgt")
+    # one clock is one forward of the slowest stage: its blocks fill the clock (4 + 2 - 1)
+    clock = float(_rects(tl, "lane")[0].get("width")) / (4 + 2 - 1)
+    assert max(float(r.get("width")) for r in _rects(tl, "fwd")) == pytest.approx(clock)
     assert "forward" in text
     assert "forward only (the step takes no gradient)" in autopar.dump(plan)
     assert "one microbatch's forward)" in autopar.dump(plan, stage=0)
