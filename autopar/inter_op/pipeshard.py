@@ -48,7 +48,7 @@ from autopar.inter_op.apply_grad import Placement, place
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from autopar.inter_op.schedule import make_schedule, one_executable
-from autopar.inter_op.schedule_choice import choose_schedule
+from autopar.inter_op.schedule_choice import choose_schedule, kept_parts
 from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from autopar.intra_op.constraints import method_input_options
 from autopar.intra_op.planner import output_paths, tensor_plans
@@ -247,6 +247,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             scopes=_scopes(loss, st.slice.start, st.slice.stop), remat=st.remat.value,
             zero=st.zero))
     schedule = choice.table or make_schedule(choice.schedule, len(stages), m)
+    parts = kept_parts(result.stages, loss, schedule)
     peak = max(s.peak_memory_bytes for s in stages)
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
@@ -257,6 +258,9 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         "schedule_search": list(choice.candidates),
         "num_layers": len(result.boundaries) - 1, "layer_boundaries": list(result.boundaries),
         "bubble_fraction": schedule.bubble_fraction, "in_flight": [q for _, q in choice.peaks],
+        # per stage: (microbatches in flight, W's deferred) at its peak, and one microbatch's
+        # bytes of the step's results it keeps to the end (`schedule_choice.kept_parts`)
+        "kept_at_peak": [[q, d] for q, d, _ in parts], "result_bytes": [r for _, _, r in parts],
         "predicted_latency_s": choice.latency_s,
         "num_ilps": result.num_ilps, "num_reused": result.num_reused,
         "num_replayed": result.num_replayed,

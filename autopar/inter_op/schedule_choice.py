@@ -40,18 +40,25 @@ def pick(priced: list[tuple]) -> tuple:
 
 
 def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
-    """(peak bytes, microbatches held) per stage under the schedule `table`: a microbatch
-    between its F and its B keeps its whole residuals, one between its B and its W (where
-    the table splits the backward) W's part (`StageSolution.weight_bytes`), at the table's
-    worst mix of the two (`PipelineSchedule.kept_peak`); and the step's results the stage
-    makes stay from each microbatch to the end, where they combine (`result_bytes`: an eval
-    step's logits); held: `table.held()`."""
+    """(peak bytes, microbatches held) per stage under the schedule `table`: its static bytes
+    and what `kept_parts` keeps: a microbatch between its F and its B its whole residuals, one
+    between its B and its W (where the table splits the backward) W's part
+    (`StageSolution.weight_bytes`), at the table's worst mix of the two
+    (`PipelineSchedule.kept_peak`), and the step's results the stage makes from every
+    microbatch to the end, where they combine (an eval step's logits); held: `table.held()`."""
     opt_ratio = opt_ratio_of(loss)
+    return [(static_bytes(st.solution, opt_ratio, st.zero) + q * st.solution.activation_bytes
+             + d * st.solution.weight_bytes + (table.num_microbatches - 1) * r, h)
+            for st, (q, d, r), h in zip(stages, kept_parts(stages, loss, table), table.held())]
+
+
+def kept_parts(stages, loss: LossGraph, table) -> list[tuple[int, int, float]]:
+    """Per stage, what its peak keeps beyond its static bytes: (microbatches in flight,
+    deferred W's) at the table's worst mix, and one microbatch's `result_bytes` (the other
+    M - 1 microbatches' are kept too)."""
     sols = [st.solution for st in stages]
     kept = table.kept_peak([s.activation_bytes for s in sols], [s.weight_bytes for s in sols])
-    return [(static_bytes(sol, opt_ratio, st.zero) + q * sol.activation_bytes
-             + d * sol.weight_bytes + (table.num_microbatches - 1) * result_bytes(loss, st), h)
-            for st, sol, (q, d), h in zip(stages, sols, kept, table.held())]
+    return [(q, d, result_bytes(loss, st)) for st, (q, d) in zip(stages, kept)]
 
 
 def result_bytes(loss: LossGraph, stage) -> float:

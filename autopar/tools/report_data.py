@@ -88,9 +88,14 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
     """A stage's peak as the stage search counts it (`inter_op.stage_costs.static_bytes` plus
     the in-flight activations): parameters, the gradient accumulator (one parameter's worth),
     one microbatch's gradients, optimizer state (split over the data axis with ZeRO), working
-    memory, and `in_flight` microbatches' activations."""
+    memory, the activations of the microbatches in flight and W's part of those deferred at
+    the stage's peak (`pipeline["kept_at_peak"]`), and the results of the other microbatches
+    it keeps until they combine (`pipeline["result_bytes"]`)."""
     ratio = optimizer_ratio(plan)
     in_flight = plan.pipeline.get("in_flight") or [1] * len(plan.stages)
+    n, m = len(plan.stages), plan.pipeline.get("num_microbatches", 1)
+    kept = plan.pipeline.get("kept_at_peak") or [[q, 0] for q in in_flight]
+    results = plan.pipeline.get("result_bytes") or [0.0] * n
     compiled = plan.measured.get("compiled_stage_bytes") or [None] * len(plan.stages)
     notes = [f"Parts from each stage's recorded ILP solution; optimizer state is "
              f"{ratio:.2f} bytes per parameter byte (from the inputs' roles)."]
@@ -103,8 +108,8 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
         notes.append("A stage with recomputation whose savings the search did not price "
                      "(recomputation forced, or a manual layout) names its mode only.")
     bars = []
-    stages = zip(plan.stages, plan.stage_solutions, in_flight, compiled, saves)
-    for k, (st, _, q, c, sv) in enumerate(stages):
+    stages = zip(plan.stages, kept, results, compiled, saves)
+    for k, (st, (q, d), r, c, sv) in enumerate(stages):
         sol = plan.stage_solution(k)
         label = f"stage {st.index}"
         trains = sol.trains          # a forward-only stage has neither of the next two
@@ -113,7 +118,9 @@ def _stage_bars(plan: ParallelPlan) -> tuple[list[MemoryBar], list[str]]:
                  ("gradients (one microbatch)", sol.grad_bytes),
                  ("optimizer state", sol.optimizer_bytes(ratio, st.zero) if trains else 0.0),
                  ("working memory", working_bytes(sol)),
-                 ("activations in flight", q * st.activation_bytes)]
+                 ("activations in flight", q * st.activation_bytes),
+                 ("deferred weight gradients", d * sol.weight_bytes),
+                 ("results of the other microbatches", (m - 1) * r)]
         parts = _closing([p for p in parts if p[1] > 0], st.peak_memory_bytes, label, notes)
         bars.append(MemoryBar(f"{label} \u00b7 remat {st.remat}" + (" + zero" if st.zero else ""),
                               tuple(parts), st.peak_memory_bytes, c, saved=sv or 0.0))

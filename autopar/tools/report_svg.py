@@ -115,6 +115,8 @@ class MemoryBar:
 PART_COLOURS = {"parameters": "#4E79A7", "optimizer state": "#F28E2B",
                 "gradient accumulator": "#76B7B2", "gradients (one microbatch)": "#59A14F",
                 "working memory": "#BAB0AC", "activations in flight": "#E15759",
+                "deferred weight gradients": "#FF9DA7",
+                "results of the other microbatches": "#9C755F",
                 "batch": "#EDC948", "other inputs": "#B07AA1",
                 "activations, gradients, results and temporaries": "#E15759",
                 "not attributed": "#D3D3D3"}

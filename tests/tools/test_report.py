@@ -395,3 +395,46 @@ def test_forward_only_timeline_draws_forwards_alone():
     assert "forward" in text
     assert "forward only (the step takes no gradient)" in autopar.dump(plan)
     assert "one microbatch's forward)" in autopar.dump(plan, stage=0)
+
+
+def _bar_parts(plan, stage_index):
+    bars = [r for r in _rects(_svgs(autopar.report(plan))["memory per device"], "part")]
+    return {r.get("data-part"): float(r.get("data-bytes")) for r in bars
+            if f"stage {stage_index} " in r.find(f"{{{SVG_NS}}}title").text}
+
+
+def test_zero_bubble_memory_bars_show_the_deferred_weight_gradients(case):
+    """Under ZB-H1 the last stage's peak holds W's part of deferred microbatches: its bar
+    draws them as their own part (the table's worst mix), and the parts add up to the peak
+    with nothing left unattributed."""
+    plan = _plan_with(case, Schedule.ZERO_BUBBLE_H1, 2)
+    for s in plan.stages:
+        mine = _bar_parts(plan, s.index)
+        q, d = plan.pipeline["kept_at_peak"][s.index]
+        assert mine.get("activations in flight", 0.0) == pytest.approx(q * s.activation_bytes)
+        assert mine.get("deferred weight gradients", 0.0) == pytest.approx(
+            d * plan.stage_solution(s.index).weight_bytes)
+        assert "not attributed" not in mine
+        assert sum(mine.values()) == pytest.approx(s.peak_memory_bytes)
+    assert plan.pipeline["kept_at_peak"][-1][1] > 0 and "deferred weight gradients" in \
+        _bar_parts(plan, len(plan.stages) - 1)
+
+
+def test_an_eval_pipeline_s_bars_show_the_results_it_keeps():
+    """An eval step returning its outputs: the stage that makes them keeps every other
+    microbatch's until they combine, drawn as their own part."""
+    net = MLP(num_layers=4, hidden=32)
+    batch = make_mlp_batch(jax.random.key(1), 16, 32, 32)
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def eval_step(params, batch):
+        out = net.apply(params, batch["x"])
+        return out, mse_loss(out, batch["y"])
+    plan = autopar.parallelize(eval_step, mesh=mesh_of((2, 4)), method=autopar.PipeshardParallel(
+        num_microbatches=4, layer_option=autopar.AutoLayerOption(num_layers=4),
+        stage_option=autopar.UniformStageOption(num_stages=2))).get_plan(params, batch)
+    last = _bar_parts(plan, 1)
+    assert last["results of the other microbatches"] == pytest.approx(
+        3 * plan.pipeline["result_bytes"][1]) and plan.pipeline["result_bytes"][1] > 0
+    assert "results of the other microbatches" not in _bar_parts(plan, 0)
+    assert sum(last.values()) == pytest.approx(plan.stages[1].peak_memory_bytes)
