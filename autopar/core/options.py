@@ -425,14 +425,16 @@ class PipeshardParallel(ShardParallel):
         combined over microbatches as `ShardParallel.num_microbatches` says.
       schedule: `Schedule.ONE_F_ONE_B` (default; at most S microbatches in flight per stage),
         `Schedule.GPIPE`, `Schedule.INTERLEAVED_1F1B` or `Schedule.ZERO_BUBBLE_V` (2 stage
-        chunks per device group; with UniformStageOption or ManualStageOption), or a
+        chunks per device group; with AutoStageOption, the search places the chunks), or a
         zero-bubble table: `Schedule.ZERO_BUBBLE_H1` (each backward
         split into B, the input gradient, and W, the weight gradient, W filling the bubble:
         about a third of 1F1B's bubble, every stage holding up to S microbatches, 1F1B's
         first stage's count), `Schedule.ZERO_BUBBLE_H2` (about twice as many in flight), or
-        `Schedule.AUTO`: the stages are solved for 1F1B, then every schedule is priced by
-        its own table with those stages' F, B and W times, and the fastest whose stages fit
-        memory runs (`plan.pipeline["schedule_search"]` lists them).
+        `Schedule.AUTO`: the schedule is searched with the stages (with AutoStageOption:
+        1F1B's stage DP, then ZB-H1's and ZB-H2's own DPs and the chunk layouts of the
+        chunked two, every layout priced by each schedule's table with its stages' F, B and
+        W times); the fastest that fits memory runs (`plan.pipeline["schedule_search"]`
+        prices every schedule for the chosen stages, `plan.alternatives` the other layouts).
       layer_option: `AutoLayerOption(num_layers=...)` or `ManualLayerOption()`.
       stage_option: `AutoStageOption()`, `UniformStageOption(num_stages=...)` or
         `ManualStageOption(...)`.

@@ -47,7 +47,7 @@ from autopar.frontend.tracer import _abstract, check_argnums, trace
 from autopar.inter_op.apply_grad import Placement, place
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
-from autopar.inter_op.schedule import make_schedule, one_executable
+from autopar.inter_op.schedule import CHUNKED, make_schedule, one_executable
 from autopar.inter_op.schedule_choice import choose_schedule, kept_parts
 from autopar.inter_op.stages import AXIS_NAMES, InterOpResult, choose_stages
 from autopar.intra_op.constraints import method_input_options
@@ -232,7 +232,10 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
     step = loss.step
     m = method.num_microbatches
     budget = float(method.memory_budget_bytes or cluster.memory_bytes)
-    choice = choose_schedule(loss, result.stages, method.schedule, m, budget)
+    # a chunk layout (AUTO's pick of a chunked schedule) runs under its own: its stages share
+    # device groups, which no other table places
+    chunked = result.schedule if result.schedule in CHUNKED else None
+    choice = choose_schedule(loss, result.stages, chunked or method.schedule, m, budget)
     stages = []
     for st, (peak_bytes, _) in zip(result.stages, choice.peaks):
         sol = st.solution

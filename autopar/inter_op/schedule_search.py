@@ -24,6 +24,7 @@ import numpy as np
 
 from autopar.core.enums import Schedule
 from autopar.core.errors import InfeasiblePlanError
+from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.schedule_choice import choose_schedule
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 # The schedules with a stage DP of their own beyond 1F1B's (GPipe is priced, not searched:
 # it keeps every microbatch in flight and is never faster than 1F1B).
 SEARCHED = (Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2)
+# Schedules of 2 stage chunks per device group, searched over equal groups (`_chunk_layouts`)
+CHUNKED_SEARCHED = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V)
 SLOWER = 1.25     # a stage solved whole this much slower than the DP's price: ask it again
 REDO = 1          # times a schedule's DP is asked again (each answer is solved whole)
 
@@ -62,10 +65,12 @@ def kept_of(schedule: Schedule, num_microbatches: int, tables: Tables):
     return lambda s: tables(schedule, s, num_microbatches).kept_states()
 
 
-def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tables: Tables):
+def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tables: Tables,
+              chunks: int = 1):
     """`bubble(S)` for the stage DP: of S equal stages whose microbatch takes 1 (F, B and W
     in `share`'s proportions), the time the schedule's table takes beyond M over 1F1B's
-    (S - 1), clipped to [0, 1].
+    (S - 1), clipped to [0, 1]. With `chunks` stage chunks per device group, the table's
+    time over `chunks`: the DP's M t_max is one chunk's share of a group's work.
 
         >>> even = TaskSeconds(1 / 3, 1 / 3, 1 / 3, 0.0)
         >>> round(bubble_of(Schedule.ZERO_BUBBLE_H1, 8, even, Tables())(4), 3)
@@ -76,7 +81,9 @@ def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tab
     def bubble(s: int) -> float:
         if s == 1:
             return 1.0
-        t = schedule_seconds(tables(schedule, s, m), [share] * s)
+        if s % chunks:
+            return 1.0
+        t = schedule_seconds(tables(schedule, s, m), [share] * s) / chunks
         return min(max((t - m) / (s - 1), 0.0), 1.0)
     return bubble
 
@@ -93,29 +100,47 @@ def task_share(loss: LossGraph, stages) -> TaskSeconds:
 
 
 def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solved,
-          num_microbatches: int, ks):
+          num_microbatches: int, ks, sizes, only: Schedule | None = None):
     """(stages, schedule, seen): the fastest fitting pair over the layouts solved for 1F1B
     (`chosen`, and `seen`'s: (stages or None, latency, error) per layout) and those each
     `SEARCHED` schedule's DP finds (`_schedule_layouts`; `solved(choice, schedule)` solves one
-    whole; `ks`: the submesh of each of the DP's options per kind of layer plan), with `seen`
-    repriced: each layout's latency is `choose_schedule`'s (its best schedule's simulated step
-    on the scale of the DP's 1F1B formula)."""
+    whole; `ks`: the submesh of each of the DP's options per kind of layer plan, `sizes` each
+    submesh's devices) and the chunk layouts of `CHUNKED_SEARCHED` (`_chunk_layouts`), with
+    `seen` repriced: each layout's latency is `choose_schedule`'s (its best schedule's
+    simulated step on the scale of the DP's 1F1B formula). `only` (a chunked schedule the
+    user fixed): its chunk layouts alone; none fitting raises the first one's error."""
     m, tables = num_microbatches, Tables()
     share = task_share(loss, chosen)
     errors = [(None, None, e) for st, _, e in seen if st is None]
     priced: list[tuple] = []
 
-    def price(stages) -> None:
-        """Price `stages` under every schedule (once per layout)."""
+    def price(stages, chunked: Schedule | None = None) -> None:
+        """Price `stages` under every schedule (once per layout); a chunk layout under its
+        own (its stages share device groups)."""
         if all(_key(stages) != _key(other) for other, *_ in priced):
-            got = choose_schedule(loss, stages, Schedule.AUTO, m, budget)
+            got = choose_schedule(loss, stages, chunked or Schedule.AUTO, m, budget)
             fits = not got.candidates or any(
                 c["fits"] and c["schedule"] == got.schedule.value for c in got.candidates)
+            if chunked is not None:
+                fits = all(p <= budget * (1 + 1e-9) for p in group_peaks(
+                    [got.table.group_of(k) for k in range(len(stages))],
+                    [p for p, _ in got.peaks]))
             priced.append((stages, got.latency_s, got.schedule, fits))
 
     def best_t() -> float:
         return min((t for _, t, _, ok in priced if ok), default=np.inf)
 
+    if only is not None:
+        for stages in _chunk_layouts(only, dp, options, budget, solved, ks, sizes, m, tables,
+                                     share, errors, best_t):
+            price(stages, only)
+        if not any(ok for *_, ok in priced):
+            raise next((e for _, _, e in errors), None) or InfeasiblePlanError(
+                f"memory: no layout of 2 stage chunks per device group fits "
+                f"memory_budget_bytes={budget:,.0f} per device under {only.value} (each "
+                "chunk within half of it). Fix: another schedule, more microbatches, "
+                "recomputation, or a larger budget.", needed_bytes=0, budget_bytes=int(budget))
+        return _best(priced, errors)
     for stages in [chosen] + [st for st, _, _ in seen if st is not None and st is not chosen]:
         price(stages)
     for schedule in SEARCHED:
@@ -123,12 +148,22 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
                                         kept_of(schedule, m, tables),
                                         bubble_of(schedule, m, share, tables), errors, best_t):
             price(stages)
+    for schedule in CHUNKED_SEARCHED:
+        for stages in _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m,
+                                     tables, share, errors, best_t):
+            price(stages, schedule)
+    return _best(priced, errors)
+
+
+def _best(priced: list, errors: list):
+    """(stages, schedule, seen) of the fastest fitting of `priced` ((stages, latency,
+    schedule, fits) per layout): `joint`'s answer."""
     best = min((p for p in priced if p[3]), key=lambda p: p[1], default=priced[0])
     if len(priced) > 1:
         log.info("autopar: %d stage layouts priced under every schedule; %d stage(s) with %s "
                  "chosen (%.4g s per step predicted)", len(priced), len(best[0]),
                  best[2].value, best[1])
-    return best[0], best[2], [(st, t, None) for st, t, _, _ in priced] + errors
+    return best[0], best[2], [(st, t, None, sched) for st, t, sched, _ in priced] + errors
 
 
 def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
@@ -161,6 +196,39 @@ def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
         for p in slow:
             k = ks[int(choice.submeshes[p]) % len(ks)]
             banned += [(*choice.layer_spans[p], q) for q in range(len(ks)) if ks[q] == k]
+
+
+def _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m, tables, share,
+                   errors: list, best_t):
+    """Chunk layouts for `schedule` (2 stage chunks per device group), one per group count G
+    (G >= 2 groups of n / G devices, 2G <= the layers): the stage DP over options on
+    submeshes of n / G devices alone, exactly 2G stages (the devices counted twice), each
+    chunk within half the budget (its group holds two), the table's states per chunk; its
+    objective leaves b of the bubble so that for equal chunks it is half the table's time.
+    A layout is solved whole (on its group's devices) where its chunks' M sum t / G (its
+    groups' work perfectly balanced, with no bubble) is below `best_t()`."""
+    num_layers, n = options[0][0].shape[0], max(sizes)     # the largest: the whole mesh
+    base = list(getattr(dp, "keywords", {}).get("banned", ()))
+    for groups in range(2, n + 1):
+        if n % groups or 2 * groups > num_layers:
+            continue
+        other = [q for q in range(len(ks)) if sizes[ks[q]] != n // groups]
+        if len(other) == len(ks):
+            continue
+        stages_kept = kept_of(schedule, m, tables)
+        choice = try_dp(dp, options, budget / 2, max_stages=2 * groups,
+                        device_ids=tuple(range(2 * n)),
+                        banned=tuple(base + [(l, l, q) for l in range(num_layers)
+                                             for q in other]),
+                        kept=lambda s: stages_kept(s) if s % 2 == 0 else [((s, 0),)] * s,
+                        bubble=bubble_of(schedule, m, share, tables, chunks=2))
+        # no table runs it faster than its groups' work perfectly balanced, bubble-free
+        if choice is None or m * sum(choice.stage_latency_s) / groups >= best_t():
+            continue
+        try:
+            yield solved(choice, schedule)
+        except InfeasiblePlanError as e:
+            errors.append((None, None, e))
 
 
 def _key(stages) -> tuple:

@@ -25,7 +25,7 @@ from autopar.core.spec import enumerate_specs, num_shards
 from autopar.cost.cluster import ClusterSpec
 from autopar.inter_op.batch import ilp_scope
 from autopar.inter_op.parallel import PlanPool
-from autopar.inter_op.pipeline import LossGraph, StageSlice
+from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
 from autopar.inter_op.stage_costs import latency, static_bytes
 from autopar.inter_op.stage_solve import (
     forward_batch_dims,
@@ -423,6 +423,14 @@ class StageSolver:
         return min(self.least_of(*self.problem(sl, submesh, view(v, z), r), in_flight,
                                  self._opt_ratio(v, z))
                    for v in shapes for r in remats for z in zeros)
+
+    def least_pipeline(self, spans, submeshes, shapes, in_flight, remats, zeros) -> float:
+        """The least per-device peak any plan of these stages (layer spans) needs: the max
+        over stages of the least each can take on its submesh (exact ILP memory minima)."""
+        return max(self.least(slice_range(self.loss, self.boundaries[i],
+                                          self.boundaries[j + 1], p), sub, shape,
+                              in_flight[p], remats[p], zeros[p])
+                   for p, ((i, j), sub, shape) in enumerate(zip(spans, submeshes, shapes)))
 
 
 def _least_at(point) -> float:

@@ -172,8 +172,7 @@ def _spans_to_stages(loss, boundaries, spans, submeshes, shapes, device_ids, sol
                 f"stage {p} (layers {i}..{j}) on submesh {sub} {_holding(sl, in_flight[p])} "
                 f"(rematerialization tried: {', '.join(r.value for r in remats[p])}; ZeRO "
                 f"tried: {'yes' if True in zeros[p] else 'no'})", budget,
-                _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
-                                remats, zeros),
+                solver.least_pipeline(spans, submeshes, shapes, in_flight, remats, zeros),
                 what_needs="every stage of this layout needs at least"))
         stages.append(chosen(sol, remat, zero))
     return stages
@@ -198,15 +197,6 @@ class _StageDoesNotFit(InfeasiblePlanError):
 
 REDO_DP = 1      # times the DP is asked again after its layout's stage did not fit whole (each
                 # retry re-solves whole stages: on GPT-39B about 100-200 s; 3 found nothing more)
-
-
-def _least_pipeline(loss, boundaries, spans, submeshes, shapes, solver, in_flight,
-                    remats, zeros) -> float:
-    """The least per-device peak any plan of these stages needs: the max over stages of the
-    least each can take on its submesh (exact ILP memory minima)."""
-    return max(solver.least(slice_range(loss, boundaries[i], boundaries[j + 1], p), sub,
-                            shape, in_flight[p], remats[p], zeros[p])
-               for p, ((i, j), sub, shape) in enumerate(zip(spans, submeshes, shapes)))
 
 
 def _stage_zeros(option, num_stages: int, pipeline: bool) -> list[tuple[bool, ...]]:
@@ -245,13 +235,6 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
     dp, others, chosen, schedule = (0, 0, 0.0), (), 0.0, None
     dph = cluster.devices_per_host
     chunked = pipeline and method.schedule in CHUNKED
-    if chunked and isinstance(option, AutoStageOption):
-        raise InvalidArgumentError(
-            f"PipeshardParallel(schedule={method.schedule}) places several stage chunks on "
-            f"each device group; the stage search does not choose such layouts yet (the DP "
-            f"gives each stage its own submesh). Fix: stage_option=UniformStageOption("
-            f"num_stages=K) with K a multiple of the chunks per group (2), a "
-            f"ManualStageOption, or another schedule.")
     if isinstance(option, ManualStageOption):
         if option.layer_spans[-1][1] != num_layers - 1:
             raise InvalidArgumentError(
@@ -287,7 +270,7 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
         with PlanPool(plan_workers(option.workers)) as solver.pool:
             stages, dp, seen, schedule = _auto(loss, boundaries, cluster, device_ids, method,
                                                option, solver, budget, zeros)
-        chosen = next(t for got, t, _ in seen if got is stages)     # reranked's pick
+        chosen = next(c[1] for c in seen if c[0] is stages)     # reranked's pick
         others = _layout_records([c for c in seen if c[0] is not stages], loss, method, budget,
                                  schedule)
     stages = _with_peaks(stages, loss, method, budget, schedule)
@@ -387,9 +370,9 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
         check_layers()
     # A schedule other than 1F1B (or AUTO's first search, 1F1B's) has stages fit its own
     # table's (in flight, deferred) states in the DP.
-    fixed = planned(method.schedule)
-    kept = None if fixed is Schedule.ONE_F_ONE_B else kept_of(fixed, method.num_microbatches,
-                                                               Tables())
+    fixed = planned(method.schedule)        # (a chunked one: 1F1B's first, then its chunks)
+    kept = None if fixed in (Schedule.ONE_F_ONE_B, *CHUNKED) else kept_of(
+        fixed, method.num_microbatches, Tables())
     dp = exact_dp(functools.partial(run_dp, submeshes=submeshes, ks=ks, kept=kept,
                                     device_ids=device_ids, method=method, option=option),
                   groups, len(pairs))
@@ -419,20 +402,24 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
 
     def solved(choice, schedule=None):
         """The stages of a DP choice, each solved whole on its submesh and view (to fit the
-        in-flight microbatches of `schedule`, default the method's). A stage the
-        DP gave recomputation may take less of it where a plan solved to fit its schedule's
-        memory (`StageSolver.stage`) is faster: the DP prices a layer's fastest or leanest
-        plans only, not the fastest that fits (GPT-39B, 8 one-layer stages on 1x8: the DP's
-        full recomputation on the first two stages, where selective fits, cost 8%)."""
+        in-flight microbatches of `schedule`, default the method's). A stage the DP gave
+        recomputation may take less of it where a plan solved to fit its schedule's memory
+        (`StageSolver.stage`) is faster: the DP prices a layer's fastest or leanest plans
+        only, not the fastest that fits (GPT-39B, 8 one-layer stages on 1x8: the DP's full
+        recomputation on the first two stages, where selective fits, cost 8%)."""
         subs = [(submeshes[ks[p % n]].num_hosts, submeshes[ks[p % n]].devices_per_host)
                 for p in choice.submeshes]
         shapes = [[shapes_per_k[ks[p % n]][vs[p % n]]] for p in choice.submeshes]
         stage_kinds = [kinds[p // n] for p in choice.submeshes]
+        schedule = schedule or (Schedule.ONE_F_ONE_B if fixed in CHUNKED else None)
+        chunked = schedule in CHUNKED      # 2 chunks a group: each fits half the budget
         stages = _spans_to_stages(loss, boundaries, choice.layer_spans, subs, shapes,
-                                  device_ids, solver, method, budget,
+                                  device_ids, solver, method, budget / (2 if chunked else 1),
                                   [remats[:remats.index(r) + 1] for r, _, _ in stage_kinds],
                                   [(z,) for _, _, z in stage_kinds],
-                                  [lean for _, lean, _ in stage_kinds], schedule=schedule)
+                                  [lean for _, lean, _ in stage_kinds], schedule=schedule,
+                                  placed=chunk_devices(schedule, len(subs), device_ids)
+                                  if chunked else None)
         return [dataclasses.replace(st, activation_bytes_without_remat=kept_without_remat(
             kinds, options, span, p % n)) for st, span, p in zip(
                 stages, choice.layer_spans, choice.submeshes)]
@@ -468,9 +455,11 @@ def _auto(loss, boundaries, cluster, device_ids, method, option: AutoStageOption
                 raise
             choice = again
     schedule = None
-    if method.schedule is Schedule.AUTO and pipeline:      # each schedule's own DP, priced
+    if pipeline and (method.schedule is Schedule.AUTO or fixed in CHUNKED):
+        sizes = [s.num_devices for s in submeshes]      # each schedule's own DP, priced
         stages, schedule, seen = joint(loss, stages, seen, dp, options, budget, solved,
-                                       method.num_microbatches, ks)
+                                       method.num_microbatches, ks, sizes,
+                                       fixed if fixed in CHUNKED else None)
     return (stages, (choice.num_candidates, choice.num_pruned, choice.search_time_s), seen,
             schedule)
 
@@ -482,17 +471,20 @@ def _layout_text(stages) -> str:
 
 
 def _layout_records(seen, loss, method, budget, schedule=None) -> tuple[dict, ...]:
-    """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`)."""
+    """`ParallelPlan.alternatives` entries for the layouts in `seen` (see `reranked`; a
+    fourth entry: the schedule it was priced under, `schedule_search.joint`)."""
     out = []
-    for stages, t, error in seen:
+    for stages, t, error, *priced in seen:
         if error is not None:
             out.append(record(f"stage layout ({error.needed_bytes:.4g} B needed)",
                               "stage layout", None, error.needed_bytes, budget,
                               "a layout the DP ranked high; when solved whole a stage did not "
                               "fit"))
             continue
-        peaks = _peaks(stages, loss, method, schedule)
-        out.append(record(_layout_text(stages), "stage layout", t, max(p for p, _ in peaks),
+        under = priced[0] if priced else schedule
+        peaks = _peaks(stages, loss, method, under)
+        out.append(record(_layout_text(stages) + (f" under {under.value}" if priced else ""),
+                          "stage layout", t, max(p for p, _ in peaks),
                           budget, "solved whole; slower than the chosen layout"))
     return tuple(sorted(out, key=lambda a: (a["predicted_step_s"] is None,
                                             a["predicted_step_s"] or 0.0)))

@@ -10,7 +10,7 @@ import pytest
 
 import autopar
 from autopar.core.enums import Schedule
-from autopar.inter_op.schedule import Phase, make_schedule
+from autopar.inter_op.schedule import Phase, make_schedule, placement_of
 from autopar.inter_op.schedule_choice import pick
 from autopar.runtime.compile_only import Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.pipeline_memory_check import stage_memory
@@ -158,14 +158,25 @@ def test_schedule_auto_prices_every_schedule_and_runs_the_fastest_that_fits():
     assert f"Schedule.AUTO chose {plan.pipeline['schedule']}; predicted step vs 1F1B" in page
 
 
-def test_the_stage_search_does_not_place_chunks_yet():
+@pytest.mark.parametrize("schedule", [IL, ZV])
+def test_the_stage_search_places_chunks_for_a_chunked_schedule(schedule):
+    """A fixed chunked schedule with the stage search: layouts of 2 chunks per group of
+    equal devices (the DP over one submesh size, each chunk within half the budget), the
+    fastest by its table; the chunks share their groups' devices as the table places them,
+    and the plan equals jax.jit."""
     step, state, batches = _case("mlp", 4)
     method = autopar.PipeshardParallel(
-        num_microbatches=4, schedule=IL, layer_option=autopar.AutoLayerOption(num_layers=4))
+        num_microbatches=4, schedule=schedule, layer_option=autopar.AutoLayerOption(num_layers=4))
     par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
-    with pytest.raises(autopar.InvalidArgumentError,
-                       match="places several stage chunks.*does not choose"):
-        par.get_plan(state, batches[0])
+    plan = par.get_plan(state, batches[0])
+    assert plan.pipeline["schedule"] == schedule.value and len(plan.stages) == 4
+    groups = placement_of(schedule, 4)
+    for s in plan.stages:
+        twin = plan.stages[groups.index(groups[s.index])]
+        assert s.device_ids == twin.device_ids and len(s.device_ids) == 4
+    assert all(s.peak_memory_bytes <= plan.memory_budget_bytes / 2 for s in plan.stages)
+    ref = run_steps(jax.jit(step), state, batches)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
 
 
 def test_schedule_auto_keeps_the_fastest_schedule_that_fits():

@@ -95,3 +95,36 @@ def test_the_dp_s_bubble_and_states_come_from_the_tables():
     states = kept_of(Schedule.ZERO_BUBBLE_H1, 8, tables)(4)
     assert max(d for _, d in states[-1]) == 4 and max(a for a, _ in states[0]) == 4
     assert tables(Schedule.ZERO_BUBBLE_H1, 4, 8) is tables(Schedule.ZERO_BUBBLE_H1, 4, 8)
+
+
+def test_auto_places_stage_chunks_where_interleaving_is_fastest():
+    """An 8-layer MLP, 4 microbatches, priced for one V100 host: AUTO's chunk search (2
+    chunks per group of equal devices) finds interleaved 1F1B on 4 groups of 2 devices
+    faster by its table than every layout of one stage per submesh under any schedule (the
+    runner-ups name theirs). The chunks share their groups' devices, k on group k mod 4; the
+    executor runs the interleaved table; the plan equals jax.jit."""
+    step, state, batches = make_case("mlp", "linen", optax.adam(1e-2), num_layers=8,
+                                     batch_size=32, value_and_grad=autopar.value_and_grad)
+    par = autopar.parallelize(step, mesh=mesh_of((1, 8)), cluster=V100,
+                              method=autopar.PipeshardParallel(
+                                  num_microbatches=4, schedule=Schedule.AUTO,
+                                  layer_option=autopar.AutoLayerOption(num_layers=8)))
+    plan = par.get_plan(state, batches[0])
+    assert plan.pipeline["schedule"] == "interleaved-1f1b" and len(plan.stages) == 8
+    for s in plan.stages:
+        assert s.device_ids == plan.stages[s.index % 4].device_ids
+    assert len({s.device_ids for s in plan.stages}) == 4
+    layouts = [a for a in plan.alternatives if a["kind"] == "stage layout"]
+    assert layouts and all(" under " in a["name"] for a in layouts)
+    assert all(a["predicted_step_s"] > plan.pipeline["predicted_latency_s"] for a in layouts
+               if a["predicted_step_s"] is not None)
+    ref = run_steps(jax.jit(step), state, batches)
+    assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
+    # every task of the table ran, each group's in the table's order (the last stage's
+    # group may run a microbatch's F and B in one call)
+    order, table = par.get_executor(state, batches[0]).stats.order, make_schedule(
+        Schedule.INTERLEAVED_1F1B, 8, 4)
+    assert sorted(map(repr, order)) == sorted(map(repr, table.order()))
+    for g in range(table.num_groups):
+        ran = tuple(t for t in order if table.group_of(t.stage) == g)
+        assert ran == table.tasks_of(g) or g == table.group_of(7)
