@@ -13,8 +13,11 @@ own F, B and W durations, its memory checked per stage), and the fastest (layout
 that fits wins: ZB-H2 can take a layout with more activations in flight, ZB-H1 one with
 fewer W's deferred, and a schedule with a smaller bubble one with more stages.
 
-Chunked schedules (interleaved, ZB-V) are not searched: the DP gives each stage its own
-submesh, while they place several stage chunks on one device group.
+The chunked schedules (interleaved 1F1B, ZB-V: 2 stage chunks per device group) are
+searched over equal groups (`_chunk_layouts`): for each group count G, the same DP restricted
+to submeshes of n / G devices places 2G chunks, each within half the budget; the layout is
+solved whole on its groups' devices and priced under its own table, the groups' memory
+summed. A user's fixed chunked schedule with `AutoStageOption` searches these alone.
 """
 from __future__ import annotations
 
@@ -59,8 +62,8 @@ def kept_of(schedule: Schedule, num_microbatches: int, tables: Tables):
     """`kept(S)` for the stage DP: each stage's (in flight, deferred) states in the S-stage
     table.
 
-        >>> kept_of(Schedule.ONE_F_ONE_B, 4, Tables())(2)
-        (frozenset({(0, 0), (1, 0), (2, 0)}), frozenset({(0, 0), (1, 0)}))
+        >>> [sorted(states) for states in kept_of(Schedule.ONE_F_ONE_B, 4, Tables())(2)]
+        [[(0, 0), (1, 0), (2, 0)], [(0, 0), (1, 0)]]
     """
     return lambda s: tables(schedule, s, num_microbatches).kept_states()
 
