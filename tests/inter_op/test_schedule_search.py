@@ -27,7 +27,7 @@ def _layout(plan):
     return [(s.layers, s.submesh) for s in plan.stages]
 
 
-@pytest.mark.parametrize("budget", [BUDGET, 560_000.0])
+@pytest.mark.parametrize("budget", [BUDGET, pytest.param(560_000.0, marks=pytest.mark.slow)])
 def test_auto_takes_a_layout_only_a_zero_bubble_dp_finds_and_equals_jit(budget):
     """A 4-layer GPT, 8 microbatches, priced for one V100 host under a 530 kB budget. The
     1F1B search's layout fits ZB-H1 too; ZB-H1's own DP (its deferred W's in each stage's
@@ -61,6 +61,7 @@ def test_auto_takes_a_layout_only_a_zero_bubble_dp_finds_and_equals_jit(budget):
         chosen, len(plan.stages), 8).order()))
 
 
+@pytest.mark.slow
 def test_a_looser_budget_keeps_the_1f1b_layout_under_the_faster_table():
     """With memory not binding the zero-bubble DPs return the 1F1B search's layout: AUTO
     runs it under the fastest table, as the post-hoc choice did."""
