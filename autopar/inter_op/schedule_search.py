@@ -42,6 +42,10 @@ SEARCHED = (Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2)
 # Schedules of 2 stage chunks per device group, searched over equal groups (`_chunk_layouts`)
 CHUNKED_SEARCHED = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V)
 SLOWER = 1.25     # a stage solved whole this much slower than the DP's price: ask it again
+# A layout is solved whole for a schedule only where, with no bubble at all, it could beat the
+# best layout priced so far by more than this (GPT-6.7B / 39B at M = 1024: 1F1B's bubble is
+# under 1%, and solving their zero-bubble and chunk layouts doubled the planning time).
+MIN_GAIN = 0.02
 REDO = 1          # times a schedule's DP is asked again (each answer is solved whole)
 
 
@@ -149,7 +153,8 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
     for schedule in SEARCHED:
         for stages in _schedule_layouts(schedule, dp, options, budget, solved, ks,
                                         kept_of(schedule, m, tables),
-                                        bubble_of(schedule, m, share, tables), errors, best_t):
+                                        bubble_of(schedule, m, share, tables), errors, best_t,
+                                        m):
             price(stages)
     for schedule in CHUNKED_SEARCHED:
         for stages in _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m,
@@ -170,18 +175,22 @@ def _best(priced: list, errors: list):
 
 
 def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
-                      errors: list, best_t):
-    """The layouts `schedule`'s own stage DP finds, each solved whole for its in-flight
-    microbatches, yielded one by one; one the DP prices at `best_t()` (the best layout priced
-    so far) or above is not solved. Where a stage solved whole is over `SLOWER` x what the DP
-    priced it at (its layers' plans summed fit the schedule's memory, the stage whole needs a
-    leaner, slower plan), the DP is asked again without that span on that submesh, in any
-    view (`run_dp`'s `banned`), at most `REDO` times. Errors of layouts that did not fit go
-    to `errors`."""
+                      errors: list, best_t, m: int):
+    """The layouts `schedule`'s own stage DP finds over the layer plans solved so far (it
+    refines no bound), each solved whole for its in-flight microbatches, yielded one by one;
+    one that with no bubble (M t_max, `m` microbatches) could not beat `best_t()` (the best
+    layout priced so far) by `MIN_GAIN` is not solved. Where a stage solved whole is over
+    `SLOWER` x what the DP priced it at (its layers' plans summed fit the schedule's memory,
+    the stage whole needs a leaner, slower plan), the DP is asked again without that span on
+    that submesh, in any view (`run_dp`'s `banned`), at most `REDO` times. Errors of layouts
+    that did not fit go to `errors`."""
     banned = list(getattr(dp, "keywords", {}).get("banned", ()))
     for _ in range(REDO + 1):
-        choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned))
-        if choice is None or choice.num_stages == 1 or choice.total_latency_s >= best_t():
+        choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned),
+                        solved_only=True)
+        if choice is None or choice.num_stages == 1 or min(
+                choice.total_latency_s, m * max(choice.stage_latency_s)) >= (
+                    best_t() * (1 - MIN_GAIN)):
             return
         try:
             stages = solved(choice, schedule)
@@ -209,7 +218,8 @@ def _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m, tables, 
     chunk within half the budget (its group holds two), the table's states per chunk; its
     objective leaves b of the bubble so that for equal chunks it is half the table's time.
     A layout is solved whole (on its group's devices) where its chunks' M sum t / G (its
-    groups' work perfectly balanced, with no bubble) is below `best_t()`."""
+    groups' work perfectly balanced, with no bubble) is `MIN_GAIN` below `best_t()`. Like
+    `_schedule_layouts`, the DP runs over the layer plans solved so far."""
     num_layers, n = options[0][0].shape[0], max(sizes)     # the largest: the whole mesh
     base = list(getattr(dp, "keywords", {}).get("banned", ()))
     for groups in range(2, n + 1):
@@ -224,9 +234,11 @@ def _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m, tables, 
                         banned=tuple(base + [(l, l, q) for l in range(num_layers)
                                              for q in other]),
                         kept=lambda s: stages_kept(s) if s % 2 == 0 else [((s, 0),)] * s,
-                        bubble=bubble_of(schedule, m, share, tables, chunks=2))
+                        bubble=bubble_of(schedule, m, share, tables, chunks=2),
+                        solved_only=True)
         # no table runs it faster than its groups' work perfectly balanced, bubble-free
-        if choice is None or m * sum(choice.stage_latency_s) / groups >= best_t():
+        if choice is None or m * sum(choice.stage_latency_s) / groups >= best_t() * (
+                1 - MIN_GAIN):
             continue
         try:
             yield solved(choice, schedule)
