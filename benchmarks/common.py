@@ -110,7 +110,8 @@ def revision_text(start: str | None, end: str | None) -> str:
 
 RESULT_KEYS = ("shard_parallel", "pipeline", "multihost", "methods", "fidelity", "paper",
                "loops", "real_world", "ilp", "plan_workers", "gpt39b", "memory", "runner_ups",
-               "gpu", "shared_copies", "budget_plan", "accumulation", "schedules")
+               "gpu", "shared_copies", "budget_plan", "accumulation", "schedules",
+               "schedule_search")
 # "shard_parallel" is run_all.py's own report; "gpt39b" (GPT-39B planning time) is written by
 # hand from benchmarks/paper.py runs, no script rewrites it.
 
