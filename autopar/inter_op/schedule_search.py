@@ -26,7 +26,7 @@ import logging
 import numpy as np
 
 from autopar.core.enums import Schedule
-from autopar.core.errors import InfeasiblePlanError
+from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import make_schedule
@@ -141,6 +141,13 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
         for stages in _chunk_layouts(only, dp, options, budget, solved, ks, sizes, m, tables,
                                      share, errors, best_t):
             price(stages, only)
+        if not priced and not errors:
+            raise InvalidArgumentError(
+                f"{only.value} places 2 stage chunks on each of at least 2 equal device "
+                f"groups: the stage search found no such layout of the "
+                f"{options[0][0].shape[0]} layers on {max(sizes)} devices (it needs at least 4 "
+                "layers and a group size among the candidate submeshes). Fix: more layers "
+                "(AutoLayerOption(num_layers=...)), or another schedule.")
         if not any(ok for *_, ok in priced):
             raise next((e for _, _, e in errors), None) or InfeasiblePlanError(
                 f"memory: no layout of 2 stage chunks per device group fits "

@@ -179,6 +179,15 @@ def test_the_stage_search_places_chunks_for_a_chunked_schedule(schedule):
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
 
 
+def test_a_chunked_schedule_on_too_few_layers_is_refused_by_name():
+    step, state, batches = _case("mlp", 3)
+    method = autopar.PipeshardParallel(
+        num_microbatches=4, schedule=IL, layer_option=autopar.AutoLayerOption(num_layers=3))
+    par = autopar.parallelize(step, mesh=mesh_of((2, 4)), method=method)
+    with pytest.raises(autopar.InvalidArgumentError, match="2 stage chunks .* 3 layers"):
+        par.get_plan(state, batches[0])
+
+
 def test_schedule_auto_keeps_the_fastest_schedule_that_fits():
     """Where a faster table's stages would not fit memory (H1's later stages hold S
     microbatches, not S - s), the choice falls to the fastest that does; with none fitting,
