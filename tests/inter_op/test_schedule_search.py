@@ -34,7 +34,7 @@ def test_auto_takes_a_layout_only_a_zero_bubble_dp_finds_and_equals_jit(budget):
     memory, its smaller bubble in the objective) finds another layout, which by its table is
     faster still. AUTO takes it, it is faster than every 1F1B plan the search solved, every
     stage fits the budget under the chosen table, and the plan runs equal to jax.jit.
-    At 560 kB the DP's first layout, solved whole for H1's microbatches, needs a plan 3x
+    At 560 kB the DP's first layout, solved whole for H1's microbatches, needs a plan over 30x
     slower than its layers' sum (a leaner one, to fit): the DP is asked again without that
     span on that submesh and finds the faster layout."""
     step, state, batches = make_case("gpt", "linen", optax.adam(1e-2), num_layers=4,
