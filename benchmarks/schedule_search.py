@@ -140,48 +140,46 @@ def run(timeout_s: float = 2400) -> dict:
     return run_worker(__file__, [], timeout_s)
 
 
+COMPARED = ["1F1B plan (s)", "AUTO plan (s)", "plan time", "1F1B stages", "AUTO schedule",
+            "AUTO stages", "AUTO / 1F1B"]
+
+
+def _table(rows, keys: list[str], aligns: list[str], key_cells) -> list[str]:
+    """A table of 1F1B-vs-AUTO rows: `key_cells(row)` then the compared columns."""
+    out = [md_row(keys + COMPARED),
+           md_row(aligns + ["---:", "---:", "---:", "---", "---", "---", "---:"])]
+    for row in rows:
+        if "error" in row:
+            out.append(md_row(key_cells(row) + [f"failed: {row['error']}"] + [""] * 6))
+            continue
+        out.append(md_row(key_cells(row) + [
+            f"{row['one_s']:.1f}", f"{row['auto_s']:.1f}", f"{row['auto_s'] / row['one_s']:.2f}",
+            row["one_stages"], row["schedule"],
+            "same" if row["same_layout"] else row["auto_stages"],
+            f"{row['auto_step'] / row['one_step']:.3f}"]))
+    return out
+
+
 def section(res: dict, cmdline: str) -> str:
+    rows = res.get("rows", [])
     out = section_head("The schedule searched with the stages (Schedule.AUTO vs 1F1B)", res,
                        cmdline) + [
         "A linen GPT (hidden 512, seq 256, batch 32, adam), `AutoStageOption`, planned for one "
         "V100 host (8 GPUs, `ClusterSpec.preset(\"v100-p3.16xlarge\")`); budget: none, or x "
         "the 1F1B plan's peak without one. *AUTO / 1F1B*: predicted step (below 1: AUTO "
         "faster); *plan time*: AUTO's planning wall time over 1F1B's, both in this process, "
-        "one after the other (the issue's bound: 1.5). Predicted, not measured.", "",
-        md_row(["layers", "M", "budget", "1F1B plan (s)", "AUTO plan (s)", "plan time",
-                "1F1B stages", "AUTO schedule", "AUTO stages", "AUTO / 1F1B"]),
-        md_row(["---:", "---:", "---", "---:", "---:", "---:", "---", "---", "---", "---:"])]
-    for row in (r for r in res.get("rows", []) if "paper" not in r):
-        budget = "none" if row["budget_x"] is None else f"{row['budget_x']}x"
-        if "error" in row:
-            out.append(md_row([str(row["layers"]), str(row["m"]), budget,
-                               f"failed: {row['error']}"] + [""] * 6))
-            continue
-        out.append(md_row([
-            str(row["layers"]), str(row["m"]), budget, f"{row['one_s']:.1f}",
-            f"{row['auto_s']:.1f}", f"{row['auto_s'] / row['one_s']:.2f}", row["one_stages"],
-            row["schedule"], "same" if row["same_layout"] else row["auto_stages"],
-            f"{row['auto_step'] / row['one_step']:.3f}"]))
-    paper = [r for r in res.get("rows", []) if "paper" in r]
+        "one after the other (the issue's bound: 1.5). Predicted, not measured.", ""]
+    out += _table([r for r in rows if "paper" not in r], ["layers", "M", "budget"],
+                  ["---:", "---:", "---"], lambda r: [
+                      str(r["layers"]), str(r["m"]),
+                      "none" if r["budget_x"] is None else f"{r['budget_x']}x"])
+    paper = [r for r in rows if "paper" in r]
     if paper:
         out += ["", "Alpa's GPT-6.7B (16 V100s) and GPT-39B (64), K = 8 auto layers, flat "
                 "views, no budget beyond the 16 GB of a V100 (*AUTO / 1F1B*: predicted step; "
-                "the issue's goal is <= 1/1.10 = 0.909):", "",
-                md_row(["model", "GPUs", "M", "1F1B plan (s)", "AUTO plan (s)", "plan time",
-                        "1F1B stages", "AUTO schedule", "AUTO stages", "AUTO / 1F1B"]),
-                md_row(["---", "---:", "---:", "---:", "---:", "---:", "---", "---", "---",
-                        "---:"])]
-        for row in paper:
-            if "error" in row:
-                out.append(md_row([row["paper"], str(row["gpus"]), str(row["m"]),
-                                   f"failed: {row['error']}"] + [""] * 6))
-                continue
-            out.append(md_row([
-                row["paper"], str(row["gpus"]), str(row["m"]), f"{row['one_s']:.1f}",
-                f"{row['auto_s']:.1f}", f"{row['auto_s'] / row['one_s']:.2f}",
-                row["one_stages"], row["schedule"],
-                "same" if row["same_layout"] else row["auto_stages"],
-                f"{row['auto_step'] / row['one_step']:.3f}"]))
+                "the issue's goal is <= 1/1.10 = 0.909):", ""]
+        out += _table(paper, ["model", "GPUs", "M"], ["---", "---:", "---:"],
+                      lambda r: [r["paper"], str(r["gpus"]), str(r["m"])])
     return section_tail(out, res)
 
 

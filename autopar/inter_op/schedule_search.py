@@ -69,7 +69,13 @@ def kept_of(schedule: Schedule, num_microbatches: int, tables: Tables):
         >>> [sorted(states) for states in kept_of(Schedule.ONE_F_ONE_B, 4, Tables())(2)]
         [[(0, 0), (1, 0), (2, 0)], [(0, 0), (1, 0)]]
     """
-    return lambda s: tables(schedule, s, num_microbatches).kept_states()
+    states: dict[int, tuple] = {}      # the DP asks for every S on each run: walk each once
+
+    def kept(s: int) -> tuple:
+        if s not in states:
+            states[s] = tables(schedule, s, num_microbatches).kept_states()
+        return states[s]
+    return kept
 
 
 def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tables: Tables,
@@ -83,15 +89,15 @@ def bubble_of(schedule: Schedule, num_microbatches: int, share: TaskSeconds, tab
         >>> round(bubble_of(Schedule.ZERO_BUBBLE_H1, 8, even, Tables())(4), 3)
         0.333
     """
-    m = num_microbatches
+    m, found = num_microbatches, {}
 
     def bubble(s: int) -> float:
-        if s == 1:
+        if s == 1 or s % chunks:
             return 1.0
-        if s % chunks:
-            return 1.0
-        t = schedule_seconds(tables(schedule, s, m), [share] * s) / chunks
-        return min(max((t - m) / (s - 1), 0.0), 1.0)
+        if s not in found:         # each table simulated once, however often the DP runs
+            t = schedule_seconds(tables(schedule, s, m), [share] * s) / chunks
+            found[s] = min(max((t - m) / (s - 1), 0.0), 1.0)
+        return found[s]
     return bubble
 
 
@@ -229,19 +235,20 @@ def _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m, tables, 
     `_schedule_layouts`, the DP runs over the layer plans solved so far."""
     num_layers, n = options[0][0].shape[0], max(sizes)     # the largest: the whole mesh
     base = list(getattr(dp, "keywords", {}).get("banned", ()))
+    stages_kept = kept_of(schedule, m, tables)
+    bubble = bubble_of(schedule, m, share, tables, chunks=2)
     for groups in range(2, n + 1):
         if n % groups or 2 * groups > num_layers:
             continue
         other = [q for q in range(len(ks)) if sizes[ks[q]] != n // groups]
         if len(other) == len(ks):
             continue
-        stages_kept = kept_of(schedule, m, tables)
         choice = try_dp(dp, options, budget / 2, max_stages=2 * groups,
                         device_ids=tuple(range(2 * n)),
                         banned=tuple(base + [(l, l, q) for l in range(num_layers)
                                              for q in other]),
                         kept=lambda s: stages_kept(s) if s % 2 == 0 else [((s, 0),)] * s,
-                        bubble=bubble_of(schedule, m, share, tables, chunks=2),
+                        bubble=bubble,
                         solved_only=True)
         # no table runs it faster than its groups' work perfectly balanced, bubble-free
         if choice is None or m * sum(choice.stage_latency_s) / groups >= best_t() * (

@@ -239,7 +239,7 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
     schedule's memory and objective (`solve_stage_dp`; default 1F1B's)."""
     lat, held, act, bound, work, later = (np.concatenate([o[i] for o in options], axis=1)
                                           for i in range(6))
-    weight = np.concatenate([o[7] for o in options], axis=1)
+    weight = np.concatenate([o[7] for o in options], axis=1) if kept is not None else None
     if not deferred:
         later = np.zeros_like(later)
     num_layers = lat.shape[0]
@@ -251,7 +251,8 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
         span_lat[i, i:] = np.cumsum(lat[i:], axis=0) + inner
         span_static[i, i:] = span_static_bytes(held[i:], work[i:], later[i:])
         span_act[i, i:] = np.cumsum(act[i:], axis=0)
-        span_weight[i, i:] = np.cumsum(weight[i:], axis=0)
+        if weight is not None:       # priced only where a schedule's states defer W's
+            span_weight[i, i:] = np.cumsum(weight[i:], axis=0)
     width = len(ks)
     for i, j, pair in banned:
         span_lat[:i + 1, j:, pair::width] = np.inf
