@@ -54,12 +54,16 @@ from paper_configs import (
     SCALE_HOSTS,
     SCALE_LAYERS,
     SCALE_MICROBATCHES,
+    GridPoint,
     auto_microbatches,
     cluster_shape,
     manual_stage_layout,
     megatron_grid,
 )
-from paper_report import DEFAULT_OUT, write_outputs
+from paper_report import DEFAULT_OUT, best_ok, write_outputs
+
+# Manual pipelines re-planned with schedules (`_schedules`): the fastest this many.
+SCHEDULED_MANUAL = 2
 
 
 def _progress(msg: str) -> None:
@@ -182,6 +186,7 @@ def plan_once(step, state, spec, cluster, method, flops: float, gpus: int) -> di
     wall = time.perf_counter() - t0
     pl = p.pipeline
     return {"status": "ok", "wall_s": wall, "timings_s": dict(p.timings_s),
+            "schedule": pl.get("schedule"),
             "pipeline": {k: pl.get(k) for k in ("num_layers", "num_ilps", "num_reused",
                                                 "dp_candidates", "dp_pruned", "dp_time_s",
                                                 "bubble_fraction")},
@@ -263,8 +268,52 @@ def _case_worker(args) -> None:
             _progress(f"{cfg.key}: manual d={pt.d} t={pt.t} p={pt.p} M={pt.m}: {e['status']} "
                       f"in {e['wall_s']:.1f} s"
                       + (f", {e['tflops']:.1f} TFLOPS/GPU predicted" if "tflops" in e else ""))
+    if not args.no_schedules:
+        _schedules(args, r, out, cfg, step, state, spec, cluster, flops, rules)
     r["load_end"] = load_avg()
     out.save()
+
+
+def _schedules(args, r, out, cfg, step, state, spec, cluster, flops, rules) -> None:
+    """Issue 27's columns: autopar's best (K, M) planned again with `Schedule.AUTO` (the
+    schedule searched with the stages), and the best manual pipelines (p > 1; at most
+    `SCHEDULED_MANUAL` of them) with schedules: their stages under `Schedule.AUTO` (1F1B,
+    ZB-H1, ZB-H2 and GPipe priced on them, the fastest that fits kept) and as Megatron's
+    interleaved 1F1B (2p one-layer chunks, chunk k on the devices of stage k mod p)."""
+    import autopar
+    s = r["schedules"] = {"manual": []}
+    ab = best_ok((r.get("auto") or {}).get("tries", []))
+    if ab is not None and len(ab["stages"]) > 1:
+        _progress(f"{cfg.key}: autopar K={ab['auto_layers']} M={ab['m']} with Schedule.AUTO")
+        method = autopar.PipeshardParallel(
+            num_microbatches=ab["m"], schedule=autopar.Schedule.AUTO,
+            layer_option=autopar.AutoLayerOption(num_layers=ab["auto_layers"]),
+            stage_option=autopar.AutoStageOption(logical_shapes=args.shapes))
+        s["auto"] = {"m": ab["m"], "auto_layers": ab["auto_layers"],
+                     **plan_once(step, state, spec, cluster, method, flops, cfg.gpus)}
+        out.save()
+    points = sorted((e for e in (r.get("manual") or {}).get("points", [])
+                     if e.get("status") == "ok" and e["p"] > 1), key=lambda e: -e["tflops"])
+    for e in points[:SCHEDULED_MANUAL]:
+        pt = GridPoint(d=e["d"], t=e["t"], p=e["p"], m=e["m"])
+        k, spans, subs, shapes = manual_stage_layout(pt)
+        chunks = manual_stage_layout(GridPoint(d=pt.d, t=pt.t, p=2 * pt.p, m=pt.m))
+        tries = [(autopar.Schedule.AUTO, k, spans, subs, shapes)]
+        if 2 * pt.p <= r.get("manual", {}).get("grid_layers", 0):
+            tries.append((autopar.Schedule.INTERLEAVED_1F1B, *chunks))
+        for schedule, k, spans, subs, shapes in tries:
+            method = autopar.PipeshardParallel(
+                num_microbatches=pt.m, schedule=schedule,
+                layer_option=autopar.AutoLayerOption(num_layers=k),
+                stage_option=autopar.ManualStageOption(layer_spans=spans, submesh_shapes=subs,
+                                                       logical_shapes=shapes),
+                sharding_rules=rules)
+            got = {"d": pt.d, "t": pt.t, "p": pt.p, "m": pt.m, "asked": schedule.value,
+                   **plan_once(step, state, spec, cluster, method, flops, cfg.gpus)}
+            s["manual"].append(got)
+            out.save()
+            _progress(f"{cfg.key}: manual d={pt.d} t={pt.t} p={pt.p} M={pt.m} as "
+                      f"{schedule.value}: {got['status']} ({got.get('schedule')})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,6 +382,7 @@ def run(args) -> dict:
             "--manual-budget-s", str(args.manual_budget_s), "--shapes", args.shapes,
             "--manual-mb", *map(str, args.manual_mb)]
     opts += ["--no-auto"] * args.no_auto + ["--no-manual"] * args.no_manual
+    opts += ["--no-schedules"] * args.no_schedules
     for key in selected(args):
         t1 = time.perf_counter()
         r = _child(["--_case", key, *opts], key, args.case_timeout_s)
@@ -353,7 +403,7 @@ def run(args) -> dict:
                args={k: getattr(args, k) for k in (
                    "auto_budget_s", "auto_tries", "manual_budget_s", "manual_mb", "shapes",
                    "case_timeout_s", "scale_timeout_s", "scale_layers", "scale_hosts",
-                   "no_auto", "no_manual", "no_scale")})
+                   "no_auto", "no_manual", "no_scale", "no_schedules")})
     res["args"]["selected"] = selected(args)
     if args.save_json:
         with open(args.save_json, "w") as f:
@@ -373,6 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-auto", action="store_true", help="skip autopar's search")
     p.add_argument("--no-manual", action="store_true", help="skip the Megatron-style grid")
     p.add_argument("--no-scale", action="store_true", help="skip the planning-time scale part")
+    p.add_argument("--no-schedules", action="store_true",
+                   help="skip the schedule columns (Schedule.AUTO, interleaved manual plans)")
     p.add_argument("--auto-tries", type=int, default=3,
                    help="microbatch counts autopar tries: batch, batch/2, ... (this many)")
     p.add_argument("--auto-budget-s", type=float, default=40.0,

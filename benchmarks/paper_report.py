@@ -17,6 +17,7 @@ from paper_configs import (
     SCALE_MICROBATCHES,
     WRN_NOTE,
 )
+from paper_schedules import schedules_table
 
 KEY = "paper"
 DEFAULT_OUT = common.result_path(KEY)
@@ -452,7 +453,8 @@ def _scale(res, plot_ref: str | None, plot_note: str | None) -> list[str]:
 
 
 def section(res: dict, plot_ref: str | None = None, plot_note: str | None = None) -> str:
-    out = _header(res) + _setup(res) + _results_table(res) + _goals_table(res)
+    out = _header(res) + _setup(res) + _results_table(res) + schedules_table(
+        res, FAMILY_NAMES) + _goals_table(res)
     obs = observations(res)
     if obs:
         out += ["Where autopar found no plan:", "", *obs, ""]
