@@ -11,8 +11,8 @@ zero-bubble schedule's own stage DP, every layout priced under every table), sid
 one process. Columns: each plan's wall time, predicted step, stages and schedule; the AUTO
 step over 1F1B's and its planning time over 1F1B's. Then Alpa's GPT-6.7B on 16 V100s and
 GPT-39B on 64 (`paper_configs.py`, built as `paper.py` does: float16, adamw, batch 1024,
-`AutoLayerOption(num_layers=8)`, flat views) at M = 128 and 1024, planned both ways the same
-way. Every step time is autopar's prediction; nothing here runs a step.
+`AutoLayerOption(num_layers=8)`, flat views) at M = 32 (6.7B only), 128 and 1024, planned
+both ways the same way. Every step time is autopar's prediction; nothing here runs a step.
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ CFG = dict(vocab_size=8192, seq_len=256, hidden=512, num_heads=8)
 LAYERS = (4, 8)
 MICROBATCHES = (8, 32)
 BUDGETS = (None, 1.1, 1.3)       # None: no budget; else x the 1F1B plan's peak without one
-PAPER = (("gpt-6.7B", 128), ("gpt-6.7B", 1024), ("gpt-39B", 1024))   # (config, M), K = 8
+# (config, M), K = 8: M = 32, the low end of Alpa's grid for 6.7B, shows a pipeline whose
+# bubble is large enough for a schedule to matter
+PAPER = (("gpt-6.7B", 32), ("gpt-6.7B", 128), ("gpt-6.7B", 1024), ("gpt-39B", 1024))
 
 
 def _worker(out_path: str) -> None:
