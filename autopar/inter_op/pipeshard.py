@@ -45,6 +45,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.frontend.checks import arg_label, argnums_text, warn_unmatched_rules
 from autopar.frontend.tracer import _abstract, check_argnums, trace
 from autopar.inter_op.apply_grad import Placement, place
+from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from autopar.inter_op.schedule import CHUNKED, make_schedule, one_executable
@@ -235,7 +236,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
     # a chunk layout (AUTO's pick of a chunked schedule) runs under its own: its stages share
     # device groups, which no other table places
     chunked = result.schedule if result.schedule in CHUNKED else None
-    choice = choose_schedule(loss, result.stages, chunked or method.schedule, m, budget)
+    choice = choose_schedule(loss, result.stages, chunked or method.schedule, m, budget,
+                             CHUNKED if chunked and method.schedule is Schedule.AUTO else ())
     stages = []
     for st, (peak_bytes, _) in zip(result.stages, choice.peaks):
         sol = st.solution
@@ -251,7 +253,9 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             zero=st.zero))
     schedule = choice.table or make_schedule(choice.schedule, len(stages), m)
     parts = kept_parts(result.stages, loss, schedule)
-    peak = max(s.peak_memory_bytes for s in stages)
+    # per device: the stage chunks a device group holds add up
+    peak = max(group_peaks([schedule.group_of(k) for k in range(len(stages))],
+                           [s.peak_memory_bytes for s in stages]))
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
                  for tid, spec in zip(step.outputs, placement.output_spec)]

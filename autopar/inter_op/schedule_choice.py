@@ -80,8 +80,10 @@ class ScheduleChoice:
 
 
 def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatches: int,
-                    budget: float) -> ScheduleChoice:
-    """Price `schedule` (every candidate for `Schedule.AUTO`) for these chosen stages."""
+                    budget: float, compare: tuple[Schedule, ...] = ()) -> ScheduleChoice:
+    """Price `schedule` (every candidate for `Schedule.AUTO`) for these chosen stages;
+    `compare`: other schedules priced on them for the records only (`schedule` is kept: a
+    chunk layout's stages sit on the devices its own table places them on)."""
     m, n = num_microbatches, len(stages)
     lat = [st.solution.latency_s for st in stages]
     formula = sum(lat) + (m - 1) * max(lat)
@@ -95,7 +97,8 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
                               tuple(stage_peaks(stages, loss, make_schedule(fixed, n, m))), ())
     tasks = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
                           st.solution.overhead_s) for st in stages]
-    names = CANDIDATES if schedule is Schedule.AUTO else (schedule,)
+    names = CANDIDATES if schedule is Schedule.AUTO else (
+        schedule, *(c for c in compare if c is not schedule))
     tables = {s: make_schedule(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
     times = {s: schedule_seconds(table, tasks) for s, table in tables.items()}
     priced = []
@@ -103,9 +106,10 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
         peaks = tuple(stage_peaks(stages, loss, tables[s]))
         t = formula * times[s] / max(times[Schedule.ONE_F_ONE_B], 1e-30)
         shared = group_peaks([tables[s].group_of(k) for k in range(n)], [p for p, _ in peaks])
-        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared)))
-    best = pick(priced)
-    records = tuple({"schedule": s.value, "predicted_latency_s": t,
-                     "peak_memory_bytes": max(p for p, _ in peaks), "fits": fits}
-                    for s, t, peaks, fits in priced) if schedule is Schedule.AUTO else ()
+        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared),
+                       max(shared)))
+    best = pick(priced) if schedule is Schedule.AUTO else priced[0]
+    records = tuple({"schedule": s.value, "predicted_latency_s": t, "peak_memory_bytes": most,
+                     "fits": fits} for s, t, _, fits, most in priced) if len(priced) > 1 or (
+                         schedule is Schedule.AUTO) else ()
     return ScheduleChoice(best[0], tables[best[0]], best[1], best[2], records)

@@ -264,7 +264,10 @@ def _chunk_layouts(schedule, dp, options, budget, solved, ks, sizes, m, tables, 
 
 
 def _key(stages) -> tuple:
-    """What makes two solved layouts one: each stage's layers, submesh, view, remat, ZeRO and
-    plan (its latency and activations)."""
-    return tuple((st.layers, st.submesh, tuple(st.solution.logical_shape), st.remat, st.zero,
-                  st.solution.latency_s, st.solution.activation_bytes) for st in stages)
+    """What makes two solved layouts one: each stage's layers, submesh, devices, view, remat,
+    ZeRO and plan (its latency and activations). The devices tell an interleaved layout
+    (chunk k on group k mod G) from a ZB-V one with the same chunks (k and 2G - 1 - k on
+    group k), each priced under its own table."""
+    return tuple((st.layers, st.submesh, tuple(st.device_ids), tuple(st.solution.logical_shape),
+                  st.remat, st.zero, st.solution.latency_s, st.solution.activation_bytes)
+                 for st in stages)

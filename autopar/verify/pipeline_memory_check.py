@@ -38,6 +38,9 @@ that executable's arguments + outputs + temp - aliased, recorded as `held` (the 
 inputs) and `work` (the rest: the microbatches, the accumulator, one microbatch's
 activations, the update).
 
+The stage chunks of interleaved 1F1B and ZB-V share their device group: the budget is
+checked against each group's chunks summed (`per_device`), predicted and compiled alike.
+
 Small helpers (the batch split, cotangent sums, loss merges) are left out: they run where
 little else is live. The plan records the per-stage peaks and their terms
 (`measured["compiled_stage_bytes"]`, `measured["compiled_stage_memory"]`); `autopar.dump`
@@ -57,9 +60,11 @@ from typing import Any
 
 import jax
 
+from autopar.core.enums import Schedule
 from autopar.core.plan import ParallelPlan
 from autopar.frontend.meshes import no_context_mesh
-from autopar.inter_op.schedule import worst_mix
+from autopar.inter_op.chunks import group_peaks
+from autopar.inter_op.schedule import CHUNKED, placement_of, worst_mix
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 
@@ -198,9 +203,19 @@ def _rng_inputs(program) -> frozenset[int]:
     return frozenset(red.rng_inputs)
 
 
+def per_device(plan: ParallelPlan, peaks) -> list[float]:
+    """Per stage, the bytes of its devices: the sum over the stage chunks its device group
+    holds (2 per group for interleaved 1F1B and ZB-V), else its own `peaks` entry."""
+    name = plan.pipeline.get("schedule")
+    if name not in {s.value for s in CHUNKED}:
+        return list(peaks)
+    return group_peaks(placement_of(Schedule(name), len(plan.stages)), list(peaks))
+
+
 def binding(plan: ParallelPlan) -> bool:
-    """Whether some stage's predicted peak is within `BINDING` of the plan's budget."""
-    return any(s.peak_memory_bytes >= BINDING * plan.memory_budget_bytes for s in plan.stages)
+    """Whether some device's predicted peak is within `BINDING` of the plan's budget."""
+    return any(p >= BINDING * plan.memory_budget_bytes
+               for p in per_device(plan, [s.peak_memory_bytes for s in plan.stages]))
 
 
 def _record(plan: ParallelPlan, memory: tuple[StageMemory, ...] | None, budget: float,
@@ -213,10 +228,12 @@ def _record(plan: ParallelPlan, memory: tuple[StageMemory, ...] | None, budget: 
 
 
 def _worst(plan: ParallelPlan) -> tuple[int, float, int]:
-    """(stage, its predicted bytes, its compiled bytes) of the stage most over its budget."""
-    got = plan.measured["compiled_stage_bytes"]
+    """(stage, its devices' predicted bytes, their compiled bytes) of the stage whose devices
+    are most over the budget (a stage chunk's: its group's, summed)."""
+    got = per_device(plan, plan.measured["compiled_stage_bytes"])
+    predicted = per_device(plan, [st.peak_memory_bytes for st in plan.stages])
     s = max(range(len(got)), key=lambda i: got[i])
-    return s, plan.stages[s].peak_memory_bytes, got[s]
+    return s, predicted[s], got[s]
 
 
 def verified_pipeline(plan_at: Callable[[int | None], tuple],
@@ -243,7 +260,7 @@ def verified_pipeline(plan_at: Callable[[int | None], tuple],
         memory = stage_memory(program, leaves, planned[0].pipeline["num_microbatches"])
         plan = _record(planned[0], memory, budget, round_)
         planned = (plan, *planned[1:])
-        if memory is None or max(m.peak for m in memory) <= budget:
+        if memory is None or max(per_device(plan, [m.peak for m in memory])) <= budget:
             return planned, program, None
         s, predicted, got = _worst(plan)
         # the budget at which the worst stage's prediction shrinks by its compiled excess

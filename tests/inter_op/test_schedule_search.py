@@ -8,7 +8,7 @@ import pytest
 
 import autopar
 from autopar.core.enums import Schedule
-from autopar.inter_op.schedule import make_schedule
+from autopar.inter_op.schedule import make_schedule, placement_of
 from autopar.inter_op.schedule_search import Tables, bubble_of, kept_of
 from autopar.inter_op.task_costs import TaskSeconds
 from support.steps import assert_equivalent, make_case, mesh_of, run_steps
@@ -98,12 +98,15 @@ def test_the_dp_s_bubble_and_states_come_from_the_tables():
     assert tables(Schedule.ZERO_BUBBLE_H1, 4, 8) is tables(Schedule.ZERO_BUBBLE_H1, 4, 8)
 
 
-def test_auto_places_stage_chunks_where_interleaving_is_fastest():
+def test_auto_places_stage_chunks_where_a_chunked_table_is_fastest():
     """An 8-layer MLP, 4 microbatches, priced for one V100 host: AUTO's chunk search (2
-    chunks per group of equal devices) finds interleaved 1F1B on 4 groups of 2 devices
+    chunks per group of equal devices) finds a layout of 8 chunks on 4 groups of 2 devices
     faster by its table than every layout of one stage per submesh under any schedule (the
-    runner-ups name theirs). The chunks share their groups' devices, k on group k mod 4; the
-    executor runs the interleaved table; the plan equals jax.jit."""
+    runner-ups name theirs). Interleaved 1F1B and ZB-V each price their own placement of the
+    chunks (the same chunks on other devices were once taken for one layout, and ZB-V was
+    never priced): the plan records both for its stages and runs the faster. The chunks
+    share their groups' devices as its table places them; the executor runs that table; the
+    plan equals jax.jit."""
     step, state, batches = make_case("mlp", "linen", optax.adam(1e-2), num_layers=8,
                                      batch_size=32, value_and_grad=autopar.value_and_grad)
     par = autopar.parallelize(step, mesh=mesh_of((1, 8)), cluster=V100,
@@ -111,10 +114,22 @@ def test_auto_places_stage_chunks_where_interleaving_is_fastest():
                                   num_microbatches=4, schedule=Schedule.AUTO,
                                   layer_option=autopar.AutoLayerOption(num_layers=8)))
     plan = par.get_plan(state, batches[0])
-    assert plan.pipeline["schedule"] == "interleaved-1f1b" and len(plan.stages) == 8
+    chosen = Schedule(plan.pipeline["schedule"])
+    assert chosen in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE_V)
+    assert len(plan.stages) == 8
+    search = {c["schedule"]: c for c in plan.pipeline["schedule_search"]}
+    assert set(search) == {"interleaved-1f1b", "zb-v"}
+    assert plan.pipeline["predicted_latency_s"] == search[chosen.value]["predicted_latency_s"]
+    assert all(c["predicted_latency_s"] >= plan.pipeline["predicted_latency_s"]
+               for c in search.values() if c["fits"])
+    groups = placement_of(chosen, 8)
     for s in plan.stages:
-        assert s.device_ids == plan.stages[s.index % 4].device_ids
+        assert s.device_ids == plan.stages[groups.index(groups[s.index])].device_ids
     assert len({s.device_ids for s in plan.stages}) == 4
+    # per device, the plan's peak is its group's two chunks
+    assert plan.peak_memory_bytes == pytest.approx(max(
+        sum(s.peak_memory_bytes for s in plan.stages if groups[s.index] == g)
+        for g in range(4)))
     layouts = [a for a in plan.alternatives if a["kind"] == "stage layout"]
     assert layouts and all(" under " in a["name"] for a in layouts)
     assert all(a["predicted_step_s"] > plan.pipeline["predicted_latency_s"] for a in layouts
@@ -123,8 +138,7 @@ def test_auto_places_stage_chunks_where_interleaving_is_fastest():
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
     # every task of the table ran, each group's in the table's order (the last stage's
     # group may run a microbatch's F and B in one call)
-    order, table = par.get_executor(state, batches[0]).stats.order, make_schedule(
-        Schedule.INTERLEAVED_1F1B, 8, 4)
+    order, table = par.get_executor(state, batches[0]).stats.order, make_schedule(chosen, 8, 4)
     assert sorted(map(repr, order)) == sorted(map(repr, table.order()))
     for g in range(table.num_groups):
         ran = tuple(t for t in order if table.group_of(t.stage) == g)

@@ -174,6 +174,29 @@ def test_never_fitting_raises_after_the_rounds(gpt, monkeypatch):
     assert made.program is None and "compiled_stage_bytes" not in made.plan.measured
 
 
+def test_stage_chunks_are_checked_with_their_device_group(gpt, monkeypatch):
+    """Interleaved 1F1B's 4 chunks on 2 groups: each chunk's prediction is under `BINDING`
+    of the budget, its group's two are not, so the plan is compiled; the compiled chunks fit
+    the budget one by one but their groups do not, so it is re-planned, at the group's
+    predicted bytes scaled by budget / its compiled bytes."""
+    *_, free, _ = gpt
+    chunks = tuple(dataclasses.replace(free.stages[0], index=k, peak_memory_bytes=p)
+                   for k, p in enumerate((450.0, 400.0, 460.0, 300.0)))
+    plan = dataclasses.replace(free, memory_budget_bytes=1000.0, stages=chunks, pipeline={
+        **free.pipeline, "schedule": "interleaved-1f1b"})
+    assert pmc.per_device(plan, [450, 400, 460, 300]) == [910, 700, 910, 700]
+    assert pmc.binding(plan) and not pmc.binding(
+        dataclasses.replace(plan, pipeline={**plan.pipeline, "schedule": "1f1b"}))
+    compiled = iter([(600, 300, 500, 300), (480, 300, 500, 300)])
+    monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: tuple(
+        dataclasses.replace(_memory(p)[0], stage=k) for k, p in enumerate(next(compiled))))
+    asked = []
+    made = pmc.verified_pipeline(lambda b: asked.append(b) or (plan, None, None),
+                                 lambda parts: "p", [])
+    assert asked[1] == pytest.approx(910 * 1000 / 1100, abs=1)    # group 0: 600 + 500
+    assert made.plan.measured["compiled_stage_bytes"] == [480, 300, 500, 300]
+
+
 def test_no_memory_analysis_keeps_the_plan(gpt, monkeypatch):
     *_, free, _ = gpt
     plan = dataclasses.replace(free, memory_budget_bytes=max(
