@@ -1,7 +1,7 @@
 """Stage chunks sharing device groups: the interleaved 1F1B and ZB-V schedules place
 `virtual_stages` pipeline stages on each device group (interleaved: stage k on group k mod G;
 ZB-V: stage k and 2G-1-k on group k), so a group holds its stages' parameters, optimizer
-state and in-flight activations together.
+state and in-flight activations together (`schedule_choice.device_peaks`).
 
     >>> chunk_devices(Schedule.INTERLEAVED_1F1B, 4, tuple(range(8)))
     [(0, 1, 2, 3), (4, 5, 6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]
@@ -19,12 +19,3 @@ def chunk_devices(schedule: Schedule, num_stages: int,
     groups = placement_of(schedule, num_stages)
     per = len(device_ids) // (max(groups) + 1)
     return [tuple(device_ids[g * per:(g + 1) * per]) for g in groups]
-
-
-def group_peaks(groups: tuple[int, ...], peaks: list[float]) -> list[float]:
-    """Per stage, the peak of its device group: the sum of the peaks of the group's stages
-    (each counts its own parameters, optimizer state, accumulator and activations held)."""
-    total: dict[int, float] = {}
-    for g, p in zip(groups, peaks):
-        total[g] = total.get(g, 0.0) + p
-    return [total[g] for g in groups]

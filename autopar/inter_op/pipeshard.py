@@ -45,7 +45,6 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.frontend.checks import arg_label, argnums_text, warn_unmatched_rules
 from autopar.frontend.tracer import _abstract, check_argnums, trace
 from autopar.inter_op.apply_grad import Placement, place
-from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.local_grads import LocalGrads, stage_local_grads
 from autopar.inter_op.pipeline import LossGraph, layer_boundaries, split_step
 from autopar.inter_op.schedule import CHUNKED, make_schedule, one_executable
@@ -253,9 +252,7 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
             zero=st.zero))
     schedule = choice.table or make_schedule(choice.schedule, len(stages), m)
     parts = kept_parts(result.stages, loss, schedule)
-    # per device: the stage chunks a device group holds add up
-    peak = max(group_peaks([schedule.group_of(k) for k in range(len(stages))],
-                           [s.peak_memory_bytes for s in stages]))
+    peak = max(choice.devices)       # per device: a group's stage chunks together
     lat = [s.latency_s for s in stages]
     out_specs = [spec if spec is not None else replicated(step.tensors[tid].rank)
                  for tid, spec in zip(step.outputs, placement.output_spec)]
@@ -268,6 +265,8 @@ def _build_plan(loss, result: InterOpResult, placement: Placement, method, clust
         # per stage: (microbatches in flight, W's deferred) at its peak, and one microbatch's
         # bytes of the step's results it keeps to the end (`schedule_choice.kept_parts`)
         "kept_at_peak": [[q, d] for q, d, _ in parts], "result_bytes": [r for _, _, r in parts],
+        # per stage: its devices' peak (stage chunks sharing a group together)
+        "device_peak_bytes": [float(b) for b in choice.devices],
         "predicted_latency_s": choice.latency_s,
         "num_ilps": result.num_ilps, "num_reused": result.num_reused,
         "num_replayed": result.num_replayed,

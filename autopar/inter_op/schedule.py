@@ -157,11 +157,37 @@ class PipelineSchedule:
         microbatches between their F and their B, and between their B and their W (where
         the table splits the backward). A stage's memory peaks at one of them, which is
         less than both counts' own peaks at once (`kept_peak`)."""
+        seen: list[set[tuple[int, int]]] = [{(0, 0)} for _ in range(self.num_stages)]
+        for now in self._states():
+            for k, state in enumerate(now):
+                seen[k].add(state)
+        return tuple(frozenset(x) for x in seen)
+
+    def group_kept_peak(self, whole, part) -> tuple[float, ...]:
+        """Per device group, the most bytes its stages keep at once, clock by clock, when a
+        microbatch in flight on stage k keeps `whole[k]` and a deferred one `part[k]`: for
+        stage chunks sharing a group, less than their own peaks summed (they peak at
+        different clocks); for a stage alone on its group, its `kept_peak`'s bytes.
+
+            >>> s = make_schedule(Schedule.INTERLEAVED_1F1B, 4, 8)   # stages 0, 2 on group 0
+            >>> s.group_kept_peak([1.0] * 4, [0.0] * 4), s.in_flight()
+            ((5.0, 3.0), (4, 3, 2, 1))
+        """
+        most = [0.0] * self.num_groups
+        for now in self._states():
+            got = [0.0] * self.num_groups
+            for k, (a, d) in enumerate(now):
+                got[self.group_of(k)] += a * whole[k] + d * part[k]
+            most = [max(x, y) for x, y in zip(most, got)]
+        return tuple(most)
+
+    def _states(self):
+        """Every stage's (in flight, deferred) pair after each clock (none kept for a
+        forward-only table)."""
         if self.schedule is Schedule.FORWARD:
-            return (frozenset({(0, 0)}),) * self.num_stages
+            return
         split = self.split_backward
         now = [(0, 0)] * self.num_stages
-        seen: list[set[tuple[int, int]]] = [{(0, 0)} for _ in range(self.num_stages)]
         for row in self.clocks:
             for t in row:
                 if t is None:
@@ -174,8 +200,7 @@ class PipelineSchedule:
                 else:
                     d -= 1
                 now[t.stage] = (a, d)
-                seen[t.stage].add((a, d))
-        return tuple(frozenset(x) for x in seen)
+            yield tuple(now)
 
     def kept_peak(self, whole, part) -> tuple[tuple[int, int], ...]:
         """Per stage k, the (in flight, deferred) pair of `kept_states` that keeps the most

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
 from autopar.core.spec import num_shards
-from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule, one_executable
-from autopar.inter_op.stage_costs import static_bytes
+from autopar.inter_op.stage_costs import span_held_bytes, static_bytes, working_bytes
 from autopar.inter_op.stage_solve import stage_io
 from autopar.inter_op.stage_solver import opt_ratio_of
 from autopar.inter_op.task_costs import schedule_seconds, task_seconds
@@ -52,6 +51,24 @@ def stage_peaks(stages, loss: LossGraph, table) -> list[tuple[float, int]]:
             for st, (q, d, r), h in zip(stages, kept_parts(stages, loss, table), table.held())]
 
 
+def device_peaks(stages, loss: LossGraph, table, peaks) -> list[float]:
+    """Per stage, the peak of its devices: its own (`peaks`, from `stage_peaks`) where it has
+    its device group alone; for stage chunks sharing a group, their held bytes and kept
+    results summed, the largest of their working memories (their executables run one at a
+    time) and the most their microbatches keep at once (`group_kept_peak`)."""
+    groups = [table.group_of(k) for k in range(len(stages))]
+    if len(set(groups)) == len(groups):
+        return [p for p, _ in peaks]
+    sols, opt_ratio, m = [st.solution for st in stages], opt_ratio_of(loss), table.num_microbatches
+    kept = table.group_kept_peak([s.activation_bytes for s in sols],
+                                 [s.weight_bytes for s in sols])
+    held, work = [0.0] * table.num_groups, [0.0] * table.num_groups
+    for st, sol, g in zip(stages, sols, groups):
+        held[g] += span_held_bytes(sol, opt_ratio, st.zero) + (m - 1) * result_bytes(loss, st)
+        work[g] = max(work[g], working_bytes(sol))
+    return [held[g] + work[g] + kept[g] for g in groups]
+
+
 def kept_parts(stages, loss: LossGraph, table) -> list[tuple[int, int, float]]:
     """Per stage, what its peak keeps beyond its static bytes: (microbatches in flight,
     deferred W's) at the table's worst mix, and one microbatch's `result_bytes` (the other
@@ -77,6 +94,7 @@ class ScheduleChoice:
     latency_s: float                          # the chosen table's predicted step
     peaks: tuple[tuple[float, int], ...]      # per stage: (peak bytes, microbatches held)
     candidates: tuple[dict, ...]              # each priced schedule (AUTO: all of them)
+    devices: tuple[float, ...] = ()           # per stage: its devices' peak (`device_peaks`)
 
 
 def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatches: int,
@@ -89,12 +107,12 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     formula = sum(lat) + (m - 1) * max(lat)
     if schedule is Schedule.FORWARD:            # forward-only: nothing held, no choice
         table = make_schedule(schedule, n, m)
-        return ScheduleChoice(schedule, table, formula, tuple(stage_peaks(stages, loss, table)),
-                              ())
+        peaks = tuple(stage_peaks(stages, loss, table))
+        return ScheduleChoice(schedule, table, formula, peaks, (), tuple(p for p, _ in peaks))
     if one_executable(n, m):                    # one loop in one executable: no table
         fixed = Schedule.ONE_F_ONE_B if schedule is Schedule.AUTO else schedule
-        return ScheduleChoice(fixed, None, formula,
-                              tuple(stage_peaks(stages, loss, make_schedule(fixed, n, m))), ())
+        peaks = tuple(stage_peaks(stages, loss, make_schedule(fixed, n, m)))
+        return ScheduleChoice(fixed, None, formula, peaks, (), tuple(p for p, _ in peaks))
     tasks = [task_seconds(loss, st.slice, st.graph, st.solution.latency_s,
                           st.solution.overhead_s) for st in stages]
     names = CANDIDATES if schedule is Schedule.AUTO else (
@@ -105,11 +123,11 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
     for s in names:
         peaks = tuple(stage_peaks(stages, loss, tables[s]))
         t = formula * times[s] / max(times[Schedule.ONE_F_ONE_B], 1e-30)
-        shared = group_peaks([tables[s].group_of(k) for k in range(n)], [p for p, _ in peaks])
-        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared),
-                       max(shared)))
+        shared = tuple(device_peaks(stages, loss, tables[s], peaks))
+        priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared), shared))
     best = pick(priced) if schedule is Schedule.AUTO else priced[0]
-    records = tuple({"schedule": s.value, "predicted_latency_s": t, "peak_memory_bytes": most,
-                     "fits": fits} for s, t, _, fits, most in priced) if len(priced) > 1 or (
-                         schedule is Schedule.AUTO) else ()
-    return ScheduleChoice(best[0], tables[best[0]], best[1], best[2], records)
+    records = tuple({"schedule": s.value, "predicted_latency_s": t,
+                     "peak_memory_bytes": max(shared), "fits": fits}
+                    for s, t, _, fits, shared in priced) if len(priced) > 1 or (
+                        schedule is Schedule.AUTO) else ()
+    return ScheduleChoice(best[0], tables[best[0]], best[1], best[2], records, best[4])

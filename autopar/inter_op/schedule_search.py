@@ -27,7 +27,6 @@ import numpy as np
 
 from autopar.core.enums import Schedule
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
-from autopar.inter_op.chunks import group_peaks
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import make_schedule
 from autopar.inter_op.schedule_choice import choose_schedule
@@ -135,9 +134,7 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
             fits = not got.candidates or any(
                 c["fits"] and c["schedule"] == got.schedule.value for c in got.candidates)
             if chunked is not None:
-                fits = all(p <= budget * (1 + 1e-9) for p in group_peaks(
-                    [got.table.group_of(k) for k in range(len(stages))],
-                    [p for p, _ in got.peaks]))
+                fits = all(p <= budget * (1 + 1e-9) for p in got.devices)
             priced.append((stages, got.latency_s, got.schedule, fits))
 
     def best_t() -> float:

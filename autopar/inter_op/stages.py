@@ -35,7 +35,7 @@ from autopar.core.plan import StageSolution
 from autopar.core.plan import alternative_record as record
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.model import CostModel
-from autopar.inter_op.chunks import chunk_devices, group_peaks
+from autopar.inter_op.chunks import chunk_devices
 from autopar.inter_op.lazy_options import (
     KindOptions,
     OptionContext,
@@ -45,7 +45,7 @@ from autopar.inter_op.lazy_options import (
 from autopar.inter_op.parallel import PlanPool, plan_workers
 from autopar.inter_op.pipeline import LossGraph, StageSlice, slice_range
 from autopar.inter_op.schedule import CHUNKED, make_schedule, placement_of, planned
-from autopar.inter_op.schedule_choice import stage_peaks
+from autopar.inter_op.schedule_choice import device_peaks, stage_peaks
 from autopar.inter_op.schedule_search import Tables, joint, kept_of
 from autopar.inter_op.stage_costs import (
     reranked,
@@ -285,21 +285,16 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          runner_ups=others, chosen_latency_s=chosen, schedule=schedule)
 
 
-def _peaks(stages, loss: LossGraph, method: PipeshardParallel,
-           schedule: Schedule | None = None) -> list[tuple[float, int]]:
-    return stage_peaks(stages, loss, make_schedule(schedule or planned(method.schedule),
-                                                   len(stages),
-                                                   method.num_microbatches))
-
-
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float,
                 schedule: Schedule | None = None) -> list:
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
     out = []
-    peaks = _peaks(stages, loss, method, schedule)
-    groups = placement_of(schedule or planned(method.schedule), len(stages))
-    shared = group_peaks(groups, [p for p, _ in peaks])      # stage chunks on one group add
+    table = make_schedule(schedule or planned(method.schedule), len(stages),
+                          method.num_microbatches)
+    peaks = stage_peaks(stages, loss, table)
+    groups = [table.group_of(k) for k in range(len(stages))]
+    shared = device_peaks(stages, loss, table, peaks)    # stage chunks on one group add
     for st, (peak, q), total in zip(stages, peaks, shared):
         if total > budget * (1 + 1e-9):
             chunks = groups.count(groups[st.slice.index])
@@ -482,9 +477,11 @@ def _layout_records(seen, loss, method, budget, schedule=None) -> tuple[dict, ..
                               "fit"))
             continue
         under = priced[0] if priced else schedule
-        peaks = _peaks(stages, loss, method, under)
+        table = make_schedule(under or planned(method.schedule), len(stages),
+                              method.num_microbatches)
+        peaks = device_peaks(stages, loss, table, stage_peaks(stages, loss, table))
         out.append(record(_layout_text(stages) + (f" under {under.value}" if priced else ""),
-                          "stage layout", t, max(p for p, _ in peaks),
+                          "stage layout", t, max(peaks),
                           budget, "solved whole; slower than the chosen layout"))
     return tuple(sorted(out, key=lambda a: (a["predicted_step_s"] is None,
                                             a["predicted_step_s"] or 0.0)))

@@ -39,7 +39,9 @@ inputs) and `work` (the rest: the microbatches, the accumulator, one microbatch'
 activations, the update).
 
 The stage chunks of interleaved 1F1B and ZB-V share their device group: the budget is
-checked against each group's chunks summed (`per_device`), predicted and compiled alike.
+checked per device, predicted (`predicted_per_device`) and compiled (`compiled_per_device`:
+the chunks' held bytes summed, the most their microbatches keep at once under the table,
+the largest working memory).
 
 Small helpers (the batch split, cotangent sums, loss merges) are left out: they run where
 little else is live. The plan records the per-stage peaks and their terms
@@ -63,8 +65,7 @@ import jax
 from autopar.core.enums import Schedule
 from autopar.core.plan import ParallelPlan
 from autopar.frontend.meshes import no_context_mesh
-from autopar.inter_op.chunks import group_peaks
-from autopar.inter_op.schedule import CHUNKED, placement_of, worst_mix
+from autopar.inter_op.schedule import CHUNKED, make_schedule, worst_mix
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
 
@@ -203,19 +204,41 @@ def _rng_inputs(program) -> frozenset[int]:
     return frozenset(red.rng_inputs)
 
 
-def per_device(plan: ParallelPlan, peaks) -> list[float]:
-    """Per stage, the bytes of its devices: the sum over the stage chunks its device group
-    holds (2 per group for interleaved 1F1B and ZB-V), else its own `peaks` entry."""
+def predicted_per_device(plan: ParallelPlan) -> list[float]:
+    """Per stage, its devices' predicted peak: for stage chunks sharing a device group, the
+    plan's `pipeline["device_peak_bytes"]` (`schedule_choice.device_peaks`), else the
+    stage's own."""
+    if plan.pipeline.get("schedule") in {s.value for s in CHUNKED}:
+        return list(plan.pipeline["device_peak_bytes"])
+    return [s.peak_memory_bytes for s in plan.stages]
+
+
+def compiled_per_device(plan: ParallelPlan, memory: tuple[StageMemory, ...]) -> list[float]:
+    """Per stage, its devices' compiled peak: its own where it has its device group alone.
+    Stage chunks sharing a group (interleaved 1F1B, ZB-V) add their held, data and
+    accumulator bytes, the largest of their working memories (their executables run one at a
+    time) and the most their microbatches keep at once under the plan's table
+    (`PipelineSchedule.group_kept_peak`); after the pipeline, their held bytes and apply
+    segments."""
     name = plan.pipeline.get("schedule")
     if name not in {s.value for s in CHUNKED}:
-        return list(peaks)
-    return group_peaks(placement_of(Schedule(name), len(plan.stages)), list(peaks))
+        return [m.peak for m in memory]
+    table = make_schedule(Schedule(name), len(memory), plan.pipeline["num_microbatches"])
+    kept = table.group_kept_peak([m.stash for m in memory], [m.weight_stash for m in memory])
+    run, held, apply, work = ([0.0] * table.num_groups for _ in range(4))
+    for k, m in enumerate(memory):
+        g = table.group_of(k)
+        run[g] += m.held + m.data + m.accumulator
+        held[g] += m.held
+        apply[g] += m.apply
+        work[g] = max(work[g], m.work)
+    return [max(run[g] + work[g] + kept[g], held[g] + apply[g])
+            for g in map(table.group_of, range(len(memory)))]
 
 
 def binding(plan: ParallelPlan) -> bool:
     """Whether some device's predicted peak is within `BINDING` of the plan's budget."""
-    return any(p >= BINDING * plan.memory_budget_bytes
-               for p in per_device(plan, [s.peak_memory_bytes for s in plan.stages]))
+    return any(p >= BINDING * plan.memory_budget_bytes for p in predicted_per_device(plan))
 
 
 def _record(plan: ParallelPlan, memory: tuple[StageMemory, ...] | None, budget: float,
@@ -227,13 +250,11 @@ def _record(plan: ParallelPlan, memory: tuple[StageMemory, ...] | None, budget: 
     return dataclasses.replace(plan, memory_budget_bytes=budget, measured=measured)
 
 
-def _worst(plan: ParallelPlan) -> tuple[int, float, int]:
-    """(stage, its devices' predicted bytes, their compiled bytes) of the stage whose devices
-    are most over the budget (a stage chunk's: its group's, summed)."""
-    got = per_device(plan, plan.measured["compiled_stage_bytes"])
-    predicted = per_device(plan, [st.peak_memory_bytes for st in plan.stages])
+def _worst(plan: ParallelPlan, got: list[float]) -> tuple[int, float, float]:
+    """(stage, its devices' predicted bytes, their compiled bytes `got`) of the stage whose
+    devices are most over the budget (a stage chunk's: its device group's)."""
     s = max(range(len(got)), key=lambda i: got[i])
-    return s, predicted[s], got[s]
+    return s, predicted_per_device(plan)[s], got[s]
 
 
 def verified_pipeline(plan_at: Callable[[int | None], tuple],
@@ -260,9 +281,10 @@ def verified_pipeline(plan_at: Callable[[int | None], tuple],
         memory = stage_memory(program, leaves, planned[0].pipeline["num_microbatches"])
         plan = _record(planned[0], memory, budget, round_)
         planned = (plan, *planned[1:])
-        if memory is None or max(per_device(plan, [m.peak for m in memory])) <= budget:
+        devices = None if memory is None else compiled_per_device(plan, memory)
+        if devices is None or max(devices) <= budget:
             return planned, program, None
-        s, predicted, got = _worst(plan)
+        s, predicted, got = _worst(plan, devices)
         # the budget at which the worst stage's prediction shrinks by its compiled excess
         ilp_budget = min(ilp_budget, predicted) * budget / got
         return planned, program, Over(f"stage {s} of the pipeline", predicted, got,

@@ -126,10 +126,13 @@ def test_auto_places_stage_chunks_where_a_chunked_table_is_fastest():
     for s in plan.stages:
         assert s.device_ids == plan.stages[groups.index(groups[s.index])].device_ids
     assert len({s.device_ids for s in plan.stages}) == 4
-    # per device, the plan's peak is its group's two chunks
-    assert plan.peak_memory_bytes == pytest.approx(max(
-        sum(s.peak_memory_bytes for s in plan.stages if groups[s.index] == g)
-        for g in range(4)))
+    # per device, the plan's peak is its group's two chunks together: more than either,
+    # less than their own peaks summed (they keep the most microbatches at different clocks)
+    devices = plan.pipeline["device_peak_bytes"]
+    assert plan.peak_memory_bytes == max(devices) <= plan.memory_budget_bytes
+    for s, d in zip(plan.stages, devices):
+        pair = [t.peak_memory_bytes for t in plan.stages if groups[t.index] == groups[s.index]]
+        assert max(pair) < d < sum(pair)
     layouts = [a for a in plan.alternatives if a["kind"] == "stage layout"]
     assert layouts and all(" under " in a["name"] for a in layouts)
     assert all(a["predicted_step_s"] > plan.pipeline["predicted_latency_s"] for a in layouts

@@ -175,26 +175,35 @@ def test_never_fitting_raises_after_the_rounds(gpt, monkeypatch):
 
 
 def test_stage_chunks_are_checked_with_their_device_group(gpt, monkeypatch):
-    """Interleaved 1F1B's 4 chunks on 2 groups: each chunk's prediction is under `BINDING`
-    of the budget, its group's two are not, so the plan is compiled; the compiled chunks fit
-    the budget one by one but their groups do not, so it is re-planned, at the group's
-    predicted bytes scaled by budget / its compiled bytes."""
+    """Interleaved 1F1B's 4 chunks on 2 groups (chunks 0 and 2 on group 0). Each chunk's
+    prediction is under `BINDING` of the budget, its group's is not, so the plan is compiled.
+    Compiled, group 0 holds both chunks' parameters, data and accumulators, the larger of
+    their working memories, and the most their microbatches keep at once under the table
+    (5 of chunk 0's and chunk 2's, not their own peaks' 4 + 2); over the budget, the plan is
+    re-planned at the group's predicted bytes scaled by budget / its compiled bytes."""
     *_, free, _ = gpt
     chunks = tuple(dataclasses.replace(free.stages[0], index=k, peak_memory_bytes=p)
                    for k, p in enumerate((450.0, 400.0, 460.0, 300.0)))
     plan = dataclasses.replace(free, memory_budget_bytes=1000.0, stages=chunks, pipeline={
-        **free.pipeline, "schedule": "interleaved-1f1b"})
-    assert pmc.per_device(plan, [450, 400, 460, 300]) == [910, 700, 910, 700]
-    assert pmc.binding(plan) and not pmc.binding(
+        **free.pipeline, "schedule": "interleaved-1f1b", "num_microbatches": 8,
+        "device_peak_bytes": [910.0, 700.0, 910.0, 700.0]})
+    assert pmc.binding(plan) and not pmc.binding(      # the same stages, one per group
         dataclasses.replace(plan, pipeline={**plan.pipeline, "schedule": "1f1b"}))
-    compiled = iter([(600, 300, 500, 300), (480, 300, 500, 300)])
-    monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: tuple(
-        dataclasses.replace(_memory(p)[0], stage=k) for k, p in enumerate(next(compiled))))
+
+    def memory(work0):
+        return tuple(pmc.StageMemory(stage=k, held=100, data=10, accumulator=20, stash=50,
+                                     in_flight=q, work=w, apply=30)
+                     for k, (q, w) in enumerate(zip((4, 3, 2, 1), (work0, 40, 60, 40))))
+    assert pmc.compiled_per_device(plan, memory(80)) == [
+        2 * 130 + 80 + 5 * 50, 2 * 130 + 40 + 3 * 50] * 2
+    assert [m.peak for m in memory(80)] == [410, 320, 290, 220]    # summed: 700 and 540
+    rounds = iter([memory(500), memory(80)])
+    monkeypatch.setattr(pmc, "stage_memory", lambda program, leaves, m: next(rounds))
     asked = []
     made = pmc.verified_pipeline(lambda b: asked.append(b) or (plan, None, None),
                                  lambda parts: "p", [])
-    assert asked[1] == pytest.approx(910 * 1000 / 1100, abs=1)    # group 0: 600 + 500
-    assert made.plan.measured["compiled_stage_bytes"] == [480, 300, 500, 300]
+    assert asked[1] == pytest.approx(910 * 1000 / (260 + 500 + 250), abs=1)
+    assert made.plan.measured["compiled_stage_bytes"] == [410, 320, 290, 220]
 
 
 def test_no_memory_analysis_keeps_the_plan(gpt, monkeypatch):
