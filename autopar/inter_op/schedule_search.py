@@ -16,8 +16,10 @@ fewer W's deferred, and a schedule with a smaller bubble one with more stages.
 The chunked schedules (interleaved 1F1B, ZB-V: 2 stage chunks per device group) are
 searched over equal groups (`_chunk_layouts`): for each group count G, the same DP restricted
 to submeshes of n / G devices places 2G chunks, each within half the budget; the layout is
-solved whole on its groups' devices and priced under its own table, the groups' memory
-summed. A user's fixed chunked schedule with `AutoStageOption` searches these alone.
+solved whole on its groups' devices and priced under its own table, each group's memory
+that of its chunks together (`schedule_choice.device_peaks`). Interleaved 1F1B and ZB-V
+place the same chunks on different devices: each prices its own. A user's fixed chunked
+schedule with `AutoStageOption` searches these alone.
 """
 from __future__ import annotations
 
