@@ -343,8 +343,10 @@ def _policy(schedule: Schedule, K: int, M: int, v: int) -> _Policy:
     if schedule is Schedule.ZERO_BUBBLE_H1:     # 1F1B's in-flight; stage g defers g Ws
         return _Policy(place, tuple(live), tuple(range(K)), plain, plain)
     if schedule is Schedule.ZERO_BUBBLE_H2:     # about twice the in-flight; W fills gaps
-        return _Policy(place, tuple(min(2 * (K - g) - 1, M) for g in range(K)), huge, plain,
-                       plain)
+        # stage g defers up to 2g + 1 Ws: at most 2K microbatches kept, twice 1F1B's most
+        # (with no bound every W waited for the cooldown: M kept, the same step)
+        return _Policy(place, tuple(min(2 * (K - g) - 1, M) for g in range(K)),
+                       tuple(2 * g + 1 for g in range(K)), plain, plain)
     raise AssertionError(schedule)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
+from autopar.inter_op.dp_memory import memory_tables, states_of
 
 __all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
            "solve_stage_dp", "brute_force_stages", "pipeline_time"]
@@ -183,28 +184,6 @@ def _validate(costs, submeshes, num_devices, num_microbatches, max_stages):
     return sizes, num_devices, num_microbatches, limit
 
 
-def _stage_memory(costs: StageCosts, max_q: int) -> np.ndarray:
-    """[max_q, L, L, K]: per-device bytes of a stage that is q + 1-th from the end (q + 1
-    microbatches in flight, 1F1B); np.inf where the stage is impossible."""
-    return np.stack([_kept_memory(costs, ((q, 0),)) for q in range(1, max_q + 1)])
-
-
-def _kept_memory(costs: StageCosts, states) -> np.ndarray:
-    """[L, L, K]: per-device bytes of a stage passing through `states` ((in flight, deferred)
-    microbatch counts): its static bytes and the worst state's; np.inf where impossible."""
-    num_layers = costs.num_layers
-    ok = np.isfinite(costs.latency_s) & np.triu(np.ones((num_layers, num_layers), bool))[..., None]
-    act, weight = (np.where(ok, arr, 0.0) for arr in (costs.activation_bytes, costs.weight_bytes))
-    kept = np.max([a * act + d * weight for a, d in sorted(states)], axis=0)
-    return np.where(ok, costs.static_bytes + kept, np.inf)
-
-
-def _schedule_memory(costs: StageCosts, states_per_stage) -> np.ndarray:
-    """[S, L, L, K]: `_kept_memory` of the stage q + 1-th from the end of S, whose states are
-    `states_per_stage[S - 1 - q]` (indexed from the first stage)."""
-    return np.stack([_kept_memory(costs, states) for states in reversed(states_per_stage)])
-
-
 def _by_size(values: np.ndarray, sizes: np.ndarray):
     """(values [..., G], counts [G]): per distinct device count, the least of `values` [..., K]
     over the options of that many devices. The DP sees an option only through its device count
@@ -274,23 +253,6 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
         layer = last + 1
     assert layer == num_layers and devices == 0, (layer, devices)
     return best, stages
-
-
-def _memories(costs, max_q, kept):
-    """[(stage count or None, [Q, L, L, K] memory per stage from the end)]: one table for
-    every count under 1F1B (`kept` None), else one per stage count S (`kept(S)`)."""
-    if kept is None:
-        return [(None, _stage_memory(costs, max_q))]
-    return [(s, _schedule_memory(costs, _states(kept, s))) for s in range(1, max_q + 1)]
-
-
-def _states(kept, num_stages: int) -> list:
-    states = list(kept(num_stages))
-    if len(states) != num_stages or not all(states):
-        raise InvalidArgumentError(
-            f"kept({num_stages}) gave {len(states)} state set(s): it must give one non-empty "
-            f"set of (in flight, deferred) counts per stage, {num_stages} in all.")
-    return states
 
 
 def _min_memory(memories, sizes, num_devices) -> float:
@@ -374,7 +336,7 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     if callable(bubble) and kept is None:      # a bubble per stage count: one DP per count
         kept = _one_f_one_b
     bubble_of = bubble if callable(bubble) else (lambda _: bubble)
-    memories = _memories(costs, max_q, kept)
+    memories = memory_tables(costs, max_q, kept)
     best = (np.inf, None, 0, 0, 1.0)
     for count, memory in memories:
         b = _check_bubble(bubble_of(count or 1))
@@ -461,7 +423,7 @@ def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num
     latency, budget = costs.latency_s, costs.memory_budget_bytes
     best_total, best_stages, best_b, needed = np.inf, None, 1.0, np.inf
     for num_stages in range(1, max_q + 1):
-        states = _states(kept or _one_f_one_b, num_stages)
+        states = states_of(kept or _one_f_one_b, num_stages)
         b = _check_bubble(bubble(num_stages) if callable(bubble) else bubble)
         for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
             bounds = (0, *cuts, num_layers)
