@@ -39,7 +39,7 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
 
     import autopar
     from autopar.models.gpt import GPT, GPTConfig, gpt_loss, make_gpt_batch
-    from autopar.verify.pipeline_memory_check import stage_memory
+    from autopar.verify.pipeline_memory_check import compiled_per_device, stage_memory
     cfg = GPTConfig(vocab_size=1024, seq_len=64, num_layers=4, hidden=128, num_heads=4)
     net, batch = GPT(cfg), make_gpt_batch(jax.random.key(1), 32, cfg)
     params = net.init(jax.random.key(0), batch["tokens"])
@@ -84,6 +84,7 @@ def _worker(out_path: str, rounds: int, steps: int) -> None:
             leaves = jax.tree_util.tree_leaves((params, tx.init(params), batch))
             memory = stage_memory(par.get_compiled(params, tx.init(params), batch), leaves, 8)
             row["stage_peaks"] = [m.peak for m in memory] if memory else None
+            row["device_peaks"] = compiled_per_device(plan, memory) if memory else None
             pars[name] = par
         except Exception as e:          # noqa: BLE001 - a failed case is reported in its row
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -164,19 +165,20 @@ def section(res: dict, cmdline: str) -> str:
         "(`verify.pipeline_memory_check.stage_memory`), over 1F1B's same stage. "
         "Interleaved and ZB-V put 2 stage chunks on each of 2 groups of 4 devices (stages "
         "k and k+2, or k and 3-k), the others one stage on each of 4 groups of 2: their "
-        "stages are other programs on other devices.", "",
+        "stages are other programs on other devices. *peak device*: the most any device "
+        "needs (a group's chunks together, `compiled_per_device`), over 1F1B's.", "",
         md_row(["schedule", "runs", "plan s (/ 1F1B)", "predicted / 1F1B (cpu)",
                 "predicted / 1F1B (profiled)", "predicted / 1F1B (v100)", "AUTO picks (v100)",
                 "measured median step", "measured / 1F1B", "loss vs 1F1B",
-                "compiled peak per stage (/ 1F1B)"]),
+                "compiled peak per stage (/ 1F1B)", "peak device (/ 1F1B)"]),
         md_row(["---", "---", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:",
-                "---"])]
+                "---", "---:"])]
     rows = {r["schedule"]: r for r in res.get("rows", [])}
     base = rows.get("1f1b", {})
     evals = rows.pop("eval", None)
     for name, row in rows.items():
         if "error" in row:
-            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 9))
+            out.append(md_row([name, f"failed: {row['error']}"] + [""] * 10))
             continue
         med = statistics.median(row["times"]) if row["times"] else float("nan")
         bmed = statistics.median(base["times"]) if base.get("times") else float("nan")
@@ -187,7 +189,8 @@ def section(res: dict, cmdline: str) -> str:
             f"{row['plan_s']:.1f} ({row['plan_s'] / base['plan_s']:.2f})",
             f"{row['predicted_s'] / base['predicted_s']:.3f}", _profiled(row, base),
             f"{row['predicted_v100_s'] / base['predicted_v100_s']:.3f}", row["chosen_v100"],
-            f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}", _peaks(row, base)]))
+            f"{med * 1e3:.1f} ms", f"{med / bmed:.3f}", f"{diff:.1e}", _peaks(row, base),
+            _device(row, base)]))
     out += _eval_lines(evals, base)
     if "call_overhead_s" in base:
         out += ["", f"The profiled cluster's call overhead: {base['call_overhead_s'] * 1e6:.0f} "
@@ -223,6 +226,13 @@ def _eval_lines(row: dict | None, base: dict) -> list[str]:
     return out + [md_row(["eval", f"{row['plan_s']:.1f}", f"{pipe * 1e3:.1f} ms",
                           f"{jit * 1e3:.1f} ms", f"{pipe / jit:.2f}", f"{row['diff']:.1e}",
                           _peaks(row, base)])]
+
+
+def _device(row: dict, base: dict) -> str:
+    got, ref = row.get("device_peaks"), base.get("device_peaks")
+    if not got or not ref:
+        return "not measured"
+    return f"{max(got) / 2**20:.2f} MiB ({max(got) / max(ref):.2f})"
 
 
 def _peaks(row: dict, base: dict) -> str:
