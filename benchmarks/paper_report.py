@@ -218,7 +218,9 @@ def _results_table(res) -> list[str]:
         else:
             man_cell, man_pt = "–", ("not run" if not m else "none planned")
         ratio = f"{ab['tflops'] / mb['tflops']:.2f}" if ab and mb else "–"
-        out.append(md_row([f"{FAMILY_NAMES[cfg.family]} {cfg.name}", str(cfg.gpus),
+        name = f"{FAMILY_NAMES[cfg.family]} {cfg.name}" + (   # a row run again apart
+            f" ({r['rerun_note']})" if r.get("rerun_note") else "")
+        out.append(md_row([name, str(cfg.gpus),
                            fmt(r.get("params"), 0, 1e-6) + "M", auto_cell, plan_cell, man_cell,
                            man_pt, ratio, _published(key)]))
     out += ["", f"Published: only numbers found in our sources ({PUBLISHED_SOURCE}; measured by "
