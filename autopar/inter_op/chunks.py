@@ -19,3 +19,20 @@ def chunk_devices(schedule: Schedule, num_stages: int,
     groups = placement_of(schedule, num_stages)
     per = len(device_ids) // (max(groups) + 1)
     return [tuple(device_ids[g * per:(g + 1) * per]) for g in groups]
+
+
+def device_bytes(table, held, work, whole, part) -> list[float]:
+    """Per stage, its devices' bytes under `table` when stage k holds `held[k]` for the whole
+    step, needs `work[k]` while one of its executables runs, and keeps `whole[k]` per
+    microbatch in flight and `part[k]` per deferred W: a group's stages' held bytes summed,
+    the largest of their working memories (one executable runs at a time on a group) and
+    the most their microbatches keep at once (`PipelineSchedule.group_kept_peak`). The
+    predicted (`schedule_choice.device_peaks`) and the compiled
+    (`verify.pipeline_memory_check.compiled_per_device`) peaks of stage chunks alike."""
+    kept = table.group_kept_peak(whole, part)
+    total, most = [0.0] * table.num_groups, [0.0] * table.num_groups
+    groups = [table.group_of(k) for k in range(len(held))]
+    for g, h, w in zip(groups, held, work):
+        total[g] += h
+        most[g] = max(most[g], w)
+    return [total[g] + most[g] + kept[g] for g in groups]

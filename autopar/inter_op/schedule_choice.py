@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from autopar.core.enums import Schedule
 from autopar.core.spec import num_shards
+from autopar.inter_op.chunks import device_bytes
 from autopar.inter_op.pipeline import LossGraph
 from autopar.inter_op.schedule import PipelineSchedule, make_schedule, one_executable
 from autopar.inter_op.stage_costs import span_held_bytes, static_bytes, working_bytes
@@ -26,7 +27,7 @@ CANDIDATES = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBL
 
 
 def pick(priced: list[tuple]) -> tuple:
-    """The fastest of `priced` ((schedule, predicted seconds, peaks, fits) in candidate
+    """The fastest of `priced` ((schedule, predicted seconds, peaks, fits, ...) in candidate
     order; ties to the earlier) that fits memory; the first where none fits (its stages were
     solved for it, so an infeasible plan raised there already).
 
@@ -60,13 +61,12 @@ def device_peaks(stages, loss: LossGraph, table, peaks) -> list[float]:
     if len(set(groups)) == len(groups):
         return [p for p, _ in peaks]
     sols, opt_ratio, m = [st.solution for st in stages], opt_ratio_of(loss), table.num_microbatches
-    kept = table.group_kept_peak([s.activation_bytes for s in sols],
-                                 [s.weight_bytes for s in sols])
-    held, work = [0.0] * table.num_groups, [0.0] * table.num_groups
-    for st, sol, g in zip(stages, sols, groups):
-        held[g] += span_held_bytes(sol, opt_ratio, st.zero) + (m - 1) * result_bytes(loss, st)
-        work[g] = max(work[g], working_bytes(sol))
-    return [held[g] + work[g] + kept[g] for g in groups]
+    return device_bytes(table, [span_held_bytes(sol, opt_ratio, st.zero)
+                                + (m - 1) * result_bytes(loss, st)
+                                for st, sol in zip(stages, sols)],
+                        [working_bytes(sol) for sol in sols],
+                        [sol.activation_bytes for sol in sols],
+                        [sol.weight_bytes for sol in sols])
 
 
 def kept_parts(stages, loss: LossGraph, table) -> list[tuple[int, int, float]]:

@@ -285,16 +285,22 @@ def choose_stages(loss: LossGraph, boundaries: tuple[int, ...], cluster: Cluster
                          runner_ups=others, chosen_latency_s=chosen, schedule=schedule)
 
 
+def _peaks(stages, loss: LossGraph, method: PipeshardParallel, schedule: Schedule | None):
+    """(table, each stage's (peak, microbatches held), each stage's devices' peak: stage
+    chunks on one group add) under `schedule`, default the method's planned one."""
+    table = make_schedule(schedule or planned(method.schedule), len(stages),
+                          method.num_microbatches)
+    peaks = stage_peaks(stages, loss, table)
+    return table, peaks, device_peaks(stages, loss, table, peaks)
+
+
 def _with_peaks(stages, loss: LossGraph, method: PipeshardParallel, budget: float,
                 schedule: Schedule | None = None) -> list:
     """Each stage's peak memory under the schedule (the DP's formula); a manual or uniform
     choice that does not fit raises here, as the DP never picks one."""
     out = []
-    table = make_schedule(schedule or planned(method.schedule), len(stages),
-                          method.num_microbatches)
-    peaks = stage_peaks(stages, loss, table)
+    table, peaks, shared = _peaks(stages, loss, method, schedule)
     groups = [table.group_of(k) for k in range(len(stages))]
-    shared = device_peaks(stages, loss, table, peaks)    # stage chunks on one group add
     for st, (peak, q), total in zip(stages, peaks, shared):
         if total > budget * (1 + 1e-9):
             chunks = groups.count(groups[st.slice.index])
@@ -477,11 +483,9 @@ def _layout_records(seen, loss, method, budget, schedule=None) -> tuple[dict, ..
                               "fit"))
             continue
         under = priced[0] if priced else schedule
-        table = make_schedule(under or planned(method.schedule), len(stages),
-                              method.num_microbatches)
-        peaks = device_peaks(stages, loss, table, stage_peaks(stages, loss, table))
+        devices = _peaks(stages, loss, method, under)[2]
         out.append(record(_layout_text(stages) + (f" under {under.value}" if priced else ""),
-                          "stage layout", t, max(peaks),
+                          "stage layout", t, max(devices),
                           budget, "solved whole; slower than the chosen layout"))
     return tuple(sorted(out, key=lambda a: (a["predicted_step_s"] is None,
                                             a["predicted_step_s"] or 0.0)))

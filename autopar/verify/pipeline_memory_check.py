@@ -65,6 +65,7 @@ import jax
 from autopar.core.enums import Schedule
 from autopar.core.plan import ParallelPlan
 from autopar.frontend.meshes import no_context_mesh
+from autopar.inter_op.chunks import device_bytes
 from autopar.inter_op.schedule import CHUNKED, make_schedule, worst_mix
 from autopar.runtime.compile_only import Call, Role, abstract_args, compile_program, shard_bytes
 from autopar.verify.memory_check import BINDING, Over, compiled_bytes, replan_until_it_fits
@@ -224,16 +225,12 @@ def compiled_per_device(plan: ParallelPlan, memory: tuple[StageMemory, ...]) -> 
     if name not in {s.value for s in CHUNKED}:
         return [m.peak for m in memory]
     table = make_schedule(Schedule(name), len(memory), plan.pipeline["num_microbatches"])
-    kept = table.group_kept_peak([m.stash for m in memory], [m.weight_stash for m in memory])
-    run, held, apply, work = ([0.0] * table.num_groups for _ in range(4))
-    for k, m in enumerate(memory):
-        g = table.group_of(k)
-        run[g] += m.held + m.data + m.accumulator
-        held[g] += m.held
-        apply[g] += m.apply
-        work[g] = max(work[g], m.work)
-    return [max(run[g] + work[g] + kept[g], held[g] + apply[g])
-            for g in map(table.group_of, range(len(memory)))]
+    during = device_bytes(table, [m.held + m.data + m.accumulator for m in memory],
+                          [m.work for m in memory], [m.stash for m in memory],
+                          [m.weight_stash for m in memory])
+    after = device_bytes(table, [m.held + m.apply for m in memory], [0.0] * len(memory),
+                         [0.0] * len(memory), [0.0] * len(memory))
+    return [max(a, b) for a, b in zip(during, after)]
 
 
 def binding(plan: ParallelPlan) -> bool:
