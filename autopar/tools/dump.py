@@ -225,12 +225,14 @@ def _pipeline_lines(plan: ParallelPlan, stage) -> list:
              + ("; forward only (the step takes no gradient): nothing kept between stages' "
                 "tasks, no gradient accumulator" if forward else "")]
     if p.get("schedule_search"):
-        one = next((c["predicted_latency_s"] for c in p["schedule_search"]
-                    if c["schedule"] == "1f1b"), None)
-        lines.append("schedules priced (Schedule.AUTO), predicted step vs 1F1B: " + ", ".join(
-            f"{c['schedule']} {c['predicted_latency_s'] / one:.3f}x"
-            + ("" if c["fits"] else f" (needs {_bytes(c['peak_memory_bytes'])}: does not fit)")
-            for c in p["schedule_search"]) if one else "")
+        base = next((c for c in p["schedule_search"] if c["schedule"] == "1f1b"),  # chunks:
+                    p["schedule_search"][0])        # vs the chosen one, on the same stages
+        one = max(base["predicted_latency_s"], 1e-30)
+        lines.append(f"schedules priced (Schedule.AUTO), predicted step vs {base['schedule']}: "
+                     + ", ".join(f"{c['schedule']} {c['predicted_latency_s'] / one:.3f}x" + (
+                         "" if c["fits"] else
+                         f" (needs {_bytes(c['peak_memory_bytes'])}: does not fit)")
+                         for c in p["schedule_search"]))
     rows = []
     for s, q, c in zip(plan.stages, p["in_flight"], compiled):
         if stage is not None and s.index != stage:

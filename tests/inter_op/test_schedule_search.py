@@ -137,6 +137,9 @@ def test_auto_places_stage_chunks_where_a_chunked_table_is_fastest():
     assert layouts and all(" under " in a["name"] for a in layouts)
     assert all(a["predicted_step_s"] > plan.pipeline["predicted_latency_s"] for a in layouts
                if a["predicted_step_s"] is not None)
+    # the dump prices both against the chosen one (no 1F1B runs these stages)
+    assert f"schedules priced (Schedule.AUTO), predicted step vs {chosen.value}: " \
+        f"{chosen.value} 1.000x" in autopar.dump(plan)
     ref = run_steps(jax.jit(step), state, batches)
     assert_equivalent(ref, run_steps(par, state, batches), compare_params=True, rtol=2e-5)
     # every task of the table ran, each group's in the table's order (the last stage's
