@@ -4,10 +4,10 @@ from autopar.inter_op.stage_dp import (
                                        StageAssignment,
                                        StageCosts,
                                        SubmeshShape,
-                                       brute_force_stages,
                                        candidate_submeshes,
                                        solve_stage_dp,
 )
+from autopar.inter_op.stage_dp_brute import brute_force_stages
 
 __all__ = ["LayerClustering", "cluster_layers", "cut_bytes_from_liveness",
            "SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",

@@ -6,6 +6,8 @@ each submesh under the states a schedule's table passes through.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from autopar.core.errors import InvalidArgumentError
@@ -45,25 +47,32 @@ def pareto(states) -> tuple[tuple[int, int], ...]:
         o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
 
 
-def _stage_memory(kept: _KeptMemory, max_q: int) -> np.ndarray:
-    """[max_q, L, L, K]: per-device bytes of a stage that is q + 1-th from the end (q + 1
+def _stage_memory(kept: _KeptMemory, max_q: int) -> list[np.ndarray]:
+    """max_q x [L, L, K]: per-device bytes of a stage that is q + 1-th from the end (q + 1
     microbatches in flight, 1F1B); np.inf where the stage is impossible."""
-    return np.stack([kept(((q, 0),)) for q in range(1, max_q + 1)])
+    return [kept(((q, 0),)) for q in range(1, max_q + 1)]
 
 
-def _schedule_memory(kept: _KeptMemory, states_per_stage) -> np.ndarray:
-    """[S, L, L, K]: the bytes of the stage q + 1-th from the end of S, whose states are
-    `states_per_stage[S - 1 - q]` (indexed from the first stage)."""
-    return np.stack([kept(states) for states in reversed(states_per_stage)])
+def _schedule_memory(kept: _KeptMemory, states_per_stage) -> list[np.ndarray]:
+    """S x [L, L, K]: the bytes of the stage q + 1-th from the end of S, whose states are
+    `states_per_stage[S - 1 - q]` (indexed from the first stage); positions with the same
+    states share one array."""
+    return [kept(states) for states in reversed(states_per_stage)]
 
 
 def memory_tables(costs, max_q, kept):
-    """[(stage count or None, [Q, L, L, K] memory per stage from the end)]: one table for
-    every count under 1F1B (`kept` None), else one per stage count S (`kept(S)`)."""
+    """[(stage count or None, () -> Q x [L, L, K] memory per stage from the end)]: one table
+    for every count under 1F1B (`kept` None), else one per stage count S (`kept(S)`), each
+    built when first asked (the DP skips the counts it can bound)."""
     memory = _KeptMemory(costs)
     if kept is None:
-        return [(None, _stage_memory(memory, max_q))]
-    return [(s, _schedule_memory(memory, states_of(kept, s))) for s in range(1, max_q + 1)]
+        return [(None, functools.cache(lambda: _stage_memory(memory, max_q)))]
+    return [(s, functools.cache(functools.partial(_count_memory, memory, kept, s)))
+            for s in range(1, max_q + 1)]
+
+
+def _count_memory(memory: _KeptMemory, kept, num_stages: int) -> np.ndarray:
+    return _schedule_memory(memory, states_of(kept, num_stages))
 
 
 def states_of(kept, num_stages: int) -> list:

@@ -98,10 +98,12 @@ class ScheduleChoice:
 
 
 def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatches: int,
-                    budget: float, compare: tuple[Schedule, ...] = ()) -> ScheduleChoice:
+                    budget: float, compare: tuple[Schedule, ...] = (),
+                    tables=make_schedule) -> ScheduleChoice:
     """Price `schedule` (every candidate for `Schedule.AUTO`) for these chosen stages;
     `compare`: other schedules priced on them for the records only (`schedule` is kept: a
-    chunk layout's stages sit on the devices its own table places them on)."""
+    chunk layout's stages sit on the devices its own table places them on). `tables`:
+    `make_schedule` or a cache of its tables (layouts of one stage count share them)."""
     m, n = num_microbatches, len(stages)
     lat = [st.solution.latency_s for st in stages]
     formula = sum(lat) + (m - 1) * max(lat)
@@ -117,7 +119,7 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
                           st.solution.overhead_s) for st in stages]
     names = CANDIDATES if schedule is Schedule.AUTO else (
         schedule, *(c for c in compare if c is not schedule))
-    tables = {s: make_schedule(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
+    tables = {s: tables(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
     times = {s: schedule_seconds(table, tasks) for s, table in tables.items()}
     priced = []
     for s in names:

@@ -151,7 +151,8 @@ def joint(loss: LossGraph, chosen, seen: list, dp, options, budget: float, solve
         """Price `stages` under every schedule (once per layout); a chunk layout under its
         own (its stages share device groups)."""
         if all(_key(stages) != _key(other) for other, *_ in priced):
-            got = choose_schedule(loss, stages, chunked or Schedule.AUTO, m, budget)
+            got = choose_schedule(loss, stages, chunked or Schedule.AUTO, m, budget,
+                                  tables=tables)
             fits = not got.candidates or any(
                 c["fits"] and c["schedule"] == got.schedule.value for c in got.candidates)
             if chunked is not None:
@@ -208,23 +209,26 @@ def _best(priced: list, errors: list):
 def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
                       errors: list, best_t, m: int):
     """The layouts `schedule`'s own stage DP finds over the layer plans solved so far (it
-    refines no bound), each solved whole for its in-flight microbatches, yielded one by one;
-    one is not solved where its DP price (the schedule's bubble counted, the layers' plans
-    summed) is no faster than `best_t()` (the best layout priced so far), or where with no
-    bubble at all (M t_max, `m` microbatches) it could not beat it by `MIN_GAIN` (8-layer
-    GPT, M = 8, budget 1.1x 1F1B's peak: ZB-H2's DP layout, priced 2.5% slower than the best,
-    took 14 s to solve whole, more than the whole 1F1B search). Where a stage solved whole is
-    over `SLOWER` x what the DP priced it at (its layers' plans summed fit the schedule's
-    memory, the stage whole needs a leaner, slower plan), the DP is asked again without that
-    span on that submesh, in any view (`run_dp`'s `banned`), at most `REDO` times. Errors of
+    refines no bound), each solved whole for its in-flight microbatches, yielded one by one.
+    The DP searches only the layouts whose DP price (the schedule's bubble counted, the
+    layers' plans summed) is below `best_t()` (the best layout priced so far) and that with
+    no bubble at all (M t_max, `m` microbatches) could beat it by `MIN_GAIN` (8-layer GPT,
+    M = 8, budget 1.1x 1F1B's peak: ZB-H2's DP layout, priced 2.5% slower than the best, took
+    14 s to solve whole, more than the whole 1F1B search); where none is, nothing is solved.
+    Where a stage solved whole is over `SLOWER` x what the DP priced it at (its layers' plans
+    summed fit the schedule's memory, the stage whole needs a leaner, slower plan), the DP is
+    asked again without that span on that submesh, in any view (`run_dp`'s `banned`), at
+    most `REDO` times. Errors of
     layouts that did not fit go to `errors`."""
     banned = list(getattr(dp, "keywords", {}).get("banned", ()))
     for _ in range(REDO + 1):
-        choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned),
-                        solved_only=True)
+        # The DP searches only what could be priced below the best, and gain MIN_GAIN on it
+        # with no bubble at all (its slowest stage's M microbatches)
         best = best_t()
-        if choice is None or choice.num_stages == 1 or choice.total_latency_s >= best or (
-                m * max(choice.stage_latency_s) >= best * (1 - MIN_GAIN)):
+        choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned),
+                        solved_only=True, incumbent=best,
+                        t_max_below=best * (1 - MIN_GAIN) / m)
+        if choice is None or choice.num_stages == 1:
             return
         try:
             stages = solved(choice, schedule)

@@ -160,7 +160,8 @@ def boundary_costs(loss, boundaries, sols, meshes) -> np.ndarray:
 
 def try_dp(dp, options, budget, **kw):
     """The DP's choice, or None where no assignment fits `budget` (or a layer has no plan of
-    this kind at all, which the DP reports as an invalid cost array)."""
+    this kind at all, which the DP reports as an invalid cost array, or none beats an
+    `incumbent=` price)."""
     try:
         return dp(options, budget=budget, **kw)
     except (InfeasiblePlanError, InvalidArgumentError):
@@ -227,7 +228,8 @@ def solve_cells(loss, boundaries, submeshes, shapes_per_k, pairs, solve, cells, 
 
 
 def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_stages=None,
-           banned=(), deferred=False, kept=None, bubble=1.0):
+           banned=(), deferred=False, kept=None, bubble=1.0, incumbent=np.inf,
+           t_max_below=np.inf):
     """The stage DP over spans of layers on every option (a (submesh, view) pair per kind of
     layer plan: fast or lean, under one rematerialization), each (latency, held, activation,
     boundary, working, deferred, pending, weight) arrays; a span's costs are its layers'
@@ -236,7 +238,9 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
     own plan; a plan of the span solved whole may shard them further, so this prices some
     spans above what they need whole). `banned` (first layer, last layer, pair): no span
     holding those layers is offered on that pair (of any kind). `kept` and `bubble`: the
-    schedule's memory and objective (`solve_stage_dp`; default 1F1B's)."""
+    schedule's memory and objective (`solve_stage_dp`; default 1F1B's); `incumbent` and
+    `t_max_below`: only a layout priced below the one, its slowest stage below the other, is
+    wanted (None where there is none)."""
     lat, held, act, bound, work, later = (np.concatenate([o[i] for o in options], axis=1)
                                           for i in range(6))
     weight = np.concatenate([o[7] for o in options], axis=1) if kept is not None else None
@@ -264,4 +268,5 @@ def run_dp(options, *, submeshes, ks, device_ids, method, option, budget, max_st
     subs = [submeshes[k] for k in ks] * len(options)
     caps = [c for c in (option.max_stages, max_stages) if c is not None]
     return solve_stage_dp(costs, subs, len(device_ids), method.num_microbatches,
-                          max_stages=min(caps) if caps else None, kept=kept, bubble=bubble)
+                          max_stages=min(caps) if caps else None, kept=kept, bubble=bubble,
+                          incumbent=incumbent, t_max_below=t_max_below)

@@ -27,10 +27,18 @@ over device counts with the least latency per count (the search's options per su
 rematerialization and ZeRO mostly share device counts), and the t_max values that admit no
 plan at all (a prefix of them) are skipped by bisection; the chosen options and ties are the
 same as over every option in order.
+
+Run once per stage count, the DP first bounds every count from below with two DPs memory
+aside (the least sum and the least slowest stage of S stages; for a schedule keeping at least
+1F1B's microbatches in flight, over the layouts that fit 1F1B's memory) and skips the counts
+that cannot beat the best so far before building their memory tables. A caller with a price
+in hand (`incumbent`, `t_max_below`: the schedule search's best layout) gets only what beats
+it, or None (Wide-ResNet 13B, 32 layers on 64 GPUs: ZB-H1's and ZB-H2's DPs, 3.6 s, now skip
+every count).
 """
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +50,7 @@ from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
 from autopar.inter_op.dp_memory import memory_tables, states_of
 
 __all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
-           "solve_stage_dp", "brute_force_stages", "pipeline_time"]
-
-_BRUTE_FORCE_LIMIT = 200_000     # stage assignments brute_force_stages agrees to enumerate
+           "solve_stage_dp", "pipeline_time"]
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -211,9 +217,9 @@ def _capped(values: np.ndarray, cap: float) -> np.ndarray:
     return values if cap == np.inf else np.where(values <= cap, values, np.inf)
 
 
-def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
+def _run_dp(values_per_q, sizes: np.ndarray, num_devices: int,
             combine: Callable[[np.ndarray, np.ndarray], np.ndarray], cap: float = np.inf,
-            grouped=None, exact: bool = False):
+            grouped=None, exact: bool = False, per_count: list | None = None):
     """DP over stages counted from the end: table_q[l, d] = best value of q stages covering layers
     l..L-1 on exactly d devices = min over (j, k) of combine(values_per_q[q - 1][l, j, k],
     table_{q-1}[j + 1, d - sizes[k]]), counting only values <= `cap`. Returns (best over q of
@@ -222,13 +228,15 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
     The tables are built over device counts (`_by_size`; `grouped` is its result for
     `values_per_q`, when the caller has it): the same minima, as `combine` is monotone. The
     walk back re-derives each choice over all K options, so ties break as over the options.
-    `exact`: only assignments of exactly len(values_per_q) stages."""
-    num_layers, k = values_per_q.shape[1], values_per_q.shape[3]
-    gvalues, gsizes = grouped if grouped is not None else _by_size(values_per_q, sizes)
+    `exact`: only assignments of exactly len(values_per_q) stages. `per_count` (a list): gets
+    table_q[0, D] of every q, the best value of exactly q stages."""
+    num_layers, k = values_per_q[0].shape[0], values_per_q[0].shape[2]
+    gvalues, gsizes = grouped if grouped is not None else _by_size(np.stack(values_per_q),
+                                                                   sizes)
     table = np.full((num_layers + 1, num_devices + 1), np.inf)
     table[num_layers, 0] = 0.0
     tables, best, best_q = [], np.inf, 0
-    for q in range(values_per_q.shape[0]):
+    for q in range(len(values_per_q)):
         tables.append(table)
         shifted = _shift(table, gsizes)
         n = num_layers - q        # the q stages behind this one need >= q layers: l <= j < n
@@ -236,6 +244,8 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
         cand = combine(vals[..., None], shifted[None, :n])  # [n, n, G, D + 1]
         table = np.full_like(table, np.inf)
         table[:n] = cand.reshape(n, n * len(gsizes), -1).min(axis=1)
+        if per_count is not None:
+            per_count.append(table[0, num_devices])
         if table[0, num_devices] < best and (not exact or q + 1 == len(values_per_q)):
             best, best_q = table[0, num_devices], q + 1
     if not np.isfinite(best):
@@ -255,11 +265,42 @@ def _run_dp(values_per_q: np.ndarray, sizes: np.ndarray, num_devices: int,
     return best, stages
 
 
-def _min_memory(memories, sizes, num_devices) -> float:
+def _min_memory(memories, sizes, num_devices, free=None) -> float:
     """Smallest max-over-stages per-device memory of any covering assignment with finite
-    latencies (np.inf if none exists)."""
-    return float(min(_run_dp(mem, sizes, num_devices, np.maximum, exact=s is not None)[0]
-                     for s, mem in memories))
+    latencies (np.inf if none exists); `free` (`_count_bounds` memory aside): the counts with
+    no covering at all are not searched."""
+    return float(min((_run_dp(mem(), sizes, num_devices, np.maximum, exact=s is not None)[0]
+                      for s, mem in memories
+                      if free is None or s is None or np.isfinite(free[s - 1][0])),
+                     default=np.inf))
+
+
+def _count_bounds(values, sizes: np.ndarray, num_devices: int, grouped=None) -> list:
+    """Per stage count S = 1..len(values): (the least sum, the least slowest stage) of S
+    stages over `values` (per position from the end: each span's latency where it may run),
+    np.inf where no S stages cover the layers on exactly `num_devices` devices. Two DPs bound
+    every count from below before its memory table is built."""
+    sums: list = []
+    maxes: list = []
+    _run_dp(values, sizes, num_devices, np.add, grouped=grouped, per_count=sums)
+    _run_dp(values, sizes, num_devices, np.maximum, grouped=grouped, per_count=maxes)
+    return list(zip(sums, maxes))
+
+
+def _one_f_one_b_bounds(costs, sizes, num_devices: int, max_q: int, usable: dict) -> list:
+    """`_count_bounds` over the assignments whose every stage fits 1F1B's in-flight
+    microbatches: bounds for a schedule that keeps at least as many at every stage
+    (`_keeps_more`), which rule out the stage counts 1F1B's memory already does (Wide-ResNet
+    13B: 12 of ZB-H1's 32)."""
+    fit, grouped = _fitting(costs, memory_tables(costs, max_q, None)[0][1](), sizes, usable)
+    return _count_bounds(fit, sizes, num_devices, grouped)
+
+
+def _keeps_more(states_per_stage) -> bool:
+    """Whether every stage p of S keeps at least 1F1B's S - p microbatches in flight at its
+    worst state (its memory is then at least 1F1B's)."""
+    s = len(states_per_stage)
+    return all(max(a for a, _ in states) >= s - p for p, states in enumerate(states_per_stage))
 
 
 def _raise_infeasible(needed: float, costs, sizes, num_devices, max_q):
@@ -309,7 +350,9 @@ def _check_bubble(bubble) -> float:
 def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
                    num_microbatches: int, *, max_stages: int | None = None,
                    kept: Callable[[int], Sequence] | None = None,
-                   bubble: float | Callable[[int], float] = 1.0) -> StageAssignment:
+                   bubble: float | Callable[[int], float] = 1.0,
+                   incumbent: float = np.inf,
+                   t_max_below: float = np.inf) -> StageAssignment | None:
     """Alpa's inter-op DP: the stage assignment minimizing sum t_i + (B - 1) * max t_i, or
     with `bubble` = b, B * max t_i + b * (sum t_i - max t_i).
 
@@ -324,6 +367,11 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
         stage must fit at the worst. Default: 1F1B's (S - p in flight at stage p).
       bubble: the fraction of 1F1B's bubble the schedule leaves, in [0, 1], or a function of
         the stage count giving it (the DP then runs once per stage count).
+      incumbent: only an assignment faster than this is wanted (a price the caller already
+        has): the stage counts and t_max caps that cannot beat it are not searched, and where
+        none does (or none fits), None is returned instead of the error below.
+      t_max_below: only an assignment whose slowest stage takes less than this is wanted
+        (the best of those is returned; None where there is none, as for `incumbent`).
 
     Raises:
       InfeasiblePlanError: no assignment fits the memory budget (needed_bytes is the smallest
@@ -336,16 +384,38 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     if callable(bubble) and kept is None:      # a bubble per stage count: one DP per count
         kept = _one_f_one_b
     bubble_of = bubble if callable(bubble) else (lambda _: bubble)
-    memories = memory_tables(costs, max_q, kept)
-    best = (np.inf, None, 0, 0, 1.0)
+    memories = memory_tables(costs, max_q, kept)        # each count's built when asked
+    best = (float(incumbent), None, 0, 0, 1.0)
+    usable: dict = {}          # a position's fitting latencies, per memory table: counts share
+    # Per count, memory aside: its least sum and least slowest stage bound its T from below,
+    # (B - b) max(t_max, sum / S) + b sum; a count that cannot beat the best so far, or has
+    # no covering (a chunk search of 2G stages on 2G equal groups), or no stage layout under
+    # `t_max_below`, is skipped before its memory table is built. Where the count's states
+    # keep at least 1F1B's in flight, the bounds over the layouts fitting 1F1B's memory hold.
+    free = _count_bounds(np.broadcast_to(costs.latency_s, (max_q, *costs.latency_s.shape)),
+                         sizes, num_devices) if memories[0][0] is not None else None
+    fitting_one = functools.cache(
+        lambda: _one_f_one_b_bounds(costs, sizes, num_devices, max_q, usable))
     for count, memory in memories:
+        if free is not None:
+            low, slowest = free[count - 1]
+            if np.isfinite(low) and _keeps_more(states_of(kept, count)):
+                low, slowest = fitting_one()[count - 1]
+            if not np.isfinite(low) or slowest >= t_max_below:
+                continue
         b = _check_bubble(bubble_of(count or 1))
-        found = _search(costs, memory, sizes, num_devices, num_microbatches, b,
-                        exact=count is not None, incumbent=best[0])
+        if free is not None and (num_microbatches - b) * max(slowest, low / count) + \
+                b * low >= best[0]:
+            continue
+        found = _search(costs, memory(), sizes, num_devices, num_microbatches, b,
+                        exact=count is not None, incumbent=best[0], usable=usable,
+                        t_max_below=t_max_below)
         if found[1] is not None and found[0] < best[0]:
             best = (*found, b)
     if best[1] is None:
-        _raise_infeasible(_min_memory(memories, sizes, num_devices),
+        if np.isfinite(incumbent) or np.isfinite(t_max_below):
+            return None
+        _raise_infeasible(_min_memory(memories, sizes, num_devices, free),
                           costs, sizes, num_devices, max_q)
     return _assignment(best[1], costs.latency_s, num_microbatches, best[4], best[2], best[3],
                        start)
@@ -356,13 +426,27 @@ def _one_f_one_b(num_stages: int) -> list:
     return [((num_stages - p, 0),) for p in range(num_stages)]
 
 
-def _search(costs, memory, sizes, num_devices, b, bubble, exact, incumbent=np.inf):
+def _fitting(costs, memory, sizes, cache: dict):
+    """(per position: the latencies whose memory fits the budget, np.inf elsewhere; the same
+    per device count, `_by_size`'s), each memory table's computed once in `cache` (the stage
+    counts of a schedule's DP share most of their positions' tables)."""
+    for mem in memory:
+        if id(mem) not in cache:        # the table is kept in the entry: its id stays its own
+            fit = np.where(mem <= costs.memory_budget_bytes, costs.latency_s, np.inf)
+            cache[id(mem)] = (mem, fit, *_by_size(fit, sizes))
+    entries = [cache[id(mem)] for mem in memory]
+    return [e[1] for e in entries], ([e[2] for e in entries], entries[0][3])
+
+
+def _search(costs, memory, sizes, num_devices, b, bubble, exact, incumbent=np.inf,
+            usable=None, t_max_below=np.inf):
     """(least T, its stages, caps tried, caps pruned) over the assignments `memory` admits
     (`exact`: of exactly len(memory) stages); (inf, None, 0, 0) where none, or where none can
-    beat `incumbent` (the best T of the stage counts searched before)."""
+    beat `incumbent` (the best T of the stage counts searched before). `usable`: a cache
+    (`_fitting`) shared by the calls of one DP; `t_max_below`: only the assignments whose
+    slowest stage is faster."""
     latency = costs.latency_s
-    usable = np.where(memory <= costs.memory_budget_bytes, latency[None], np.inf)
-    grouped = _by_size(usable, sizes)
+    usable, grouped = _fitting(costs, memory, sizes, {} if usable is None else usable)
 
     def evaluate(cap=np.inf):
         total_sum, stages = _run_dp(usable, sizes, num_devices, np.add, cap, grouped, exact)
@@ -371,9 +455,11 @@ def _search(costs, memory, sizes, num_devices, b, bubble, exact, incumbent=np.in
         times = [latency[i, j, k] for i, j, k in stages]
         return float(total_sum), pipeline_time(times, b, bubble), stages
 
-    # Without a t_max cap: the least possible sum (a lower bound for every candidate) and a first
-    # incumbent; no plan at all means memory (or the covering) rules everything out.
-    min_sum, best_total, best_stages = evaluate()
+    # Without a t_max cap (but `t_max_below`'s): the least possible sum (a lower bound for
+    # every candidate) and a first incumbent; no plan at all means memory (or the covering)
+    # rules everything out.
+    min_sum, best_total, best_stages = evaluate(
+        np.nextafter(t_max_below, 0.0) if np.isfinite(t_max_below) else np.inf)
     if best_stages is None:
         return np.inf, None, 0, 0
     # S stages have t_max >= sum / S >= min_sum / S, so T = (B - b) t_max + b sum is at least
@@ -386,8 +472,16 @@ def _search(costs, memory, sizes, num_devices, b, bubble, exact, incumbent=np.in
     # under a cap is admitted under every larger one, so the caps that admit none are a prefix:
     # bisect to its end (the uncapped plan is admitted at the largest cap). The probes only
     # find the prefix: the scan below takes its plans in order, so ties break as before.
-    t_values = np.unique(grouped[0][np.isfinite(grouped[0])])
-    low, high = 0, len(t_values) - 1
+    t_values = np.unique(np.concatenate([g[g < t_max_below] for g in {
+        id(g): g for g in grouped[0]}.values()]))
+    # The caps whose bound (below) reaches the best T known are never tried: the bisection
+    # runs below them, and where the largest left admits no plan, none is searched.
+    limit = int(np.searchsorted(b * t_values + bubble * (np.maximum(t_values, min_sum)
+                                                           - t_values),
+                                min(best_total, incumbent), side="left"))
+    if limit == 0 or evaluate(t_values[limit - 1])[2] is None:
+        return best_total, best_stages, 1, len(t_values)
+    low, high = 0, limit - 1
     while low < high:
         mid = (low + high) // 2
         if evaluate(t_values[mid])[2] is None:
@@ -410,47 +504,3 @@ def _search(costs, memory, sizes, num_devices, b, bubble, exact, incumbent=np.in
             best_total, best_stages = total, stages
     return best_total, best_stages, tried, pruned
 
-
-def brute_force_stages(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_devices: int,
-                       num_microbatches: int, *, max_stages: int | None = None,
-                       kept: Callable[[int], Sequence] | None = None,
-                       bubble: float | Callable[[int], float] = 1.0) -> StageAssignment:
-    """Exhaustive reference for solve_stage_dp (same arguments, errors and result); refuses
-    inputs with more than 200,000 candidate assignments."""
-    start = time.perf_counter()
-    sizes, num_devices, num_microbatches, max_q = _validate(
-        costs, submeshes, num_devices, num_microbatches, max_stages)
-    num_layers, k = costs.num_layers, len(sizes)
-    count = sum(math.comb(num_layers - 1, s - 1) * k ** s for s in range(1, max_q + 1))
-    if count > _BRUTE_FORCE_LIMIT:
-        raise InvalidArgumentError(
-            f"brute_force_stages would enumerate {count} assignments (limit "
-            f"{_BRUTE_FORCE_LIMIT}): use solve_stage_dp, or fewer layers / submeshes / stages.")
-    latency, budget = costs.latency_s, costs.memory_budget_bytes
-    best_total, best_stages, best_b, needed = np.inf, None, 1.0, np.inf
-    for num_stages in range(1, max_q + 1):
-        states = states_of(kept or _one_f_one_b, num_stages)
-        b = _check_bubble(bubble(num_stages) if callable(bubble) else bubble)
-        for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
-            bounds = (0, *cuts, num_layers)
-            spans = [(bounds[p], bounds[p + 1] - 1) for p in range(num_stages)]
-            for subs in itertools.product(range(k), repeat=num_stages):
-                if sum(int(sizes[s]) for s in subs) != num_devices:
-                    continue
-                times = [latency[i, j, s] for (i, j), s in zip(spans, subs)]
-                if not np.isfinite(times).all():
-                    continue
-                peak = max(costs.static_bytes[i, j, s] + a * costs.activation_bytes[i, j, s]
-                           + d * costs.weight_bytes[i, j, s]
-                           for p, ((i, j), s) in enumerate(zip(spans, subs))
-                           for a, d in states[p])
-                needed = min(needed, peak)
-                if peak > budget:
-                    continue
-                total = pipeline_time(times, num_microbatches, b)
-                if total < best_total:
-                    best_total, best_b = total, b
-                    best_stages = [(i, j, s) for (i, j), s in zip(spans, subs)]
-    if best_stages is None:
-        _raise_infeasible(needed, costs, sizes, num_devices, max_q)
-    return _assignment(best_stages, latency, num_microbatches, best_b, 0, 0, start)

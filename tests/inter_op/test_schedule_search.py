@@ -152,17 +152,19 @@ def test_auto_places_stage_chunks_where_a_chunked_table_is_fastest():
 
 
 def test_a_zero_bubble_layout_is_solved_whole_only_where_its_dp_price_is_faster():
-    """`_schedule_layouts` solves the DP's layout (each stage's ILP, the costly part) only
-    where the DP's price with the schedule's bubble beats the best layout priced so far, and
-    its bubble-free M t_max beats it by `MIN_GAIN`: a layout the DP itself prices slower is
-    never solved (an 8-layer GPT under a tight budget spent 14 s on one)."""
+    """`_schedule_layouts` asks the DP only for layouts whose price with the schedule's bubble
+    beats the best layout priced so far (`incumbent=`) and whose bubble-free M t_max beats it
+    by `MIN_GAIN` (`t_max_below=`), and solves what it answers (each stage's ILP, the costly
+    part): a layout the DP itself prices slower is never solved (an 8-layer GPT under a tight
+    budget spent 14 s on one). The stand-in DP keeps `solve_stage_dp`'s contract: None where
+    its layout is not wanted."""
     from types import SimpleNamespace
 
     from autopar.inter_op.schedule_search import MIN_GAIN, _schedule_layouts
     from autopar.inter_op.stage_dp import StageAssignment, pipeline_time
 
     times, m = (1.0, 2.0), 8
-    asked = []
+    asked, kwargs = [], []
 
     def layout(best, bubble):
         choice = StageAssignment(layer_spans=((0, 0), (1, 1)), submeshes=(0, 0),
@@ -170,17 +172,25 @@ def test_a_zero_bubble_layout_is_solved_whole_only_where_its_dp_price_is_faster(
                                  total_latency_s=pipeline_time(times, m, bubble),
                                  num_candidates=1, num_pruned=0, search_time_s=0.0)
 
+        def dp(options, **kw):
+            kwargs.append(kw)
+            return None if choice.total_latency_s >= kw["incumbent"] or max(
+                times) >= kw["t_max_below"] else choice
+
         def solved(c, schedule):
             asked.append(c)
             return [SimpleNamespace(solution=SimpleNamespace(latency_s=t)) for t in times]
-        return list(_schedule_layouts(Schedule.ZERO_BUBBLE_H1, lambda options, **kw: choice,
-                                      [], 1e9, solved, [0], None, None, [], lambda: best, m))
+        return list(_schedule_layouts(Schedule.ZERO_BUBBLE_H1, dp, [], 1e9, solved, [0], None,
+                                      None, [], lambda: best, m))
 
     # priced 16 + b: a best of 16.5 is beaten where b = 1/3, not where b = 1
     assert len(layout(16.5, 1 / 3)) == 1 and len(asked) == 1
+    assert kwargs[-1]["incumbent"] == 16.5
+    assert kwargs[-1]["t_max_below"] == pytest.approx(16.5 * (1 - MIN_GAIN) / m)
     assert layout(16.5, 1.0) == [] and len(asked) == 1
     # bubble-free, 16 must be MIN_GAIN below the best as well
     assert layout(16.0 / (1 - MIN_GAIN) * 0.999, 0.0) == [] and len(asked) == 1
+    assert len(layout(16.0 / (1 - MIN_GAIN) * 1.001, 0.0)) == 1 and len(asked) == 2
 
 
 @pytest.mark.parametrize("schedule", [Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2,

@@ -321,7 +321,7 @@ def _table_states(schedule, num_microbatches):
     return lambda s: make_schedule(schedule, s, num_microbatches).kept_states()
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(50))
 def test_dp_with_a_schedule_matches_brute_force(seed):
     """Per-schedule memory (the (in flight, deferred) states of each stage count's table,
     with W's bytes) and objective (b of 1F1B's bubble): the DP equals the exhaustive search."""
@@ -333,9 +333,10 @@ def test_dp_with_a_schedule_matches_brute_force(seed):
                        activation_bytes=costs.activation_bytes, weight_bytes=weight,
                        memory_budget_bytes=costs.memory_budget_bytes)
     schedule = [Schedule.ZERO_BUBBLE_H1, Schedule.ZERO_BUBBLE_H2, Schedule.GPIPE,
-                Schedule.ONE_F_ONE_B][seed % 4]
+                Schedule.ONE_F_ONE_B, None][seed % 5]
+    # None: one microbatch at every stage, fewer than 1F1B keeps (its bound is not 1F1B's)
     kw = dict(max_stages=None if seed % 3 else int(rng.integers(1, 5)),
-              kept=_table_states(schedule, m),
+              kept=_table_states(schedule, m) if schedule else lambda s: [((1, 1),)] * s,
               bubble=[0.0, 0.3, 1.0, lambda s: 1.0 / s][seed % 5 % 4])
     args = (costs, submeshes, 8, m)
     try:
@@ -402,3 +403,78 @@ def test_bad_schedule_arguments_are_named():
         solve_stage_dp(costs, submeshes, 8, m, bubble=1.5)
     with pytest.raises(InvalidArgumentError, match=r"kept\(1\) gave 0"):
         solve_stage_dp(costs, submeshes, 8, m, kept=lambda s: [])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_an_incumbent_prunes_and_changes_no_answer(seed):
+    """`incumbent`: above the best T the same layout comes back; at or below it, None (no
+    error, whatever memory says); it searches no more t_max caps than without."""
+    from autopar.core.enums import Schedule
+    rng = np.random.default_rng(2000 + seed)
+    costs, submeshes, m = _random_instance(rng)
+    kw = dict(kept=_table_states(Schedule.ZERO_BUBBLE_H1, m), bubble=lambda s: 0.5) \
+        if seed % 2 else {}
+    args = (costs, submeshes, 8, m)
+    try:
+        plain = solve_stage_dp(*args, **kw)
+    except (InfeasiblePlanError, InvalidArgumentError):
+        assert solve_stage_dp(*args, incumbent=1e30, **kw) is None
+        return
+    t = plain.total_latency_s
+    above = solve_stage_dp(*args, incumbent=t * (1 + 1e-6) + 1e-12, **kw)
+    assert above.total_latency_s == t and above.layer_spans == plain.layer_spans
+    assert above.num_candidates <= plain.num_candidates
+    assert solve_stage_dp(*args, incumbent=t, **kw) is None
+
+
+def test_counts_1f1b_memory_rules_out_build_no_table(monkeypatch):
+    """A schedule keeping at least 1F1B's microbatches in flight (ZB-H1) skips the stage
+    counts where nothing fits even 1F1B's memory before building their memory tables; the
+    answer is the brute force's."""
+    from autopar.core.enums import Schedule
+    from autopar.inter_op import dp_memory
+    submeshes = candidate_submeshes(1, 8)
+    latency = _span_costs(6, submeshes, lambda n, s: n / s.num_devices ** 0.9)
+    act = _span_costs(6, submeshes, lambda n, s: 1.0)      # per microbatch, whatever the span
+    costs = StageCosts(latency_s=latency, static_bytes=np.zeros_like(latency),
+                       activation_bytes=act, weight_bytes=act * 0.1, memory_budget_bytes=3.5)
+    built = []
+    real = dp_memory._count_memory
+    monkeypatch.setattr(dp_memory, "_count_memory",
+                        lambda memory, kept, s: built.append(s) or real(memory, kept, s))
+    kw = dict(kept=_table_states(Schedule.ZERO_BUBBLE_H1, 16), bubble=lambda s: 0.5)
+    got = solve_stage_dp(costs, submeshes, 8, 16, **kw)
+    # 1F1B's first stage of S keeps S microbatches (S bytes): more than 3 stages never fit
+    assert built and max(built) <= 3
+    assert got.total_latency_s == pytest.approx(
+        brute_force_stages(costs, submeshes, 8, 16, **kw).total_latency_s)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_t_max_below_finds_the_best_faster_slowest_stage(seed):
+    """`t_max_below`: the best assignment whose every stage is faster than the cap, i.e. the
+    exhaustive search with the slower spans removed; None where there is none."""
+    from autopar.core.enums import Schedule
+    rng = np.random.default_rng(3000 + seed)
+    costs, submeshes, m = _random_instance(rng)
+    finite = costs.latency_s[np.isfinite(costs.latency_s)]
+    if not finite.size:
+        return
+    kw = dict(kept=_table_states(Schedule.ZERO_BUBBLE_H2, m), bubble=lambda s: 0.2) \
+        if seed % 2 else {}
+    try:        # the cap at the uncapped answer's slowest stage: it must find another
+        cap = max(solve_stage_dp(costs, submeshes, 8, m, **kw).stage_latency_s)
+    except (InfeasiblePlanError, InvalidArgumentError):
+        cap = float(np.quantile(finite, rng.uniform(0.1, 0.9)))
+    masked = StageCosts(latency_s=np.where(costs.latency_s < cap, costs.latency_s, np.inf),
+                        static_bytes=costs.static_bytes,
+                        activation_bytes=costs.activation_bytes,
+                        memory_budget_bytes=costs.memory_budget_bytes)
+    got = solve_stage_dp(costs, submeshes, 8, m, t_max_below=cap, **kw)
+    try:
+        expected = brute_force_stages(masked, submeshes, 8, m, **kw)
+    except (InfeasiblePlanError, InvalidArgumentError):
+        assert got is None
+        return
+    assert max(got.stage_latency_s) < cap
+    assert got.total_latency_s == pytest.approx(expected.total_latency_s, rel=1e-9, abs=1e-9)
