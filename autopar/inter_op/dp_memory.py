@@ -83,3 +83,14 @@ def states_of(kept, num_stages: int) -> list:
             f"kept({num_stages}) gave {len(states)} state set(s): it must give one non-empty "
             f"set of (in flight, deferred) counts per stage, {num_stages} in all.")
     return states
+
+
+def keeps_more(states_per_stage) -> bool:
+    """Whether every stage p of S keeps at least 1F1B's S - p microbatches in flight at its
+    worst state (its memory is then at least 1F1B's: W's bytes only add).
+
+        >>> keeps_more([((2, 0),), ((1, 1),)]), keeps_more([((1, 0),), ((1, 0),)])
+        (True, False)
+    """
+    s = len(states_per_stage)
+    return all(max(a for a, _ in states) >= s - p for p, states in enumerate(states_per_stage))

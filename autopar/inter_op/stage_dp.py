@@ -28,13 +28,11 @@ rematerialization and ZeRO mostly share device counts), and the t_max values tha
 plan at all (a prefix of them) are skipped by bisection; the chosen options and ties are the
 same as over every option in order.
 
-Run once per stage count, the DP first bounds every count from below with two DPs memory
-aside (the least sum and the least slowest stage of S stages; for a schedule keeping at least
-1F1B's microbatches in flight, over the layouts that fit 1F1B's memory) and skips the counts
-that cannot beat the best so far before building their memory tables. A caller with a price
-in hand (`incumbent`, `t_max_below`: the schedule search's best layout) gets only what beats
-it, or None (Wide-ResNet 13B, 32 layers on 64 GPUs: ZB-H1's and ZB-H2's DPs, 3.6 s, now skip
-every count).
+Run once per stage count, the DP first bounds every count from below (the least sum and
+slowest stage of S stages, memory aside or under 1F1B's memory) and skips the counts that
+cannot beat the best so far before building their memory tables; a caller with a price in
+hand (`incumbent`, `t_max_below`) gets only what beats it, or None (Wide-ResNet 13B, 32
+layers on 64 GPUs: ZB-H1's and ZB-H2's DPs, 3.6 s, now skip every count).
 """
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasiblePlanError, InvalidArgumentError
-from autopar.inter_op.dp_memory import memory_tables, states_of
+from autopar.inter_op.dp_memory import keeps_more, memory_tables, states_of
 
 __all__ = ["SubmeshShape", "candidate_submeshes", "StageCosts", "StageAssignment",
            "solve_stage_dp", "pipeline_time"]
@@ -290,17 +288,10 @@ def _count_bounds(values, sizes: np.ndarray, num_devices: int, grouped=None) -> 
 def _one_f_one_b_bounds(costs, sizes, num_devices: int, max_q: int, usable: dict) -> list:
     """`_count_bounds` over the assignments whose every stage fits 1F1B's in-flight
     microbatches: bounds for a schedule that keeps at least as many at every stage
-    (`_keeps_more`), which rule out the stage counts 1F1B's memory already does (Wide-ResNet
-    13B: 12 of ZB-H1's 32)."""
+    (`dp_memory.keeps_more`), which rule out the stage counts 1F1B's memory already does
+    (Wide-ResNet 13B: 12 of ZB-H1's 32)."""
     fit, grouped = _fitting(costs, memory_tables(costs, max_q, None)[0][1](), sizes, usable)
     return _count_bounds(fit, sizes, num_devices, grouped)
-
-
-def _keeps_more(states_per_stage) -> bool:
-    """Whether every stage p of S keeps at least 1F1B's S - p microbatches in flight at its
-    worst state (its memory is then at least 1F1B's)."""
-    s = len(states_per_stage)
-    return all(max(a for a, _ in states) >= s - p for p, states in enumerate(states_per_stage))
 
 
 def _raise_infeasible(needed: float, costs, sizes, num_devices, max_q):
@@ -399,7 +390,7 @@ def solve_stage_dp(costs: StageCosts, submeshes: Sequence[SubmeshShape], num_dev
     for count, memory in memories:
         if free is not None:
             low, slowest = free[count - 1]
-            if np.isfinite(low) and _keeps_more(states_of(kept, count)):
+            if np.isfinite(low) and keeps_more(states_of(kept, count)):
                 low, slowest = fitting_one()[count - 1]
             if not np.isfinite(low) or slowest >= t_max_below:
                 continue
