@@ -71,7 +71,7 @@ def memory_tables(costs, max_q, kept):
             for s in range(1, max_q + 1)]
 
 
-def _count_memory(memory: _KeptMemory, kept, num_stages: int) -> np.ndarray:
+def _count_memory(memory: _KeptMemory, kept, num_stages: int) -> list[np.ndarray]:
     return _schedule_memory(memory, states_of(kept, num_stages))
 
 

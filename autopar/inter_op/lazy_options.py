@@ -146,7 +146,7 @@ def exact_dp(dp, kinds: list[KindOptions], num_pairs: int):
             return dp([[np.where(o[6], np.inf, o[0]), *o[1:]] for o in options], **kw)
         while True:
             choice = dp(options, **kw)
-            if choice is None:         # nothing beats the caller's `incumbent=`
+            if choice is None:     # nothing beats the caller's `incumbent=` / `t_max_below=`
                 return None
             todo: dict[int, tuple[KindOptions, list]] = {}
             for (i, j), p in zip(choice.layer_spans, choice.submeshes):

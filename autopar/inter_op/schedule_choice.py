@@ -119,17 +119,17 @@ def choose_schedule(loss: LossGraph, stages, schedule: Schedule, num_microbatche
                           st.solution.overhead_s) for st in stages]
     names = CANDIDATES if schedule is Schedule.AUTO else (
         schedule, *(c for c in compare if c is not schedule))
-    tables = {s: tables(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
-    times = {s: schedule_seconds(table, tasks) for s, table in tables.items()}
+    built = {s: tables(s, n, m) for s in {*names, Schedule.ONE_F_ONE_B}}
+    times = {s: schedule_seconds(table, tasks) for s, table in built.items()}
     priced = []
     for s in names:
-        peaks = tuple(stage_peaks(stages, loss, tables[s]))
+        peaks = tuple(stage_peaks(stages, loss, built[s]))
         t = formula * times[s] / max(times[Schedule.ONE_F_ONE_B], 1e-30)
-        shared = tuple(device_peaks(stages, loss, tables[s], peaks))
+        shared = tuple(device_peaks(stages, loss, built[s], peaks))
         priced.append((s, t, peaks, all(p <= budget * (1 + 1e-9) for p in shared), shared))
     best = pick(priced) if schedule is Schedule.AUTO else priced[0]
     records = tuple({"schedule": s.value, "predicted_latency_s": t,
                      "peak_memory_bytes": max(shared), "fits": fits}
                     for s, t, _, fits, shared in priced) if len(priced) > 1 or (
                         schedule is Schedule.AUTO) else ()
-    return ScheduleChoice(best[0], tables[best[0]], best[1], best[2], records, best[4])
+    return ScheduleChoice(best[0], built[best[0]], best[1], best[2], records, best[4])
