@@ -218,12 +218,9 @@ def _schedule_layouts(schedule, dp, options, budget, solved, ks, kept, bubble,
     Where a stage solved whole is over `SLOWER` x what the DP priced it at (its layers' plans
     summed fit the schedule's memory, the stage whole needs a leaner, slower plan), the DP is
     asked again without that span on that submesh, in any view (`run_dp`'s `banned`), at
-    most `REDO` times. Errors of
-    layouts that did not fit go to `errors`."""
+    most `REDO` times. Errors of layouts that did not fit go to `errors`."""
     banned = list(getattr(dp, "keywords", {}).get("banned", ()))
     for _ in range(REDO + 1):
-        # The DP searches only what could be priced below the best, and gain MIN_GAIN on it
-        # with no bubble at all (its slowest stage's M microbatches)
         best = best_t()
         choice = try_dp(dp, options, budget, kept=kept, bubble=bubble, banned=tuple(banned),
                         solved_only=True, incumbent=best,
